@@ -1,0 +1,53 @@
+"""What one forward step computes: a flat run of tokens from one or more sequences."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's share of the step: tokens [begin, end) of the flat batch at positions [start, start+len)."""
+
+    slot: int
+    start: int
+    begin: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T] int64, all sequences' new tokens back to back
+    positions: torch.Tensor  # [T] int64 absolute positions
+    segments: tuple[Segment, ...]
+
+    @classmethod
+    def build(cls, chunks: list[tuple[int, list[int], int]], device: torch.device | str = "cpu") -> "ForwardBatch":
+        """chunks: (cache slot, new token ids, position of the first new token) per sequence."""
+        ids: list[int] = []
+        positions: list[int] = []
+        segments = []
+        for slot, tokens, start in chunks:
+            if not tokens:
+                raise ValueError(f"empty chunk for cache slot {slot}")
+            segments.append(Segment(slot=slot, start=start, begin=len(ids), end=len(ids) + len(tokens)))
+            ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+        return cls(
+            token_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            segments=tuple(segments),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        """[B] index into the flat batch of each sequence's last token (whose logits predict the next)."""
+        return torch.tensor([s.end - 1 for s in self.segments], dtype=torch.long, device=self.token_ids.device)

@@ -1,0 +1,63 @@
+"""Per-sequence attention state in preallocated slots (fixed addresses; nothing is allocated per step).
+
+Positions index everything, so no counters are stored: a sequence's state is fully described by its
+slot and its length, which the engine tracks.
+
+  window ring      [S, W, hd]       K=V after kv_norm + RoPE, token p at p % W
+  compressor ring  [S, R, width]    raw kv / gate projections (gate before ape) of the last R tokens;
+                                    R = 2m for overlapping (CSA) compressors, m for HCA
+  entries          [S, E_max, hd]   emitted compressed entries, entry w at index w
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.config import CSA, SLIDING, ModelConfig
+
+
+@dataclass
+class CompressorCache:
+    ring_kv: torch.Tensor  # [S, R, width]
+    ring_gate: torch.Tensor  # [S, R, width]
+    entries: torch.Tensor  # [S, E_max, out_dim]
+
+
+@dataclass
+class LayerCache:
+    window: torch.Tensor  # [S, W, hd]
+    compressor: CompressorCache | None = None
+    indexer: CompressorCache | None = None
+
+
+def _compressor_cache(slots: int, rate: int, overlap: bool, out_dim: int, max_len: int, dtype, device) -> CompressorCache:
+    ring = 2 * rate if overlap else rate
+    width = 2 * out_dim if overlap else out_dim
+    max_entries = -(-max_len // rate)
+    return CompressorCache(
+        ring_kv=torch.zeros(slots, ring, width, dtype=dtype, device=device),
+        ring_gate=torch.zeros(slots, ring, width, dtype=dtype, device=device),
+        entries=torch.zeros(slots, max_entries, out_dim, dtype=dtype, device=device),
+    )
+
+
+def allocate_layer_cache(cfg: ModelConfig, layer_type: str, slots: int, max_len: int, dtype, device) -> LayerCache:
+    cache = LayerCache(window=torch.zeros(slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device))
+    if layer_type != SLIDING:
+        rate = cfg.compress_rate(layer_type)
+        overlap = layer_type == CSA
+        cache.compressor = _compressor_cache(slots, rate, overlap, cfg.head_dim, max_len, dtype, device)
+        if layer_type == CSA:
+            cache.indexer = _compressor_cache(slots, rate, True, cfg.index_head_dim, max_len, dtype, device)
+    return cache
+
+
+def cache_tensors(layers: list[LayerCache]) -> list[torch.Tensor]:
+    """Every tensor of a model cache (for byte accounting and address checks)."""
+    out = []
+    for layer in layers:
+        out.append(layer.window)
+        for comp in (layer.compressor, layer.indexer):
+            if comp is not None:
+                out.extend((comp.ring_kv, comp.ring_gate, comp.entries))
+    return out

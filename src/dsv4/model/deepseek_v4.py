@@ -1,0 +1,94 @@
+"""The DeepSeek-V4 target model.
+
+  e = embed[ids]                       [T, D]
+  R = block_0(broadcast(e))            [T, hc, D]  (first block projects the un-repeated embedding)
+  R = block_l(R)  for l = 1..L-1
+  S = R                                pre-hc_head stream: the MTP drafter's input
+  logits = head(norm(hc_head(S)))      [T, V]
+"""
+
+import torch
+from torch import nn
+
+from dsv4.config import ModelConfig
+from dsv4.model import mhc
+from dsv4.model.batch import ForwardBatch
+from dsv4.model.block import Block
+from dsv4.model.cache import LayerCache, allocate_layer_cache
+from dsv4.model.derived import DerivedTensor, TopLevelModel
+from dsv4.model.norm import RMSNorm
+
+FIRST_LAYER_BROADCAST = "hc_attn_fn_broadcast"
+
+
+def broadcast_fn(fn: torch.Tensor, hc: int) -> torch.Tensor:
+    """fn [mix, hc*D] -> F_b [mix, D] = sum over the hc stream blocks (exact when all streams are equal)."""
+    return fn.view(fn.shape[0], hc, -1).sum(dim=1)
+
+
+def add_hyper_head(module: nn.Module, cfg: ModelConfig) -> None:
+    """Register the final pre-only mHC collapse's parameters under their native names `hc_head_*`."""
+    hc = cfg.hc_mult
+    module.register_parameter("hc_head_fn", nn.Parameter(torch.zeros(hc, hc * cfg.hidden_size), requires_grad=False))
+    module.register_parameter("hc_head_base", nn.Parameter(torch.zeros(hc), requires_grad=False))
+    module.register_parameter("hc_head_scale", nn.Parameter(torch.ones(1), requires_grad=False))
+
+
+def hyper_head(module: nn.Module, streams: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """[T, hc, D] -> [T, D] with `module`'s hc_head_* parameters."""
+    return mhc.head_collapse(
+        streams, module.hc_head_fn, module.hc_head_base, module.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps
+    )
+
+
+class DeepseekV4(TopLevelModel):
+    role = "target"
+
+    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            Block(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], expert_format, dtype)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        add_hyper_head(self, cfg)
+        # Derived: layer 0's hc_attn_fn summed over streams (see derived_tensors).
+        self.register_buffer(FIRST_LAYER_BROADCAST, torch.zeros(cfg.hc_mix, cfg.hidden_size), persistent=False)
+        self.requires_grad_(False)
+
+    def derived_tensors(self) -> list[DerivedTensor]:
+        return [
+            DerivedTensor(
+                name=FIRST_LAYER_BROADCAST,
+                sources=("layers.0.hc_attn_fn",),
+                compute=lambda: broadcast_fn(self.layers[0].hc_attn_fn.float(), self.cfg.hc_mult),
+            )
+        ]
+
+    def allocate_cache(self, slots: int, max_len: int) -> list[LayerCache]:
+        device = self.embed.weight.device
+        return [allocate_layer_cache(self.cfg, t, slots, max_len, self.dtype, device) for t in self.cfg.layer_types]
+
+    @torch.no_grad()
+    def forward(
+        self, batch: ForwardBatch, cache: list[LayerCache], capture_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """-> (pre-hc_head streams S [T, hc, D], {layer id: that layer's output streams} for capture_layers)."""
+        self.require_ready()
+        embeds = self.embed(batch.token_ids)  # [T, D]
+        streams = self.layers[0].forward_broadcast(embeds, self.get_buffer(FIRST_LAYER_BROADCAST), batch, cache[0])
+        captured = {0: streams} if 0 in capture_layers else {}
+        for i in range(1, len(self.layers)):
+            streams = self.layers[i](streams, batch, cache[i])
+            if i in capture_layers:
+                captured[i] = streams
+        return streams, captured
+
+    @torch.no_grad()
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """S [T, hc, D] -> fp32 logits [T, V]."""
+        return self.head(self.norm(hyper_head(self, streams, self.cfg))).float()

@@ -1,0 +1,69 @@
+"""Derived tensors and the READY state every top-level model (target, MTP, DSpark) shares.
+
+A derived tensor is a registered buffer computed from weights (e.g. the first-layer mHC broadcast
+matrix). `process_weights_after_loading` recomputes every one of them from its sources and copies the
+result into the existing storage, so addresses never change (captured graphs stay valid) and a second
+call changes nothing. Forward never finalizes: it only checks the READY flag.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dsv4.errors import WeightsNotReadyError
+
+
+@dataclass(frozen=True)
+class DerivedTensor:
+    name: str  # buffer name inside the top-level model
+    sources: tuple[str, ...]  # parameter names it is computed from
+    compute: Callable[[], torch.Tensor]
+
+
+class TopLevelModel(nn.Module):
+    """Base of every separately loaded model: READY flag, derived-tensor registry, finalize."""
+
+    role: str = "model"  # "target" | "mtp" | "dspark"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ready = False
+
+    def derived_tensors(self) -> list[DerivedTensor]:
+        return []
+
+    def native_name(self, param_name: str) -> str:
+        """The checkpoint (native) name of one of this model's tensors; parameters are named natively."""
+        return param_name
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def mark_loading(self) -> None:
+        """Called by the loader before the first write of a load or refit commit."""
+        self._ready = False
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Recompute every derived tensor in place, then mark the model READY. Idempotent."""
+        for derived in self.derived_tensors():
+            target = self.get_buffer(derived.name)
+            value = derived.compute()
+            if value.shape != target.shape or value.dtype != target.dtype or value.device != target.device:
+                raise RuntimeError(
+                    f"{self.role} model: derived tensor {derived.name} would change from "
+                    f"{tuple(target.shape)}/{target.dtype}/{target.device} to "
+                    f"{tuple(value.shape)}/{value.dtype}/{value.device}; it is only ever updated in place"
+                )
+            target.copy_(value)
+        self._ready = True
+
+    def require_ready(self) -> None:
+        if not self._ready:
+            raise WeightsNotReadyError(
+                f"{self.role} model: weights are not READY (not loaded, not finalized, or a failed weight "
+                f"update left them incomplete); load weights and run process_weights_after_loading() first"
+            )

@@ -1,0 +1,158 @@
+"""Mixture of experts: a router (learned top-k with correction bias, or a static token-id hash table),
+routed SwiGLU experts resident in one of three layouts, and one always-on shared expert.
+
+Shapes: T tokens, D hidden, E experts, k experts per token, I expert width.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.config import HASH_MOE, ModelConfig, QuantConfig
+from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
+
+# Keeps the normalisation well-defined when every selected score underflows to zero.
+_ROUTING_NORM_EPS = 1e-20
+
+DENSE, FP8, FP4 = "dense", "fp8", "fp4"
+EXPERT_FORMATS = (DENSE, FP8, FP4)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, L)) * clamp(up, -L, L): DeepSeek-V4 clamps both routed and shared experts."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    """Scores every expert, selects k, and returns normalised, scaled routing weights."""
+
+    def __init__(self, cfg: ModelConfig, hashed: bool, dtype: torch.dtype):
+        super().__init__()
+        self.hashed = hashed
+        self.top_k = cfg.num_experts_per_tok
+        self.scoring_func = cfg.scoring_func
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = _frozen(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
+        if hashed:
+            # Static selection table, int32 as on disk; rows hold k distinct expert ids.
+            self.tid2eid = _frozen(torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.int32))
+        else:
+            self.bias = _frozen(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (expert ids [T, k] int64, weights [T, k] fp32)."""
+        logits = x.float() @ self.weight.float().t()  # [T, E]
+        if self.scoring_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:  # softmax
+            scores = logits.softmax(dim=-1)
+        if self.hashed:
+            ids = self.tid2eid[token_ids].long()
+        else:
+            # The correction bias steers selection only; the weights use the unbiased scores.
+            ids = (scores + self.bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + _ROUTING_NORM_EPS)
+        return ids, weights * self.scaling
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts, stacked: w1 (gate) and w3 (up) [E, I, D], w2 (down) [E, D, I].
+
+    Layouts (one resident copy, dequantised per used expert inside forward):
+      dense  model dtype
+      fp8    float8_e4m3fn weights + fp32 block scales [E, ceil(out/b0), ceil(in/b1)]
+      fp4    int8 [E, out, in/2] (two e2m1 codes per byte, low nibble = even input) + ue8m0 bytes
+             (uint8) [E, out, in/group]
+    """
+
+    def __init__(self, cfg: ModelConfig, fmt: str, quant: QuantConfig | None, dtype: torch.dtype):
+        super().__init__()
+        if fmt not in EXPERT_FORMATS:
+            raise ValueError(f"expert format must be one of {EXPERT_FORMATS}, got {fmt!r}")
+        self.format = fmt
+        self.dtype = dtype
+        self.limit = cfg.swiglu_limit
+        self.num_experts = cfg.n_routed_experts
+        self.block = quant.weight_block_size if quant else (128, 128)
+        self.group = quant.fp4_group_size if quant else 32
+        E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        for name, (out_dim, in_dim) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+            weight, scale = self._allocate(E, out_dim, in_dim)
+            self.register_parameter(name, weight)
+            if scale is not None:
+                self.register_parameter(f"{name}_scale", scale)
+
+    def _allocate(self, E: int, out_dim: int, in_dim: int) -> tuple[nn.Parameter, nn.Parameter | None]:
+        if self.format == DENSE:
+            return _frozen(torch.zeros(E, out_dim, in_dim, dtype=self.dtype)), None
+        if self.format == FP8:
+            b0, b1 = self.block
+            weight = torch.zeros(E, out_dim, in_dim, dtype=torch.float8_e4m3fn)
+            return _frozen(weight), _frozen(torch.ones(E, -(-out_dim // b0), -(-in_dim // b1)))
+        if in_dim % self.group:
+            raise ValueError(f"FP4 experts need the input dim ({in_dim}) to be a multiple of {self.group}")
+        weight = torch.zeros(E, out_dim, in_dim // 2, dtype=torch.int8)
+        unit_scale = 127  # ue8m0 byte of 2^0
+        return _frozen(weight), _frozen(torch.full((E, out_dim, in_dim // self.group), unit_scale, dtype=torch.uint8))
+
+    def expert_weight(self, name: str, e: int) -> torch.Tensor:
+        """Expert e's matrix `name` in the compute dtype."""
+        weight = getattr(self, name)[e]
+        if self.format == DENSE:
+            return weight
+        scale = getattr(self, f"{name}_scale")[e]
+        if self.format == FP8:
+            return dequantize_fp8_blockwise(weight, scale, self.block, out_dtype=self.dtype)
+        return dequantize_fp4(weight, scale, self.group, out_dtype=self.dtype)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]."""
+        out = torch.zeros_like(x)
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // ids.shape[1]
+        weight_of = weights.flatten()[order]
+        offset = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[offset : offset + count]
+            xe = x[rows]
+            hidden = swiglu(xe @ self.expert_weight("w1", e).t(), xe @ self.expert_weight("w3", e).t(), self.limit)
+            ye = hidden @ self.expert_weight("w2", e).t()
+            out.index_add_(0, rows, (ye.float() * weight_of[offset : offset + count, None]).to(x.dtype))
+            offset += count
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.limit = cfg.swiglu_limit
+        self.w1 = nn.Linear(cfg.hidden_size, cfg.moe_intermediate_size, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(cfg.hidden_size, cfg.moe_intermediate_size, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(cfg.moe_intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, mlp_type: str, expert_format: str, dtype: torch.dtype):
+        super().__init__()
+        self.gate = Router(cfg, hashed=mlp_type == HASH_MOE, dtype=dtype)
+        self.experts = RoutedExperts(cfg, expert_format, cfg.quant, dtype)
+        self.shared_experts = SharedExpert(cfg, dtype)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D], token_ids [T] (hash routing needs them) -> [T, D]."""
+        ids, weights = self.gate(x, token_ids)
+        return self.experts(x, ids, weights) + self.shared_experts(x)

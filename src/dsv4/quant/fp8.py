@@ -1,0 +1,166 @@
+"""Block-scaled FP8 (e4m3fn) linear weights (architecture notes, section 10.4).
+
+A weight ``W`` [out, in] is stored as ``q`` (``float8_e4m3fn`` [out, in]) plus one scale per ``block`` tile, giving a
+scale grid ``S`` [ceil(out / b0), ceil(in / b1)]. Dequantisation is ``W[i, j] = q[i, j] * S[i // b0, j // b1]``; the
+scale is a multiplier even where checkpoints call it ``scale_inv``. Edge tiles may be ragged (smaller than ``block``).
+
+Scale formats (``scale_fmt`` in ``quantization_config``):
+  * ``"ue8m0"``: power-of-two scales stored as e8m0 bytes (instruct releases);
+  * ``"float"``: plain float32 scales (``-Base`` releases).
+
+The block shape is a parameter everywhere. The scale grid itself does not encode the block size when edges are
+ragged, so callers must pass the block that was used to write the file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from .e8m0 import E8M0_MIN_NORMAL_SCALE, as_e8m0_bytes, e8m0_ceil_pow2, e8m0_to_float32
+
+__all__ = [
+    "E4M3_MAX",
+    "DEFAULT_FP8_BLOCK",
+    "FP8_SCALE_FMTS",
+    "FLOAT_SCALE_FLOOR",
+    "quantize_fp8_blockwise",
+    "dequantize_fp8_blockwise",
+    "fp8_scale_grid_shape",
+]
+
+# Largest finite float8_e4m3fn magnitude (the format has no infinities; 0x7F/0xFF are NaN).
+E4M3_MAX = 448.0
+# DeepSeek's tile: 128 output rows x 128 input columns per scale.
+DEFAULT_FP8_BLOCK = (128, 128)
+FP8_SCALE_FMTS = ("ue8m0", "float")
+# Floor for "float" scales so an all-zero block gets a usable (non-zero) scale instead of 0 and a 0/0 on quantize.
+# The same smallest-normal value as the ue8m0 floor keeps the two formats' behaviour on empty blocks alike.
+FLOAT_SCALE_FLOOR = E8M0_MIN_NORMAL_SCALE
+
+
+def _check_block(block: Sequence[int]) -> tuple[int, int]:
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"block must be two positive ints (rows, cols); got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def fp8_scale_grid_shape(weight_shape: Sequence[int], block: Sequence[int] = DEFAULT_FP8_BLOCK) -> tuple[int, int]:
+    """Scale-grid shape ``(ceil(out / b0), ceil(in / b1))`` for a weight of shape ``(out, in)``."""
+    b0, b1 = _check_block(block)
+    out_features, in_features = weight_shape
+    return math.ceil(out_features / b0), math.ceil(in_features / b1)
+
+
+def _expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """Broadcast a scale grid [nb0, nb1] to element shape [out, in], cropping the ragged edge tiles."""
+    out_features, in_features = shape
+    b0, b1 = block
+    return scale.repeat_interleave(b0, dim=0)[:out_features].repeat_interleave(b1, dim=1)[:, :in_features]
+
+
+def quantize_fp8_blockwise(
+    w: torch.Tensor,
+    block: Sequence[int] = DEFAULT_FP8_BLOCK,
+    scale_fmt: str = "ue8m0",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D weight to e4m3fn with one scale per ``block`` tile.
+
+    Per tile with ``amax = max |w|``:
+      * ``"ue8m0"``: ``s = 2^ceil(log2(max(amax / 448, 2^-126)))``, returned as ``uint8`` e8m0 bytes;
+      * ``"float"``: ``s = max(amax / 448, FLOAT_SCALE_FLOOR)``, returned as float32.
+    Then ``q = e4m3(clamp(w / s, -448, 448))`` with torch's round-to-nearest-even cast. The clamp only matters for
+    float32 rounding at the very top of the range, but makes saturation explicit instead of relying on cast behaviour.
+
+    Args:
+        w: [out, in], any floating dtype, finite. Computed in float32.
+        block: tile shape (rows, cols); ``out``/``in`` need not be multiples of it.
+        scale_fmt: ``"ue8m0"`` or ``"float"``.
+
+    Returns:
+        ``(q, scale)``: ``q`` float8_e4m3fn [out, in]; ``scale`` [ceil(out/b0), ceil(in/b1)], uint8 (ue8m0) or
+        float32 (float).
+
+    Note:
+        With ``"ue8m0"`` the map is *value*-idempotent (dequantize . quantize is a projection), but re-quantizing
+        dequantized output need not reproduce the same bytes: if a tile's max lands in (224, 232)*s it rounds to 224*s,
+        whose requantized scale is s/2 (codes doubled, identical values).
+    """
+    b0, b1 = _check_block(block)
+    if scale_fmt not in FP8_SCALE_FMTS:
+        raise ValueError(f"scale_fmt must be one of {FP8_SCALE_FMTS}; got {scale_fmt!r}")
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(
+            f"quantize_fp8_blockwise expects a 2-D floating weight [out, in]; got {tuple(w.shape)} {w.dtype}"
+        )
+    wf = w.to(torch.float32)
+    if not bool(torch.isfinite(wf).all()):
+        raise ValueError("quantize_fp8_blockwise: weight contains NaN or inf")
+
+    out_features, in_features = wf.shape
+    nb0, nb1 = fp8_scale_grid_shape(wf.shape, (b0, b1))
+    # Zero padding to whole tiles cannot change any tile's amax, and makes the per-tile reduction one reshape.
+    padded = torch.nn.functional.pad(wf.abs(), (0, nb1 * b1 - in_features, 0, nb0 * b0 - out_features))
+    amax = padded.view(nb0, b0, nb1, b1).amax(dim=(1, 3))
+
+    if scale_fmt == "ue8m0":
+        scale_out = e8m0_ceil_pow2(amax / E4M3_MAX)
+        scale_f32 = e8m0_to_float32(scale_out)
+    else:
+        scale_out = (amax / E4M3_MAX).clamp_min(FLOAT_SCALE_FLOOR)
+        scale_f32 = scale_out
+
+    scaled = wf / _expand_scale(scale_f32, (out_features, in_features), (b0, b1))
+    q = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale_out
+
+
+def _decode_fp8_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Scale grid as float32: e8m0 byte dtypes are decoded bit-exactly, float dtypes are value-converted."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8, torch.int8):
+        return e8m0_to_float32(as_e8m0_bytes(scale))
+    if scale.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return scale.to(torch.float32)
+    raise TypeError(
+        f"FP8 scale must be float32 (or another float dtype) or e8m0 bytes (float8_e8m0fnu/uint8); got {scale.dtype}"
+    )
+
+
+def dequantize_fp8_blockwise(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: Sequence[int] = DEFAULT_FP8_BLOCK,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``W[i, j] = q[i, j] * S[i // b0, j // b1]``.
+
+    Args:
+        q: float8_e4m3fn [out, in].
+        scale: [ceil(out/b0), ceil(in/b1)]; float32 (or other float) values, or e8m0 as float8_e8m0fnu/uint8 bytes.
+        block: tile shape (rows, cols) the file was written with.
+        out_dtype: result dtype. The product is formed in float32 and cast once; with e8m0 scales it is exact (a
+            4-bit significand times a power of two), with float32 scales it is rounded once to float32.
+
+    Returns:
+        [out, in] tensor of ``out_dtype``. An e8m0 NaN scale (byte 255) yields NaN in its tile.
+
+    Raises:
+        TypeError: ``q`` not float8_e4m3fn, or an unsupported scale dtype.
+        ValueError: bad ranks or a scale grid that does not match ``q``'s shape under ``block``.
+    """
+    b0, b1 = _check_block(block)
+    if q.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"FP8 weight must be float8_e4m3fn; got {q.dtype}")
+    if q.dim() != 2 or scale.dim() != 2:
+        raise ValueError(f"FP8 weight and scale must be 2-D; got weight {tuple(q.shape)}, scale {tuple(scale.shape)}")
+    expected = fp8_scale_grid_shape(q.shape, (b0, b1))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"FP8 scale shape {tuple(scale.shape)} does not match weight shape {tuple(q.shape)} with block "
+            f"{(b0, b1)}: expected scale shape {expected}"
+        )
+    scale_f32 = _decode_fp8_scale(scale)
+    w = q.to(torch.float32) * _expand_scale(scale_f32, tuple(q.shape), (b0, b1))
+    return w.to(out_dtype)

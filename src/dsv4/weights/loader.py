@@ -1,0 +1,139 @@
+"""The one lifecycle template every load format follows: build -> load -> check -> finalize -> READY.
+
+    models = build_models(cfg, ...)          allocate every resident tensor once, in runtime layout
+    load (checkpoint | dummy | tensors)      WeightWriter: map, pair, validate, convert, copy_ in place
+    check_complete                           every expected tensor written (dummy included)
+    finalize                                 process_weights_after_loading(): target, then drafters
+
+Any failure raises before the models are returned, so no half-loaded model ever escapes.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.errors import CheckpointError, ConfigError
+from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.model.derived import TopLevelModel
+from dsv4.model.moe import DENSE, EXPERT_FORMATS
+from dsv4.weights.checkpoint import CheckpointDir
+from dsv4.weights.convert import QuantLayout
+from dsv4.weights.dummy import dummy_tensors
+from dsv4.weights.slots import SlotTable
+from dsv4.weights.writer import WeightWriter
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DRAFTERS = ("mtp", "dspark")
+TARGET = "target"
+
+
+@dataclass
+class LoadedModels:
+    """The target and its drafters, READY, plus the writer-facing view of all their tensors."""
+
+    config: ModelConfig
+    models: dict[str, TopLevelModel]
+    layout: QuantLayout
+    expert_format: str
+    load_format: str
+    ignored: set[str] = field(default_factory=set)
+
+    @property
+    def target(self) -> DeepseekV4:
+        return self.models[TARGET]  # type: ignore[return-value]
+
+    def slot_table(self) -> SlotTable:
+        return SlotTable(self.models)
+
+    def finalize(self) -> None:
+        """Finalize the target first: drafters alias its embedding and head."""
+        for role in (TARGET, *DRAFTERS):
+            if role in self.models:
+                self.models[role].process_weights_after_loading()
+
+
+def resolve_expert_format(cfg: ModelConfig, override: str | None) -> str:
+    if override is not None:
+        if override not in EXPERT_FORMATS:
+            raise ConfigError(f"expert_dtype: expected one of {EXPERT_FORMATS}, got {override!r}")
+        return override
+    return cfg.quant.expert_dtype if cfg.quant is not None else DENSE
+
+
+def quant_layout(cfg: ModelConfig) -> QuantLayout:
+    if cfg.quant is None:
+        return QuantLayout(fp8_block=(128, 128), fp4_group=32, scale_fmt="ue8m0")
+    q = cfg.quant
+    return QuantLayout(fp8_block=tuple(q.weight_block_size), fp4_group=q.fp4_group_size, scale_fmt=q.scale_fmt)
+
+
+def build_models(cfg: ModelConfig, expert_format: str, dtype: torch.dtype, device: str, draft: str | None) -> dict[str, TopLevelModel]:
+    """Allocate the target (and the drafter) in runtime layout; nothing is READY yet."""
+    with torch.device(device):
+        models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype)}
+        if draft is not None:
+            from dsv4.model.drafters import build_drafter
+
+            models[draft] = build_drafter(draft, cfg, models[TARGET], expert_format, dtype)
+    for model in models.values():
+        model.eval()
+    return models
+
+
+def _resolve_load_format(path: Path | None, load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "auto":
+        return "safetensors"
+    return load_format
+
+
+def load_models(
+    path: str | Path,
+    *,
+    load_format: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    draft: str | None = None,
+    expert_dtype: str | None = None,
+    seed: int = 0,
+) -> LoadedModels:
+    """Build, load and finalize a checkpoint directory's models."""
+    path = Path(path)
+    cfg = ModelConfig.from_file(path)
+    if draft is not None and draft not in DRAFTERS:
+        raise ConfigError(f"draft: expected one of {DRAFTERS} or None, got {draft!r}")
+    fmt = _resolve_load_format(path, load_format)
+    checkpoint = CheckpointDir(path) if fmt == "safetensors" else None
+    expert_format = resolve_expert_format(cfg, expert_dtype)
+    layout = quant_layout(cfg)
+    models = build_models(cfg, expert_format, dtype, device, draft)
+    loaded = LoadedModels(cfg, models, layout, expert_format, fmt)
+    table = loaded.slot_table()
+    writer = WeightWriter(table, layout, error_type=CheckpointError)
+    if checkpoint is not None:
+        for name, tensor, origin in checkpoint.iter_tensors():
+            writer.load(name, tensor, origin)
+        writer.check_complete(table.names(), f"{path}: incomplete checkpoint")
+    else:
+        for name, tensor in dummy_tensors(table, seed):
+            writer.load(name, tensor, "dummy")
+        writer.check_complete(table.names(), "dummy load")
+    loaded.ignored = writer.ignored
+    loaded.finalize()
+    return loaded
+
+
+def load_tensors_into(loaded: LoadedModels, tensors: Iterable[tuple[str, torch.Tensor]], origin: str) -> None:
+    """Load a complete set of (name, tensor) pairs (e.g. a clone's iter_weights) and finalize."""
+    table = loaded.slot_table()
+    writer = WeightWriter(table, loaded.layout, error_type=CheckpointError)
+    for model in loaded.models.values():
+        model.mark_loading()
+    for name, tensor in tensors:
+        writer.load(name, tensor, origin)
+    writer.check_complete(table.names(), f"{origin}: incomplete weights")
+    loaded.finalize()

@@ -1,0 +1,136 @@
+"""Checkpoint names -> dsv4's canonical names (DeepSeek's native release names).
+
+Three dialects arrive: native (`layers.3.attn.wq_a.weight`), HF as transformers defines it
+(`model.layers.3.self_attn.q_a_proj.weight`), and what transformers' `save_pretrained` actually writes,
+a mix of both (`model.layers.3.attn.wq_a.weight`, `model.embed_tokens.weight`, the main kv norm as
+`attn.norm.weight`). One ordered, declarative rename table folds all three into native names; HF's
+stacked expert tensors are split per expert.
+"""
+
+import re
+from typing import Iterator
+
+import torch
+
+# Scale spellings: native `.scale`, V3-style `.weight_scale_inv`, transformers' FP8 `.weight_scale_inv`.
+SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+
+# (pattern, replacement), applied in order to the name without its `model.` prefix. Every pattern is
+# anchored so that an already-native name passes through unchanged.
+_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^embed_tokens\.weight$", "embed.weight"),
+    (r"^lm_head\.weight$", "head.weight"),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"^(layers\.\d+)\.self_attn\.", r"\1.attn."),
+    (r"^(layers\.\d+)\.mlp\.", r"\1.ffn."),
+    (r"^(layers\.\d+)\.input_layernorm\.", r"\1.attn_norm."),
+    (r"^(layers\.\d+)\.post_attention_layernorm\.", r"\1.ffn_norm."),
+    (r"^(layers\.\d+)\.(attn|ffn)_hc\.(fn|base|scale)$", r"\1.hc_\2_\3"),
+    # attention (the indexer lives inside the compressor in HF, beside it natively)
+    (r"\.attn\.sinks$", ".attn.attn_sink"),
+    (r"\.attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.compressor\.kv_proj\.", ".compressor.wkv."),
+    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
+    (r"\.compressor\.position_bias$", ".compressor.ape"),
+    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
+    (r"\.attn\.q_a_proj\.", ".attn.wq_a."),
+    (r"\.attn\.q_a_norm\.", ".attn.q_norm."),
+    (r"\.attn\.q_b_proj\.", ".attn.wq_b."),
+    (r"\.attn\.kv_proj\.", ".attn.wkv."),
+    (r"\.attn\.o_a_proj\.", ".attn.wo_a."),
+    (r"\.attn\.o_b_proj\.", ".attn.wo_b."),
+    # transformers' save_pretrained reverses `.kv_norm.` -> `.norm.` everywhere, main kv norm included
+    (r"^(layers\.\d+)\.attn\.norm\.", r"\1.attn.kv_norm."),
+    # MoE
+    (r"\.ffn\.gate\.e_score_correction_bias$", ".ffn.gate.bias"),
+    (r"\.ffn\.shared_experts\.gate_proj\.", ".ffn.shared_experts.w1."),
+    (r"\.ffn\.shared_experts\.up_proj\.", ".ffn.shared_experts.w3."),
+    (r"\.ffn\.shared_experts\.down_proj\.", ".ffn.shared_experts.w2."),
+)
+_COMPILED = tuple((re.compile(p), r) for p, r in _RENAMES)
+
+_STACKED_GATE_UP = re.compile(r"^(layers\.\d+\.ffn\.experts)\.gate_up_proj$")
+_STACKED_DOWN = re.compile(r"^(layers\.\d+\.ffn\.experts)\.down_proj$")
+
+
+def canonical_name(name: str) -> str:
+    """Fold one incoming name to its native spelling (unknown names pass through, to be rejected later)."""
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    for pattern, replacement in _COMPILED:
+        name = pattern.sub(replacement, name)
+    for suffix in SCALE_SUFFIXES:
+        if name.endswith(suffix) and suffix != ".scale":
+            name = name[: -len(suffix)] + ".scale"
+    return name
+
+
+def is_stacked_experts(name: str) -> bool:
+    return bool(_STACKED_GATE_UP.match(name) or _STACKED_DOWN.match(name))
+
+
+def canonical_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One incoming (name, tensor) -> the native (name, tensor) pairs it carries. HF stacks experts:
+    gate_up_proj [E, 2I, D] (gate rows first) and down_proj [E, D, I] become per-expert w1/w3/w2."""
+    native = canonical_name(name)
+    if match := _STACKED_GATE_UP.match(native):
+        if tensor.dim() != 3 or tensor.shape[1] % 2:
+            raise ValueError(f"{name}: expected [experts, 2*intermediate, hidden], got {tuple(tensor.shape)}")
+        gate, up = tensor.chunk(2, dim=1)
+        for e in range(tensor.shape[0]):
+            yield f"{match[1]}.{e}.w1.weight", gate[e]
+            yield f"{match[1]}.{e}.w3.weight", up[e]
+    elif match := _STACKED_DOWN.match(native):
+        if tensor.dim() != 3:
+            raise ValueError(f"{name}: expected [experts, hidden, intermediate], got {tuple(tensor.shape)}")
+        for e in range(tensor.shape[0]):
+            yield f"{match[1]}.{e}.w2.weight", tensor[e]
+    else:
+        yield native, tensor
+
+
+def to_hf_name(native: str) -> str:
+    """Native -> transformers' HF name (for `dsv4 convert --layout hf`), experts excluded (stacked apart)."""
+    return _to_hf(native)
+
+
+# The inverse table, used only for writing HF-layout checkpoints.
+_HF_RENAMES: tuple[tuple[str, str], ...] = (
+    (r"^embed\.weight$", "model.embed_tokens.weight"),
+    (r"^head\.weight$", "lm_head.weight"),
+    (r"^norm\.weight$", "model.norm.weight"),
+    (r"^hc_head_(fn|base|scale)$", r"model.hc_head.hc_\1"),
+    (r"\.attn\.indexer\.weights_proj\.", ".self_attn.compressor.indexer.scorer.weights_proj."),
+    (r"\.attn\.indexer\.wq_b\.", ".self_attn.compressor.indexer.q_b_proj."),
+    (r"\.attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
+    (r"\.(compressor|indexer)\.wkv\.", r".\1.kv_proj."),
+    (r"\.(compressor|indexer)\.wgate\.", r".\1.gate_proj."),
+    (r"\.(compressor|indexer)\.ape$", r".\1.position_bias"),
+    (r"\.(compressor|indexer)\.norm\.", r".\1.kv_norm."),
+    (r"\.attn\.attn_sink$", ".attn.sinks"),
+    (r"\.attn\.wq_a\.", ".attn.q_a_proj."),
+    (r"\.attn\.q_norm\.", ".attn.q_a_norm."),
+    (r"\.attn\.wq_b\.", ".attn.q_b_proj."),
+    (r"\.attn\.wkv\.", ".attn.kv_proj."),
+    (r"\.attn\.wo_a\.", ".attn.o_a_proj."),
+    (r"\.attn\.wo_b\.", ".attn.o_b_proj."),
+    (r"\.ffn\.gate\.bias$", ".ffn.gate.e_score_correction_bias"),
+    (r"\.ffn\.shared_experts\.w1\.", ".ffn.shared_experts.gate_proj."),
+    (r"\.ffn\.shared_experts\.w3\.", ".ffn.shared_experts.up_proj."),
+    (r"\.ffn\.shared_experts\.w2\.", ".ffn.shared_experts.down_proj."),
+    (r"^(layers\.\d+)\.attn_norm\.", r"\1.input_layernorm."),
+    (r"^(layers\.\d+)\.ffn_norm\.", r"\1.post_attention_layernorm."),
+    (r"^(layers\.\d+)\.hc_(attn|ffn)_(fn|base|scale)$", r"\1.\2_hc.\3"),
+    (r"^(layers\.\d+)\.attn\.", r"\1.self_attn."),
+    (r"^(layers\.\d+)\.ffn\.", r"\1.mlp."),
+    (r"^layers\.", "model.layers."),
+)
+_HF_COMPILED = tuple((re.compile(p), r) for p, r in _HF_RENAMES)
+
+
+def _to_hf(native: str) -> str:
+    for pattern, replacement in _HF_COMPILED:
+        native = pattern.sub(replacement, native)
+    return native
