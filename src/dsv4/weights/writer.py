@@ -45,6 +45,9 @@ class WeightWriter:
     ignored: set[str] = field(default_factory=set)
     _pending: dict[str, _Pending] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._has_drafter = any(s.native.startswith(_DRAFTER_PREFIX) for s in self.table)
+
     # ---- staging ----
     def stage(self, name: str, tensor: torch.Tensor, origin: str) -> list[StagedWrite]:
         """Map, pair, validate and convert one incoming tensor; returns the writes it completes."""
@@ -65,7 +68,7 @@ class WeightWriter:
         weight_name = native[: -len(".scale")] + ".weight" if is_scale else native
         slot = self.table.get(weight_name)
         if slot is None:
-            if native.startswith(_DRAFTER_PREFIX) and not any(s.native.startswith(_DRAFTER_PREFIX) for s in self.table):
+            if native.startswith(_DRAFTER_PREFIX) and not self._has_drafter:
                 self.ignored.add(native)  # drafter weights, but no drafter was requested
                 return []
             raise self.error_type(f"{origin}: unexpected tensor {incoming!r} (no such weight in this model)")
