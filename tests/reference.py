@@ -5,7 +5,7 @@ This module is the test-side *oracle*. It is built only on transformers 5.23
 torch, and it deliberately never imports ``dsv4``: anything the package computes
 is checked against what this module computes independently.
 
-What it provides (see docs/notes: architecture.md §9-§12):
+What it provides (section numbers refer to the project notes architecture.md and anchors.md):
 
 * ``tiny_config`` / ``small_config``: the HF config dicts of anchors.md §6.3.
 * ``build_reference_model``: a transformers model whose every parameter and
@@ -481,7 +481,8 @@ def _decode_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp8_block(weight: torch.Tensor, scale_fmt: str = UE8M0, scale_storage: str = "e8m0"):
-    """Block FP8: ``(q float8_e4m3fn [out, in], scale [ceil(out/128), ceil(in/128)])`` with W ≈ q · S[i//128, j//128].
+    """Block FP8: ``(q float8_e4m3fn [out, in], scale [ceil(out/128), ceil(in/128)])``,
+    with W ≈ q · S[i // 128, j // 128].
 
     ue8m0: per block ``s = 2^ceil(log2(max(amax/448, 2^-126)))``, stored as e8m0 or uint8 bytes.
     float: per block ``s = max(amax/448, 2^-126)`` as fp32. Then ``q = e4m3(clamp(w/s, ±448))`` (round to nearest).
@@ -535,7 +536,8 @@ def quantize_fp4(weight: torch.Tensor, scale_storage: str = "e8m0"):
 
 
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 ``W[i, 2j] = E2M1[low nibble] · s[i, 2j // 32]``, ``W[i, 2j+1] = E2M1[high nibble] · s[i, (2j+1) // 32]``."""
+    """fp32 ``W[i, 2j] = E2M1[low nibble] · s[i, 2j // 32]`` and
+    ``W[i, 2j+1] = E2M1[high nibble] · s[i, (2j+1) // 32]``."""
     raw = packed.view(torch.uint8).to(torch.int64)
     codes = torch.stack([raw & NIBBLE_MASK, raw >> NIBBLE_BITS], dim=-1).reshape(raw.shape[0], -1)
     values = torch.tensor(E2M1_MAGNITUDES)[codes & (E2M1_SIGN_BIT - 1)]

@@ -1,0 +1,120 @@
+"""Mutation check for the weight lifecycle: each mutation below breaks one rule of the contract (skip a
+finalize step, or rebind a tensor instead of copying into it); the lifecycle tests must catch every one.
+
+For each mutation the source tree is copied, one exact line is rewritten, and the lifecycle tests run
+against the copy. Exit status 0 means every mutation made at least one test fail.
+
+    python scripts/check_mutations.py [--tests tests/test_lifecycle.py ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TESTS = ("tests/test_lifecycle.py",)
+TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str  # relative to src/dsv4
+    original: str  # must occur exactly once
+    mutated: str
+
+
+MUTATIONS = (
+    Mutation(
+        "finalize skips the derived-tensor copy",
+        "model/derived.py",
+        "            target.copy_(value)\n",
+        "            pass\n",
+    ),
+    Mutation(
+        "finalize rebinds the derived buffer instead of copying into it",
+        "model/derived.py",
+        "            target.copy_(value)\n",
+        "            self.register_buffer(derived.name, value, persistent=False)\n",
+    ),
+    Mutation(
+        "the loader never finalizes",
+        "weights/loader.py",
+        "    loaded.ignored = writer.ignored\n    loaded.finalize()\n",
+        "    loaded.ignored = writer.ignored\n    for model in loaded.models.values():\n        model._ready = True\n",
+    ),
+    Mutation(
+        "drafters are never finalized",
+        "weights/loader.py",
+        "        for role in (TARGET, *DRAFTERS):\n",
+        "        for role in (TARGET,):\n",
+    ),
+    Mutation(
+        "the writer rebinds parameter storage instead of copying",
+        "weights/writer.py",
+        "            resident.copy_(staged.value)\n",
+        "            resident.data = staged.value.clone()\n",
+    ),
+    Mutation(
+        "the writer rebinds expert storage instead of copying",
+        "weights/writer.py",
+        "            resident[staged.slot.expert].copy_(staged.value)\n",
+        "            resident.data = resident.data.clone(); resident[staged.slot.expert].copy_(staged.value)\n",
+    ),
+    Mutation(
+        "forward does not check readiness",
+        "model/deepseek_v4.py",
+        "        self.require_ready()\n        embeds",
+        "        embeds",
+    ),
+)
+
+
+def apply(mutation: Mutation, tree: Path) -> None:
+    path = tree / "src" / "dsv4" / mutation.file
+    text = path.read_text()
+    count = text.count(mutation.original)
+    if count != 1:
+        raise SystemExit(f"mutation {mutation.name!r}: expected one match in {mutation.file}, found {count}")
+    path.write_text(text.replace(mutation.original, mutation.mutated))
+
+
+def tests_fail(tree: Path, tests: tuple[str, ...]) -> bool:
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    result = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return result.returncode != 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS))
+    args = parser.parse_args(argv)
+    survivors = []
+    for mutation in MUTATIONS:
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = Path(tmp)
+            shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+            shutil.copytree(ROOT / "tests", tree / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
+            apply(mutation, tree)
+            caught = tests_fail(tree, tuple(args.tests))
+        print(f"{'caught  ' if caught else 'SURVIVED'}  {mutation.name}")
+        if not caught:
+            survivors.append(mutation.name)
+    if survivors:
+        print(f"{len(survivors)} mutation(s) survived the lifecycle tests: {survivors}")
+        return 1
+    print(f"all {len(MUTATIONS)} mutations caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
