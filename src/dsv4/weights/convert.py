@@ -95,12 +95,28 @@ def _dequantize(weight: torch.Tensor, scale: torch.Tensor | None, layout: QuantL
     return values
 
 
-def to_plain(weight: torch.Tensor, scale: torch.Tensor | None, resident: torch.Tensor, layout: QuantLayout) -> torch.Tensor:
-    """Value for a non-expert resident tensor (float parameter or int table)."""
+def check_expert_table(table: torch.Tensor, n_experts: int) -> None:
+    """A hash-routing table row must name k distinct experts in [0, n_experts)."""
+    if table.numel() == 0:
+        return
+    low, high = int(table.min()), int(table.max())
+    if low < 0 or high >= n_experts:
+        raise ConversionError(f"expert ids must lie in [0, {n_experts}), found values in [{low}, {high}]")
+    repeated = (table.sort(dim=-1).values.diff(dim=-1) == 0).any(dim=-1)
+    if bool(repeated.any()):
+        row = int(repeated.nonzero()[0, 0])
+        raise ConversionError(f"row {row} repeats an expert id ({table[row].tolist()}); each row needs distinct ids")
+
+
+def to_plain(
+    weight: torch.Tensor, scale: torch.Tensor | None, resident: torch.Tensor, layout: QuantLayout, n_experts: int
+) -> torch.Tensor:
+    """Value for a non-expert resident tensor (float parameter, or an expert-id table)."""
     if resident.dtype in INT_DTYPES:
         if weight.dtype not in INT_DTYPES or scale is not None:
             raise ConversionError(f"integer table expects int32/int64 values, got {weight.dtype}")
         _check_shape(weight.shape, tuple(resident.shape), "table")
+        check_expert_table(weight, n_experts)
         return weight.to(resident.dtype)
     if weight.dtype in INT_DTYPES:
         raise ConversionError(f"expected floating values, got {weight.dtype}")

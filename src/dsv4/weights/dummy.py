@@ -22,7 +22,8 @@ _PACKED_BYTE_RANGE = 256
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+    # The CPU generator keeps only 32 bits of its seed, so hash seed and name together.
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
 
 
 def _random_rows_of_distinct_ids(rows: int, k: int, n: int, gen: torch.Generator) -> torch.Tensor:

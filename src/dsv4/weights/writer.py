@@ -99,7 +99,8 @@ class WeightWriter:
                     None if resident_scale is None else resident_scale[slot.expert], self.layout, logical,
                 )
             else:
-                value, value_scale = to_plain(weight, scale, resident, self.layout), None
+                n_experts = self.table.models[slot.role].cfg.n_routed_experts
+                value, value_scale = to_plain(weight, scale, resident, self.layout, n_experts), None
         except ConversionError as exc:
             raise self.error_type(f"{origin}: tensor {incoming} ({slot.native}): {exc}") from None
         return StagedWrite(slot=slot, value=value, scale=value_scale, origin=origin)
