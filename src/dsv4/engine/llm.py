@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from pathlib import Path
+from typing import Iterator
 from typing import Sequence as Seq
 
 import torch
 
 from dsv4.config import ModelConfig
+from dsv4.engine.chat_template import ChatTemplate
 from dsv4.engine.engine import Engine, EngineLimits
-from dsv4.engine.request import CompletionOutput, RequestOutput, Sequence
-from dsv4.engine.sampler import SamplingState
+from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.errors import ConfigError, RequestError
 from dsv4.model.batch import ForwardBatch
@@ -19,9 +21,7 @@ from dsv4.models import resolve_model
 from dsv4.weights.loader import LoadedModels, load_models
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_DEFAULT_MAX_NUM_SEQS = 16
-_DEFAULT_MAX_BATCHED_TOKENS = 2048
-_DEFAULT_MAX_MODEL_LEN = 4096
+Prompt = str | Seq[int]
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
@@ -44,6 +44,11 @@ class LLM:
         seed: seeds dummy weights and unseeded sampling.
         draft: None, "mtp" or "dspark": also load that drafter from the same checkpoint.
         expert_dtype: override of the routed experts' resident format ("fp4" | "fp8" | "dense").
+        max_num_seqs: cache slots, i.e. sequences decoded together (None: as many as memory allows,
+            at most `engine.DEFAULT_MAX_NUM_SEQS`).
+        max_num_batched_tokens: tokens per forward step; prompt chunks fill what decodes leave.
+        max_model_len: prompt + output tokens per sequence (None: the model's maximum, reduced
+            until one sequence's cache fits the memory budget).
     """
 
     def __init__(
@@ -55,8 +60,8 @@ class LLM:
         seed: int = 0,
         draft: str | None = None,
         expert_dtype: str | None = None,
-        max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int = _DEFAULT_MAX_BATCHED_TOKENS,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
     ):
         path, load_format = resolve_model(model, load_format)
@@ -69,32 +74,99 @@ class LLM:
         self.config = self.loaded.config
         self.path = Path(path)
         self.tokenizer = _load_tokenizer(self.path)
+        self.chat_template = ChatTemplate.from_checkpoint(self.path)
         self.weights_version = 0
-        limit = min(max_model_len or _DEFAULT_MAX_MODEL_LEN, cfg.max_position_embeddings)
-        self.limits = EngineLimits(max_num_seqs, max_num_batched_tokens, limit)
-        self.engine = Engine(self.loaded.target, self.limits, seed, cfg.eos_token_ids)
+        self.limits = EngineLimits.derive(
+            cfg, self.dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len
+        )
+        self.engine = Engine(self.loaded.target, self.limits, seed, cfg.eos_token_ids, self.tokenizer)
         self._request_counter = itertools.count()
 
     # ---- generation ----
     def generate(
-        self, prompts: str | Seq[int] | Seq[str | Seq[int]], sampling_params: SamplingParams | None = None
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        params = sampling_params or SamplingParams()
+        """Generate for every prompt (text or token ids); one RequestOutput per prompt, in order.
+        A prompt that cannot be served (too long, bad ids) gets an output with `.error` set and no
+        completions; the others still run. A progress bar shows when stderr is a terminal."""
+        requests: list[Request | RequestOutput] = self._add_all(prompts, sampling_params)
+        pending = {r.request_id for r in requests if isinstance(r, Request)}
+        bar = _progress_bar(len(pending)) if use_tqdm else None
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [r.output(delta=False) if isinstance(r, Request) else r for r in requests]
+
+    def stream(
+        self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield, step by step, each request's new tokens/text (`RequestOutput` deltas; the last one of a
+        request has `finished=True`). `abort(request_id)` from the consuming loop stops a request: its
+        final delta has finish_reason "abort". Rejected prompts are yielded first, with `.error`."""
+        pending = set()
+        for r in self._add_all(prompts, sampling_params):
+            if isinstance(r, Request):
+                pending.add(r.request_id)
+            else:
+                yield r
+        while pending:
+            for out in self.engine.step():
+                if out.request_id in pending:
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield out
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a running or waiting request and free its cache slots; False if it is unknown or done."""
+        return self.engine.abort(request_id)
+
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """`generate` on conversations rendered with the checkpoint's chat template."""
+        if self.chat_template is None or self.tokenizer is None:
+            raise RequestError(f"{self.path}: no chat_template in tokenizer_config.json (or no tokenizer.json)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [self.chat_template.render(list(c), add_generation_prompt) for c in conversations]
+        # The template writes any BOS itself, so encode without adding special tokens again.
+        ids = [self.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
+        return self.generate(ids, sampling_params, use_tqdm)
+
+    def _add_all(
+        self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
+    ) -> list[Request | RequestOutput]:
+        """Queue every prompt; a prompt rejected on its own becomes an error RequestOutput."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        requests = []
-        for prompt in prompts:
-            ids = self._encode(prompt)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise RequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        added: list[Request | RequestOutput] = []
+        for prompt, params in zip(prompts, params_list):
             rid = str(next(self._request_counter))
-            seqs = [
-                Sequence(rid, i, ids, params, SamplingState.from_params(params, i)) for i in range(params.n)
-            ]
-            for seq in seqs:
-                self.engine.add(seq)
-            requests.append((prompt, ids, seqs))
-        while self.engine.has_work():
-            self.engine.step()
-        return [self._output(rid_prompt, ids, seqs) for rid_prompt, ids, seqs in requests]
+            text = prompt if isinstance(prompt, str) else None
+            try:
+                ids = self._encode(prompt)
+                added.append(self.engine.add_request(rid, ids, params, text, self.weights_version))
+            except RequestError as exc:
+                ids = [] if isinstance(prompt, str) else list(prompt)
+                added.append(RequestOutput(rid, text, ids, [], True, self.weights_version, error=str(exc)))
+        return added
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -106,21 +178,6 @@ class LLM:
         if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
-
-    def _output(self, prompt, ids: list[int], seqs: list[Sequence]) -> RequestOutput:
-        outputs = []
-        for seq in seqs:
-            text = self.tokenizer.decode(seq.output_ids) if self.tokenizer is not None else None
-            logprobs = [lp.top for lp in seq.logprobs] if seq.params.logprobs is not None else None
-            outputs.append(CompletionOutput(seq.index, list(seq.output_ids), text, seq.finish_reason, logprobs))
-        return RequestOutput(
-            request_id=seqs[0].request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
-            prompt_token_ids=ids,
-            outputs=outputs,
-            finished=True,
-            weights_version=self.weights_version,
-        )
 
     # ---- scoring ----
     @torch.inference_mode()
@@ -140,6 +197,65 @@ class LLM:
                 parts.append(model.logits(streams).log_softmax(dim=-1))
             results.append(torch.cat(parts))
         return results
+
+    # ---- weights ----
+    # Thin wrappers over dsv4.weights.{refit,export,report}; imported here so this block stays self-contained.
+    _weight_update = None  # the session begun last (at most one is open at a time)
+
+    def begin_weight_update(self, atomic: bool = True, full: bool = False):
+        """Open a weight update session (see `dsv4.weights.refit`): `load(bucket)` any number of times,
+        then `finish()` (or use it as a context manager). Target and drafters update together."""
+        from dsv4.errors import WeightUpdateError
+        from dsv4.weights.refit import WeightUpdateSession
+
+        if self._weight_update is not None and self._weight_update.active:
+            raise WeightUpdateError(
+                f"a weight update session is already open ({self._weight_update.buckets} bucket(s) loaded); "
+                f"finish() or abort() it first"
+            )
+        self._weight_update = WeightUpdateSession(
+            self.loaded, self.weights_version, self._commit_weights, atomic=atomic, full=full
+        )
+        return self._weight_update
+
+    def _commit_weights(self) -> int:
+        self.weights_version += 1
+        return self.weights_version
+
+    def update_weights(self, weights, full: bool = False) -> int:
+        """Atomically replace weights with (name, tensor) pairs (one bucket); returns the new version."""
+        with self.begin_weight_update(atomic=True, full=full) as session:
+            session.load(weights)
+        return session.version
+
+    def iter_weights(self):
+        """Every loadable tensor as (native name, resident-format view); feeds another engine's update."""
+        from dsv4.weights.export import iter_weights
+
+        return iter_weights(self.loaded)
+
+    def weight_report(self) -> dict:
+        """Version, READY flag and per-tensor shape/dtype/address/checksum (see `dsv4.weights.report`)."""
+        from dsv4.weights.report import weight_report
+
+        return weight_report(self.loaded, self.weights_version)
+
+    def save_checkpoint(self, out_dir: str | Path, layout: str = "native", dense: str = "model", experts: str = "resident") -> Path:
+        """Write the current weights as a checkpoint directory (tokenizer files copied along)."""
+        from dsv4.weights.export import save_checkpoint
+
+        return save_checkpoint(self.loaded, out_dir, layout, dense, experts, copy_from=self.path)
+
+
+def _progress_bar(total: int):
+    """A tqdm bar over requests, only when stderr is a terminal and tqdm is installed."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="generate", unit="req")
 
 
 def _load_tokenizer(path: Path):

@@ -4,13 +4,20 @@ All three share the same projections: low-rank q with a per-head unweighted RMSN
 head (MQA), partial interleaved RoPE, a learnable per-head sink, output de-rotation and a grouped
 low-rank output projection. CSA and HCA append compressed entries after the window keys.
 
-Shapes: T tokens in the step, H heads, hd head dim, W window, m compress rate, n entries.
+Shapes: T tokens in the step, H heads, hd head dim, W window, m compress rate, n entries,
+B single-token (decode) rows.
+
+Two paths compute the same thing. The per-segment path (the reference) loops over the sequences of
+the step and handles any chunk length. The batched decode path serves every single-token segment at
+once: it gathers each row's window ring and entries by cache slot and masks them by position, so a
+decode step costs the same number of ops for 1 or 64 sequences.
 """
 
 import torch
 from torch import nn
 
 from dsv4.config import CSA, SLIDING, ModelConfig
+from dsv4.kernels.registry import DECODE_ATTENTION, default_registry
 from dsv4.model.batch import ForwardBatch, Segment
 from dsv4.model.cache import CompressorCache, LayerCache
 from dsv4.model.norm import RMSNorm, rms_normalize
@@ -85,6 +92,49 @@ class Compressor(nn.Module):
         cache.entries[slot, first_window:end_window] = apply_rotary(entries, cos, sin)
         return end_window
 
+    def emit_decode(
+        self, kv: torch.Tensor, gate: torch.Tensor, slots: torch.Tensor, positions: list[int],
+        cache: CompressorCache, rope: RotaryTable,
+    ) -> None:
+        """`emit` for B single-token rows at once: kv, gate [B, width] at `positions`, cache slots
+        `slots` [B]. Records each token in its ring; rows whose token completes window w = p // m
+        append entry w. Equals `emit` on each row (same ring rows, same entries)."""
+        m, ring_len = self.rate, cache.ring_kv.shape[1]
+        device = kv.device
+        pos = torch.tensor(positions, device=device)
+        cache.ring_kv[slots, pos % ring_len] = kv
+        cache.ring_gate[slots, pos % ring_len] = gate
+        done = [b for b, p in enumerate(positions) if (p + 1) % m == 0]
+        if not done:
+            return
+        windows = [positions[b] // m for b in done]
+        done_slots = slots[torch.tensor(done, device=device)]
+        ring_kv = cache.ring_kv[done_slots].float()  # [E, R, width]
+        ring_gate = cache.ring_gate[done_slots].float()
+        if not self.overlap:
+            # R == m: ring row j holds the window's token j, whose ape row is j.
+            slots_kv, slots_gate = ring_kv, ring_gate + self.ape
+        else:
+            # R == 2m: window w fills ring half w % 2, window w - 1 the other half.
+            d, E = self.out_dim, len(done)
+            cur_half = torch.tensor([w % 2 for w in windows], device=device)
+            rows = torch.arange(E, device=device)
+            halves_kv = ring_kv.view(E, 2, m, 2 * d)
+            halves_gate = ring_gate.view(E, 2, m, 2 * d)
+            cur_kv, prev_kv = halves_kv[rows, cur_half], halves_kv[rows, 1 - cur_half]
+            cur_gate, prev_gate = halves_gate[rows, cur_half] + self.ape, halves_gate[rows, 1 - cur_half] + self.ape
+            first = torch.tensor([w == 0 for w in windows], device=device).view(E, 1, 1)
+            # Window 0 has no previous window: its Ca slots weigh nothing (and hold no data).
+            prev_kv = prev_kv[..., :d].masked_fill(first, 0.0)
+            prev_gate = prev_gate[..., :d].masked_fill(first, float("-inf"))
+            slots_kv = torch.cat((prev_kv, cur_kv[..., d:]), dim=1)  # [E, 2m, d]
+            slots_gate = torch.cat((prev_gate, cur_gate[..., d:]), dim=1)
+        pooled = (slots_kv * slots_gate.softmax(dim=1)).sum(dim=1)  # [E, d] fp32
+        entries = self.norm(pooled.to(kv.dtype))
+        window_ids = torch.tensor(windows, device=device)
+        cos, sin = rope.cos_sin(window_ids * m)
+        cache.entries[done_slots, window_ids] = apply_rotary(entries, cos, sin)
+
 
 class Indexer(nn.Module):
     """Lightning indexer: picks, per query, the top-k compressed entries a CSA layer attends to.
@@ -114,6 +164,19 @@ class Indexer(nn.Module):
         entry = torch.arange(keys.shape[0], device=keys.device)
         scores = scores.masked_fill(entry >= visible_count, float("-inf"))
         picks = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        return torch.where(picks >= visible_count, torch.full_like(picks, -1), picks)
+
+    def select_decode(
+        self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """`select` for B single-token rows: q [B, nI, dI], head_weights [B, nI], keys [B, n, dI] (row b's
+        first counts[b] are its visible entries) -> [B, min(k, n)] picks, -1 where fewer are visible."""
+        scores = torch.bmm(q.float(), keys.float().transpose(1, 2)).relu() * self.head_dim**-0.5  # [B, nI, n]
+        scores = (scores * (head_weights.float() * self.n_heads**-0.5).unsqueeze(-1)).sum(dim=1)  # [B, n]
+        visible_count = counts.unsqueeze(-1)
+        entry = torch.arange(keys.shape[1], device=keys.device)
+        scores = scores.masked_fill(entry >= visible_count, float("-inf"))
+        picks = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
         return torch.where(picks >= visible_count, torch.full_like(picks, -1), picks)
 
 
@@ -164,24 +227,78 @@ class Attention(nn.Module):
             idx_w = self.indexer.weights_proj(x)
 
         out = torch.empty_like(q)
-        for seg in batch.segments:
+        decode = [seg for seg in batch.segments if seg.length == 1]
+        if decode and not default_registry().choose(DECODE_ATTENTION).is_reference:
+            # A pure decode step needs no gather: its rows are the whole flat batch, in segment order.
+            rows = slice(None) if len(decode) == T else torch.tensor([seg.begin for seg in decode], device=x.device)
+            side = _rows_of(rows, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
+            out[rows] = self._decode(q[rows], kv[rows], decode, cache, side)
+            segments = [seg for seg in batch.segments if seg.length > 1]
+        else:
+            segments = batch.segments
+        for seg in segments:
             rows = slice(seg.begin, seg.end)
-            keys, bias = self._window_keys(kv[rows], seg, cache.window)
-            if self.compressor is not None:
-                n = self.compressor.emit(comp_kv[rows], comp_gate[rows], seg, cache.compressor, self.rope)
-                entries = cache.compressor.entries[seg.slot, :n]
-                positions = batch.positions[rows]
-                if self.indexer is not None:
-                    n_keys = self.indexer.compressor.emit(idx_kv[rows], idx_gate[rows], seg, cache.indexer, self.rope)
-                    index_keys = cache.indexer.entries[seg.slot, :n_keys]
-                    entry_bias = self._selected_bias(self.indexer.select(idx_q[rows], idx_w[rows], index_keys, positions), n)
-                else:
-                    entry_bias = self._causal_entry_bias(positions, n, self.compressor.rate)
-                keys = torch.cat((keys, entries))
-                bias = torch.cat((bias, entry_bias.to(bias.dtype)), dim=-1)
-            out[rows] = self._attend(q[rows], keys, bias)
+            out[rows] = self._segment(q[rows], kv[rows], seg, batch.positions[rows], cache,
+                                      _rows_of(rows, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w))
         out = apply_rotary(out, cos, sin, inverse=True)  # V carried RoPE: de-rotate at the query position
         return self._project_out(out)
+
+    def _segment(
+        self, q: torch.Tensor, kv: torch.Tensor, seg: Segment, positions: torch.Tensor, cache: LayerCache, side: "_SideInputs"
+    ) -> torch.Tensor:
+        """Reference path for one sequence's chunk: q [L, H, hd], kv [L, hd] -> [L, H, hd]."""
+        keys, bias = self._window_keys(kv, seg, cache.window)
+        if self.compressor is not None:
+            n = self.compressor.emit(side.comp_kv, side.comp_gate, seg, cache.compressor, self.rope)
+            entries = cache.compressor.entries[seg.slot, :n]
+            if self.indexer is not None:
+                n_keys = self.indexer.compressor.emit(side.idx_kv, side.idx_gate, seg, cache.indexer, self.rope)
+                index_keys = cache.indexer.entries[seg.slot, :n_keys]
+                entry_bias = self._selected_bias(self.indexer.select(side.idx_q, side.idx_w, index_keys, positions), n)
+            else:
+                entry_bias = self._causal_entry_bias(positions, n, self.compressor.rate)
+            keys = torch.cat((keys, entries))
+            bias = torch.cat((bias, entry_bias.to(bias.dtype)), dim=-1)
+        return self._attend(q, keys, bias)
+
+    def _decode(
+        self, q: torch.Tensor, kv: torch.Tensor, segs: list[Segment], cache: LayerCache, side: "_SideInputs"
+    ) -> torch.Tensor:
+        """Batched path for B single-token segments: q [B, H, hd], kv [B, hd] -> [B, H, hd].
+        Writes the same cache rows as `_segment` would for each row."""
+        W, device = self.window, q.device
+        positions = [seg.start for seg in segs]
+        slots = torch.tensor([seg.slot for seg in segs], device=device)
+        pos = torch.tensor(positions, device=device).unsqueeze(-1)  # [B, 1]
+        cache.window[slots, pos.squeeze(-1) % W] = kv
+        keys = cache.window[slots]  # [B, W, hd]; ring row i holds the latest position = i (mod W), <= pos
+        held = pos - (pos - torch.arange(W, device=device)) % W
+        bias = _mask_to_bias(held >= 0)  # [B, W]; held > pos - W always: only unwritten rows are hidden
+        if self.compressor is not None:
+            rate = self.compressor.rate
+            self.compressor.emit_decode(side.comp_kv, side.comp_gate, slots, positions, cache.compressor, self.rope)
+            n_max = max((p + 1) // rate for p in positions)
+            if n_max > 0:
+                counts = (pos.squeeze(-1) + 1) // rate  # [B] complete entries per row
+                entries = cache.compressor.entries[slots, :n_max]  # [B, n_max, hd]
+                if self.indexer is not None:
+                    self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, slots, positions, cache.indexer, self.rope)
+                    index_keys = cache.indexer.entries[slots, :n_max]
+                    entry_bias = self._selected_bias(self.indexer.select_decode(side.idx_q, side.idx_w, index_keys, counts), n_max)
+                else:
+                    entry_bias = _mask_to_bias(torch.arange(n_max, device=device) < counts.unsqueeze(-1))
+                keys = torch.cat((keys, entries), dim=1)
+                bias = torch.cat((bias, entry_bias), dim=-1)
+            elif self.indexer is not None:
+                self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, slots, positions, cache.indexer, self.rope)
+        return self._attend_decode(q, keys, bias)
+
+    def _attend_decode(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """`_attend` per row: q [B, H, hd], keys (= values) [B, N, hd], bias [B, N] -> [B, H, hd]."""
+        logits = torch.bmm(q, keys.transpose(1, 2)).float() * self.head_dim**-0.5 + bias.unsqueeze(1)  # [B, H, N]
+        sink = self.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
+        probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.bmm(probs.to(keys.dtype), keys)
 
     def _window_keys(self, kv: torch.Tensor, seg: Segment, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The window keys visible to the segment ([earlier ring tokens | new tokens]) and the [len, n]
@@ -224,6 +341,20 @@ class Attention(nn.Module):
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)  # [g, ol, (H/g)*hd]
         low_rank = torch.einsum("tgc,goc->tgo", grouped, wo_a).reshape(T, -1)  # [T, g*ol]
         return self.wo_b(low_rank)
+
+
+class _SideInputs:
+    """A row range's compressor / indexer projections (None where the layer has no such part)."""
+
+    __slots__ = ("comp_kv", "comp_gate", "idx_kv", "idx_gate", "idx_q", "idx_w")
+
+    def __init__(self, *tensors: torch.Tensor | None):
+        for name, t in zip(self.__slots__, tensors):
+            setattr(self, name, t)
+
+
+def _rows_of(rows, *tensors: torch.Tensor | None) -> _SideInputs:
+    return _SideInputs(*(None if t is None else t[rows] for t in tensors))
 
 
 def _mask_to_bias(visible: torch.Tensor) -> torch.Tensor:

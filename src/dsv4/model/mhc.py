@@ -10,6 +10,7 @@ and after it  R'_j = post_j * o + sum_i comb[i, j] R_i.
 
 import torch
 
+from dsv4.kernels.registry import MHC_COEFFICIENTS, default_registry
 from dsv4.model.norm import rms_normalize
 
 
@@ -26,6 +27,16 @@ def mix_logits_broadcast(embeds: torch.Tensor, fn_broadcast: torch.Tensor, eps: 
 
 
 def coefficients(
+    logits: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int, hc_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`coefficients_reference` through the kernel registry's fused path when it supports these tensors."""
+    kernel = default_registry().choose(MHC_COEFFICIENTS).impl
+    if kernel is not None and kernel.supports(logits, hc, sinkhorn_iters):
+        return kernel(logits, base, scale, hc, sinkhorn_iters, hc_eps)
+    return coefficients_reference(logits, base, scale, hc, sinkhorn_iters, hc_eps)
+
+
+def coefficients_reference(
     logits: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int, hc_eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [T, mix] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (comb[i, j]: source i -> destination j)."""

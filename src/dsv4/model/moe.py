@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import HASH_MOE, ModelConfig, QuantConfig
+from dsv4.kernels.registry import MOE_EXPERTS, default_registry
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
 
 # Keeps the normalisation well-defined when every selected score underflows to zero.
@@ -113,7 +114,15 @@ class RoutedExperts(nn.Module):
         return dequantize_fp4(weight, scale, self.group, out_dtype=self.dtype)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]."""
+        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]; the registry's gathered path
+        for small batches of dense experts, else the reference loop."""
+        gathered = default_registry().choose(MOE_EXPERTS).impl
+        if self.format == DENSE and gathered is not None and gathered.supports(x, ids.numel(), self.w1):
+            return gathered(x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
+        return self.forward_reference(x, ids, weights)
+
+    def forward_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """One expert at a time, dequantising only the experts in use."""
         out = torch.zeros_like(x)
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
