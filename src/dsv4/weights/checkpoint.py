@@ -19,7 +19,7 @@ from dsv4.errors import CheckpointError
 INDEX_FILE = "model.safetensors.index.json"
 _HEADER_LEN_BYTES = 8  # safetensors: little-endian u64 header size, then the JSON header
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
     "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8,
 }
@@ -58,12 +58,12 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 f"{path}: tensor {name} is stored as F4 (float4_e2m1fn_x2), which safetensors cannot slice; "
                 f"store FP4 experts as I8 packed bytes (two e2m1 codes per byte) as DeepSeek's releases do"
             )
-        if dtype not in _DTYPE_BYTES:
+        if dtype not in DTYPE_BYTES:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype}")
         numel = 1
         for d in shape:
             numel *= d
-        if end - begin != numel * _DTYPE_BYTES[dtype] or end > data_len:
+        if end - begin != numel * DTYPE_BYTES[dtype] or end > data_len:
             raise CheckpointError(
                 f"{path}: tensor {name} data [{begin}, {end}) does not fit its shape {list(shape)} {dtype} "
                 f"or the file ({data_len} data bytes): truncated or corrupt"

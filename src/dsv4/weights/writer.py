@@ -4,6 +4,10 @@ Every load format (checkpoint files, dummy values, refit buckets) goes through `
 mapping, pairing of weights with their scales, validation and conversion exist once. Staging (map +
 validate + convert) is separate from writing, which lets a refit session validate everything before
 it touches a single resident byte.
+
+Staged values and pending weight/scale halves may alias the caller's tensors (no copy is made when
+the incoming dtype and layout already match): whoever defers a write past the caller's next reuse of
+its buffers must clone them first, as the atomic refit session does.
 """
 
 import re
@@ -17,7 +21,7 @@ from dsv4.weights.names import canonical_tensors
 from dsv4.weights.slots import Slot, SlotTable
 
 # Drafter copies of the target's embedding and head: the target owns them, drafters alias them.
-_ALIASED_DRAFTER_TENSORS = re.compile(r"^mtp\.\d+\.(emb\.tok_emb\.weight|head\.weight|embed\.weight)$")
+ALIASED_DRAFTER_TENSORS = re.compile(r"^mtp\.\d+\.(emb\.tok_emb\.weight|head\.weight|embed\.weight)$")
 _DRAFTER_PREFIX = "mtp."
 
 
@@ -61,7 +65,7 @@ class WeightWriter:
         return staged
 
     def _stage_native(self, native: str, tensor: torch.Tensor, origin: str, incoming: str) -> list[StagedWrite]:
-        if _ALIASED_DRAFTER_TENSORS.match(native):
+        if ALIASED_DRAFTER_TENSORS.match(native):
             self.ignored.add(native)
             return []
         is_scale = native.endswith(".scale")
@@ -75,6 +79,8 @@ class WeightWriter:
         if not is_scale and not needs_scale(tensor, slot.is_expert):
             return [self._convert(slot, tensor, None, origin, incoming)]
         pending = self._pending.setdefault(weight_name, _Pending())
+        if (pending.scale if is_scale else pending.weight) is not None:
+            raise self.error_type(f"{origin}: tensor {incoming!r} arrived twice before its partner")
         if is_scale:
             pending.scale = tensor
         else:

@@ -1,0 +1,246 @@
+"""A weight update session (refit): begin -> load(bucket) any number of times -> finish() | abort().
+
+A trainer streams new weights in buckets of (name, tensor) pairs: native or HF names, any supported
+dtype (bf16/fp32 values are quantized on the fly into FP8/FP4 experts; native FP8/FP4 bytes arrive with
+their `.scale`, possibly in a later bucket). Everything goes through the same `WeightWriter` as a
+checkpoint load, so a refit can never map, pair or convert differently from a fresh load of the same
+weights. Every tensor of a bucket is validated (known name, shape, finite values) before any byte of
+that bucket is written.
+
+Two failure policies, because a true rollback costs memory:
+
+  atomic (default)   converted values are staged; nothing is written until `finish()`. A failed bucket,
+                     an incomplete session or `abort()` leaves the previous weights serving, bit-exact,
+                     READY. Costs one extra copy of the updated tensors (in resident layout).
+  fail-stop          each bucket is written as soon as it is validated (memory: one bucket). From the
+                     first write on, and after any error, the models are not READY (forward raises
+                     WeightsNotReadyError naming the model) until a session finishes with every tensor.
+
+`finish()` writes (atomic), checks that no weight waits for its scale and (with `full=True`, or when the
+models were not READY at `begin`) that every expected tensor arrived, finalizes every model exactly once
+(target first, then drafters), verifies that no tensor changed address, and bumps the weights version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Callable
+
+import torch
+
+from dsv4.errors import WeightUpdateError
+from dsv4.weights.loader import LoadedModels
+from dsv4.weights.names import canonical_name
+from dsv4.weights.report import model_tensors
+from dsv4.weights.writer import StagedWrite, WeightWriter
+
+Bucket = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+SCALE_SUFFIX = ".scale"
+# Incoming float values never need a scale partner, so the writer never holds on to them.
+_FLOAT_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# How many missing names an error message lists before summarising the rest.
+_SHOWN_NAMES = 10
+
+OPEN, FINISHED, ABORTED, FAILED = "open", "finished", "aborted", "failed"
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _owned(value: torch.Tensor | None, incoming: torch.Tensor) -> torch.Tensor | None:
+    """A staged value that cannot change under us: the caller may reuse its bucket buffer (IPC / NCCL
+    receive buffers are reused every bucket), so anything that still aliases it is cloned."""
+    if value is not None and _shares_storage(value, incoming):
+        return value.clone()
+    return value
+
+
+def _keepable(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What the writer may hold on to: a quantized weight or a scale can wait in the writer for its
+    partner from a later bucket, so it gets its own copy; float values are converted before staging."""
+    if tensor.dtype in _FLOAT_VALUE_DTYPES and not canonical_name(name).endswith(SCALE_SUFFIX):
+        return tensor
+    return tensor.clone()
+
+
+def _addresses(loaded: LoadedModels) -> dict[tuple[str, str], int]:
+    """data_ptr of every parameter and derived tensor: what a captured graph has baked in."""
+    return {
+        (role, name): tensor.data_ptr()
+        for role, model in loaded.models.items()
+        for name, tensor, _ in model_tensors(model)
+    }
+
+
+def _names_summary(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN_NAMES])
+    more = len(names) - _SHOWN_NAMES
+    return shown + (f" ... (+{more} more)" if more > 0 else "")
+
+
+class WeightUpdateSession:
+    """One update of the weights of a target and its drafters. Use as a context manager: a normal exit
+    finishes the session, an exception aborts it (and propagates).
+
+    Args:
+        loaded: the models to update.
+        version: the weights version in effect at begin.
+        on_commit: called once after a successful finish; returns the new weights version.
+        atomic: stage everything and apply at `finish()` (True), or write as buckets arrive (False).
+        full: `finish()` requires every tensor of every model.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModels,
+        version: int,
+        on_commit: Callable[[], int],
+        *,
+        atomic: bool = True,
+        full: bool = False,
+    ):
+        self.loaded = loaded
+        self.atomic = atomic
+        self.version = version  # the weights version in effect; the new one after a successful finish
+        self._on_commit = on_commit
+        self._table = loaded.slot_table()
+        self._writer = WeightWriter(self._table, loaded.layout, error_type=WeightUpdateError)
+        # A model that is not READY may hold a half-written update: only a complete one can repair it.
+        self.full = full or not all(m.ready for m in loaded.models.values())
+        self.state = OPEN
+        self.buckets = 0
+        self._origin_of: dict[str, str] = {}  # native weight name -> the bucket that completed it
+        self._staged: list[StagedWrite] = []  # atomic mode: converted values waiting for finish()
+        self._wrote = False  # whether any resident byte was written by this session
+        self._addresses = _addresses(loaded)
+
+    # ---- state ----
+    @property
+    def active(self) -> bool:
+        return self.state == OPEN
+
+    def _require_open(self, action: str) -> None:
+        if self.state != OPEN:
+            raise WeightUpdateError(f"weight update session: cannot {action}, the session is already {self.state}")
+
+    def _fail(self, exc: Exception) -> WeightUpdateError:
+        """Close the session after an error. Fail-stop mode, or any session that already wrote, leaves
+        every model not READY: their tensors may now mix old and new weights."""
+        self.state = FAILED
+        self._staged.clear()
+        message = str(exc) if isinstance(exc, WeightUpdateError) else f"weight update failed: {type(exc).__name__}: {exc}"
+        if not self.atomic or self._wrote:
+            self._mark_not_ready()
+            message += "; the models refuse requests until a weight update with every tensor finishes"
+        else:
+            message += "; nothing was applied, the previous weights keep serving"
+        return WeightUpdateError(message)
+
+    def _mark_not_ready(self) -> None:
+        for model in self.loaded.models.values():
+            model.mark_loading()
+
+    # ---- buckets ----
+    def load(self, bucket: Bucket, origin: str | None = None) -> int:
+        """Validate and convert one bucket; fail-stop mode also writes it. Returns how many resident
+        tensors the bucket completed (a weight waiting for its scale counts when the scale arrives).
+        Any error closes the session (see the module docstring for what the weights look like then).
+        The bucket's tensors may be reused by the caller as soon as this returns."""
+        self._require_open("load a bucket")
+        self.buckets += 1
+        origin = origin or f"update bucket {self.buckets}"
+        pairs = bucket.items() if isinstance(bucket, Mapping) else bucket
+        try:
+            staged = self._stage_bucket(pairs, origin)
+            if self.atomic:
+                self._staged.extend(staged)
+            else:
+                self._write(staged)
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        return len(staged)
+
+    def _stage_bucket(self, pairs: Iterable[tuple[str, torch.Tensor]], origin: str) -> list[StagedWrite]:
+        staged: list[StagedWrite] = []
+        for name, tensor in pairs:
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightUpdateError(f"{origin}: tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+            for write in self._writer.stage(name, _keepable(name, tensor), origin):
+                native = write.slot.native
+                if native in self._origin_of:
+                    raise WeightUpdateError(
+                        f"{origin}: tensor {name!r} ({native}) arrived twice in this session "
+                        f"(first in {self._origin_of[native]})"
+                    )
+                self._origin_of[native] = origin
+                if self.atomic:  # kept until finish(): must not alias the caller's buffer
+                    write.value = _owned(write.value, tensor)
+                    write.scale = _owned(write.scale, tensor)
+                staged.append(write)
+        return staged
+
+    @torch.no_grad()
+    def _write(self, staged: list[StagedWrite]) -> None:
+        if staged and not self._wrote:
+            self._mark_not_ready()  # from the first write on, the models hold a mix until finalize
+            self._wrote = True
+        for write in staged:
+            self._writer.write(write)
+
+    # ---- end ----
+    def finish(self) -> int:
+        """Check, apply (atomic), finalize every model once (target first) and bump the version.
+        Returns the weights version now in effect; an empty session changes nothing, not even that."""
+        self._require_open("finish")
+        try:
+            self._check_complete()
+            if self._origin_of:
+                if self.atomic:
+                    self._write(self._staged)
+                self.loaded.finalize()
+                self._check_addresses()
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        self._staged.clear()
+        self.state = FINISHED
+        if self._origin_of:
+            self.version = self._on_commit()
+        return self.version
+
+    def _check_complete(self) -> None:
+        problems = self._writer.unpaired()
+        if self.full:
+            missing = sorted(self._table.names() - set(self._origin_of))
+            if missing:
+                problems.append(f"{len(missing)} missing tensor(s): {_names_summary(missing)}")
+        if problems:
+            kind = "full weight update" if self.full else "weight update"
+            raise WeightUpdateError(f"{kind} incomplete at finish: " + "; ".join(problems))
+
+    def _check_addresses(self) -> None:
+        """Pointer audit: an update that moved a tensor would leave captured graphs reading the old one."""
+        now = _addresses(self.loaded)
+        moved = sorted(f"{role}:{name}" for (role, name), ptr in self._addresses.items() if now.get((role, name)) != ptr)
+        if moved:
+            raise WeightUpdateError(f"weight update moved {len(moved)} tensor(s) to a new address: {_names_summary(moved)}")
+
+    def abort(self) -> None:
+        """Drop the session. Atomic: nothing was written, the previous weights keep serving. Fail-stop:
+        if anything was written the models stay not READY until a complete update finishes."""
+        if self.state != OPEN:
+            return
+        self.state = ABORTED
+        self._staged.clear()
+
+    # ---- context manager ----
+    def __enter__(self) -> "WeightUpdateSession":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+        return False

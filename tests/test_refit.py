@@ -1,0 +1,362 @@
+"""Weight update sessions (refit): the lifecycle invariant under updates, and what failures leave behind.
+
+Invariant: after any sequence of loads and updates ending with weights W, every resident tensor (derived
+ones included) is bit-identical to a fresh load of W, and no tensor address changed since build. Checked
+through `weight_report()` checksums and addresses. Engines load the tiny reference config as a native
+checkpoint with FP8 dense linears and FP4 experts (the release format), in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import reference as ref
+from dsv4 import LLM, SamplingParams
+from dsv4.errors import WeightsNotReadyError, WeightUpdateError
+
+OLD_SEED, NEW_SEED = 1, 2
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, 9, 37, 51, 5, 8]
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+BUCKETS = 3
+SMALL_ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 64}
+DERIVED = "hc_attn_fn_broadcast"
+E8M0_NAN = 255
+
+
+@dataclass
+class Checkpoints:
+    old: Path  # native FP8 dense + FP4 experts, weights OLD_SEED
+    new: Path  # the same format, weights NEW_SEED
+    new_stored: dict[str, torch.Tensor]  # exactly the tensors of `new` (native names, FP8/FP4 + scales)
+    new_hf_bf16: dict[str, torch.Tensor]  # NEW_SEED weights in HF names and layout, bf16
+    new_hf_dir: Path  # an HF checkpoint holding new_hf_bf16
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> Checkpoints:
+    root = tmp_path_factory.mktemp("refit")
+    cfg = ref.tiny_config()
+    old = ref.native_state_dict(ref.build_reference_model(cfg, OLD_SEED))
+    new = ref.native_state_dict(ref.build_reference_model(cfg, NEW_SEED))
+    ref.write_native_checkpoint(root / "old", cfg, old, dense="fp8", expert_dtype="fp4")
+    stored = ref.write_native_checkpoint(root / "new", cfg, new, dense="fp8", expert_dtype="fp4")
+    hf = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in ref.hf_state_from_native(new, cfg).items()}
+    hf_dir = root / "new_hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    save_file({n: t.contiguous() for n, t in hf.items()}, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    return Checkpoints(root / "old", root / "new", stored, hf, hf_dir)
+
+
+def _llm(path, **kwargs) -> LLM:
+    return LLM(path, **{**SMALL_ENGINE, **kwargs})
+
+
+def _checksums(llm: LLM) -> dict[str, str]:
+    return {name: t["checksum"] for name, t in llm.weight_report()["tensors"].items()}
+
+
+def _pointers(llm: LLM) -> dict[str, int]:
+    return {name: t["data_ptr"] for name, t in llm.weight_report()["tensors"].items()}
+
+
+def _state(llm: LLM) -> tuple:
+    report = llm.weight_report()
+    return report["version"], report["ready"], _checksums(llm), _pointers(llm)
+
+
+def _logprobs(llm: LLM) -> torch.Tensor:
+    return llm.forward_logprobs([PROMPT])[0]
+
+
+def _greedy(llm: LLM) -> list[int]:
+    return llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+
+
+def _buckets(tensors: dict[str, torch.Tensor], count: int = BUCKETS) -> list[dict[str, torch.Tensor]]:
+    """Contiguous runs of the sorted names: boundaries fall wherever they fall, pairs included."""
+    names = sorted(tensors)
+    size = -(-len(names) // count)
+    return [{n: tensors[n] for n in names[i * size : (i + 1) * size]} for i in range(count)]
+
+
+@dataclass
+class Expected:
+    """What a fresh load of the new weights holds and answers (computed once)."""
+
+    checksums: dict[str, str]
+    logprobs: torch.Tensor
+    greedy: list[int]
+
+
+@pytest.fixture(scope="module")
+def fresh_new(ckpts) -> LLM:
+    return _llm(ckpts.new)
+
+
+@pytest.fixture(scope="module")
+def new(fresh_new) -> Expected:
+    return Expected(_checksums(fresh_new), _logprobs(fresh_new), _greedy(fresh_new))
+
+
+@pytest.fixture(scope="module")
+def old_logprobs(ckpts) -> torch.Tensor:
+    return _logprobs(_llm(ckpts.old))
+
+
+# ---- success paths ----
+def test_update_equals_fresh_load_and_moves_no_tensor(ckpts, new):
+    llm = _llm(ckpts.old)
+    built = _pointers(llm)
+    before = _checksums(llm)
+    assert {t["derived"] for t in llm.weight_report()["tensors"].values()} == {True, False}
+    assert before[DERIVED] != new.checksums[DERIVED], "the derived tensor must need a refresh"
+
+    with llm.begin_weight_update() as session:
+        for bucket in _buckets(ckpts.new_stored):
+            session.load(bucket)
+
+    report = llm.weight_report()
+    assert report["version"] == 1 and report["ready"]
+    assert _checksums(llm) == new.checksums
+    assert _pointers(llm) == built
+    assert torch.equal(_logprobs(llm), new.logprobs)
+    assert _greedy(llm) == new.greedy
+
+
+def test_empty_session_changes_nothing(ckpts):
+    llm = _llm(ckpts.old)
+    before = _state(llm)
+    with llm.begin_weight_update() as session:
+        pass
+    assert session.state == "finished"
+    assert _state(llm) == before
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "fail_stop"])
+def test_weights_and_scales_in_different_buckets(ckpts, new, atomic):
+    llm = _llm(ckpts.old)
+    scales = {n: t for n, t in ckpts.new_stored.items() if n.endswith(".scale")}
+    weights = {n: t for n, t in ckpts.new_stored.items() if n not in scales}
+    weight_dtypes = {t.dtype for t in weights.values()}
+    assert torch.int8 in weight_dtypes and torch.float8_e4m3fn in weight_dtypes
+    with llm.begin_weight_update(atomic=atomic) as session:
+        session.load(weights)  # every FP8 / FP4 weight waits for its scale
+        session.load(scales)
+    assert _checksums(llm) == new.checksums
+
+
+def test_staged_values_do_not_alias_the_callers_buckets(ckpts, new):
+    """A trainer reuses its receive buffer for the next bucket: mutating a loaded bucket must not leak in."""
+    llm = _llm(ckpts.old)
+    bucket = {n: t.clone() for n, t in ckpts.new_stored.items()}
+    session = llm.begin_weight_update()
+    session.load(bucket)
+    for tensor in bucket.values():
+        tensor.view(torch.uint8).zero_()
+    session.finish()
+    assert _checksums(llm) == new.checksums
+
+
+def test_hf_named_bf16_update_into_fp4_experts_equals_fresh_hf_load(ckpts):
+    llm = _llm(ckpts.old)
+    assert llm.loaded.expert_format == "fp4"
+    assert any(n.endswith("experts.gate_up_proj") for n in ckpts.new_hf_bf16)
+    llm.update_weights(ckpts.new_hf_bf16.items())
+    fresh = _llm(ckpts.new_hf_dir, expert_dtype="fp4")
+    assert _checksums(llm) == _checksums(fresh)
+
+
+def test_clone_through_iter_weights(ckpts, fresh_new, new):
+    """A dummy-started engine (the usual RL start) becomes bit-identical to a real one and generates alike."""
+    other = _llm("dsv4-tiny-dummy", load_format="dummy")
+    built = _pointers(other)
+    assert _checksums(other) != new.checksums
+    version = other.update_weights(fresh_new.iter_weights())
+    assert version == 1
+    assert _checksums(other) == new.checksums
+    assert _pointers(other) == built
+    assert _greedy(other) == new.greedy
+
+
+def test_iter_weights_yields_resident_formats(fresh_new):
+    tensors = dict(fresh_new.iter_weights())
+    assert tensors["layers.0.ffn.experts.3.w1.weight"].dtype == torch.int8
+    assert tensors["layers.0.ffn.experts.3.w1.scale"].dtype == torch.float8_e8m0fnu
+    assert tensors["layers.0.ffn.gate.tid2eid"].dtype == torch.int32
+    assert tensors["layers.0.attn.wq_a.weight"].dtype == torch.float32
+    loadable = fresh_new.loaded.slot_table().names()
+    assert {n for n in tensors if not n.endswith(".scale")} == loadable
+
+
+# ---- failures ----
+def _corrupt(bucket: dict[str, torch.Tensor], kind: str) -> str:
+    """Put one bad tensor into `bucket`; returns the name the error must mention."""
+    if kind == "nan":
+        name = next(n for n, t in bucket.items() if t.dtype == torch.bfloat16 and t.numel() > 1)
+        bad = bucket[name].clone()
+        bad.view(-1)[1] = float("nan")
+    elif kind == "nan_scale":
+        name = next(n for n, t in bucket.items() if t.dtype == torch.float8_e8m0fnu)
+        bad = bucket[name].clone()
+        bad.view(torch.uint8).view(-1)[0] = E8M0_NAN
+        name = name.removesuffix(".scale")  # reported with its weight
+    elif kind == "unknown":
+        name, bad = "layers.1.attn.wq_c.weight", torch.zeros(4, 4)
+    else:  # wrong shape
+        name = next(n for n, t in bucket.items() if t.dtype == torch.bfloat16 and t.dim() == 1)
+        bad = torch.zeros(bucket[name].shape[0] + 1, dtype=torch.bfloat16)
+    bucket[name if kind != "nan_scale" else f"{name}.scale"] = bad
+    return name
+
+
+@pytest.mark.parametrize("kind", ["nan", "nan_scale", "unknown", "shape"])
+def test_atomic_failure_mid_session_keeps_old_weights_serving(ckpts, new, old_logprobs, kind):
+    llm = _llm(ckpts.old)
+    before = _state(llm)
+    buckets = _buckets(ckpts.new_stored)
+    bad_name = _corrupt(buckets[1], kind)
+    session = llm.begin_weight_update()
+    session.load(buckets[0])
+    with pytest.raises(WeightUpdateError, match=rf"update bucket 2.*{re.escape(bad_name)}"):
+        session.load(buckets[1])
+    assert _state(llm) == before
+    assert torch.equal(_logprobs(llm), old_logprobs)
+    with pytest.raises(WeightUpdateError, match="already failed"):
+        session.load(buckets[2])
+    llm.update_weights(ckpts.new_stored.items())  # the next session starts clean
+    assert _checksums(llm) == new.checksums
+
+
+def test_abort_and_exception_keep_old_weights(ckpts, old_logprobs):
+    llm = _llm(ckpts.old)
+    before = _state(llm)
+    buckets = _buckets(ckpts.new_stored)
+    session = llm.begin_weight_update()
+    session.load(buckets[0])
+    session.load(buckets[1])
+    with pytest.raises(WeightUpdateError, match="already open"):
+        llm.begin_weight_update()
+    session.abort()
+    assert _state(llm) == before
+    with pytest.raises(KeyboardInterrupt):
+        with llm.begin_weight_update() as second:
+            second.load(buckets[0])
+            raise KeyboardInterrupt
+    assert second.state == "aborted"
+    assert _state(llm) == before
+    assert torch.equal(_logprobs(llm), old_logprobs)
+
+
+def test_full_session_rejects_missing_tensors(ckpts):
+    llm = _llm(ckpts.old)
+    before = _state(llm)
+    dropped = "layers.3.ffn.experts.7.w2.weight"
+    partial = {n: t for n, t in ckpts.new_stored.items() if not n.startswith(dropped.removesuffix(".weight"))}
+    with pytest.raises(WeightUpdateError, match=rf"1 missing tensor\(s\): {re.escape(dropped)}"):
+        with llm.begin_weight_update(full=True) as session:
+            session.load(partial)
+    assert _state(llm) == before
+
+
+def test_weight_without_its_scale_is_rejected_at_finish(ckpts):
+    llm = _llm(ckpts.old)
+    before = _state(llm)
+    name = "layers.2.attn.wo_a.weight"
+    with pytest.raises(WeightUpdateError, match=rf"{re.escape(name)} \(from update bucket 1\) has no scale"):
+        llm.update_weights([(name, ckpts.new_stored[name])])
+    assert _state(llm) == before
+
+
+def test_fail_stop_failure_refuses_requests_until_a_complete_update(ckpts, new):
+    llm = _llm(ckpts.old)
+    built = _pointers(llm)
+    buckets = _buckets(ckpts.new_stored)
+    bad_name = _corrupt(buckets[1], "nan")
+    session = llm.begin_weight_update(atomic=False)
+    session.load(buckets[0])
+    assert not llm.weight_report()["ready"]  # written in place: a mix until finish
+    with pytest.raises(WeightUpdateError, match=re.escape(bad_name)):
+        session.load(buckets[1])
+    with pytest.raises(WeightsNotReadyError, match="target model"):
+        llm.generate([PROMPT], GREEDY)
+
+    # a partial update cannot vouch for the half-written rest
+    with pytest.raises(WeightUpdateError, match="missing tensor"):
+        with llm.begin_weight_update(atomic=False) as partial:
+            partial.load(buckets[0])
+    with pytest.raises(WeightsNotReadyError, match="target model"):
+        llm.forward_logprobs([PROMPT])
+
+    with llm.begin_weight_update(atomic=False) as complete:
+        for bucket in _buckets(ckpts.new_stored):
+            complete.load(bucket)
+    report = llm.weight_report()
+    assert report["ready"] and report["version"] == 1
+    assert _checksums(llm) == new.checksums
+    assert _pointers(llm) == built
+    assert torch.equal(_logprobs(llm), new.logprobs)
+
+
+def test_fail_stop_error_before_any_write_still_stops_serving(ckpts):
+    """Fail-stop means the caller's update failed: the engine refuses requests rather than serve weights
+    the trainer believes replaced, even when the bad tensor came first."""
+    llm = _llm(ckpts.old)
+    bucket = dict(_buckets(ckpts.new_stored)[0])
+    _corrupt(bucket, "unknown")
+    with pytest.raises(WeightUpdateError, match="unexpected tensor"):
+        with llm.begin_weight_update(atomic=False) as session:
+            session.load(bucket)
+    assert not llm.weight_report()["ready"]
+    with pytest.raises(WeightsNotReadyError, match="target model"):
+        llm.forward_logprobs([PROMPT])
+
+
+def test_atomic_commit_interrupted_mid_write_stops_serving(ckpts, monkeypatch):
+    """If writing the staged values fails part-way (it cannot after validation, short of a device error),
+    the models hold a mix: they must refuse requests, not serve it."""
+    from dsv4.weights.writer import WeightWriter
+
+    llm = _llm(ckpts.old)
+    real_write, calls = WeightWriter.write, []
+
+    def failing_write(self, staged):
+        calls.append(staged.slot.native)
+        if len(calls) > BUCKETS:
+            raise RuntimeError("device lost")
+        real_write(self, staged)
+
+    monkeypatch.setattr(WeightWriter, "write", failing_write)
+    with pytest.raises(WeightUpdateError, match="device lost"):
+        llm.update_weights(ckpts.new_stored.items())
+    assert not llm.weight_report()["ready"]
+    with pytest.raises(WeightsNotReadyError, match="target model"):
+        llm.forward_logprobs([PROMPT])
+
+
+def test_pointer_audit_rejects_an_update_that_moves_a_tensor(ckpts, monkeypatch):
+    """A write that rebinds instead of copying in place would leave captured graphs reading old storage."""
+    from dsv4.weights.writer import WeightWriter
+
+    llm = _llm(ckpts.old)
+    moved = "layers.1.attn.wq_a.weight"
+
+    real_write = WeightWriter.write
+
+    def rebinding_write(self, staged):
+        if staged.slot.native != moved:
+            return real_write(self, staged)
+        param = self.table.param(staged.slot)
+        param.data = staged.value.to(param.dtype).clone()  # the classic refit bug: a new storage
+
+    monkeypatch.setattr(WeightWriter, "write", rebinding_write)
+    with pytest.raises(WeightUpdateError, match=rf"moved 1 tensor\(s\) to a new address: target:{re.escape(moved)}"):
+        llm.update_weights(ckpts.new_stored.items())
+    assert not llm.weight_report()["ready"]
