@@ -26,6 +26,20 @@ def broadcast_fn(fn: torch.Tensor, hc: int) -> torch.Tensor:
     return fn.view(fn.shape[0], hc, -1).sum(dim=1)
 
 
+def register_first_layer_broadcast(model: nn.Module, cfg: ModelConfig) -> None:
+    """The buffer of the derived first-layer matrix; allocated once, then only ever written in place."""
+    model.register_buffer(FIRST_LAYER_BROADCAST, torch.zeros(cfg.hc_mix, cfg.hidden_size), persistent=False)
+
+
+def first_layer_broadcast(layers: nn.ModuleList, cfg: ModelConfig) -> DerivedTensor:
+    """F_b of a model whose first block sees a broadcast input (target, DSpark), from layers[0].hc_attn_fn."""
+    return DerivedTensor(
+        name=FIRST_LAYER_BROADCAST,
+        sources=("layers.0.hc_attn_fn",),
+        compute=lambda: broadcast_fn(layers[0].hc_attn_fn.float(), cfg.hc_mult),
+    )
+
+
 def add_hyper_head(module: nn.Module, cfg: ModelConfig) -> None:
     """Register the final pre-only mHC collapse's parameters under their native names `hc_head_*`."""
     hc = cfg.hc_mult
@@ -56,18 +70,11 @@ class DeepseekV4(TopLevelModel):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
         add_hyper_head(self, cfg)
-        # Derived: layer 0's hc_attn_fn summed over streams (see derived_tensors).
-        self.register_buffer(FIRST_LAYER_BROADCAST, torch.zeros(cfg.hc_mix, cfg.hidden_size), persistent=False)
+        register_first_layer_broadcast(self, cfg)
         self.requires_grad_(False)
 
     def derived_tensors(self) -> list[DerivedTensor]:
-        return [
-            DerivedTensor(
-                name=FIRST_LAYER_BROADCAST,
-                sources=("layers.0.hc_attn_fn",),
-                compute=lambda: broadcast_fn(self.layers[0].hc_attn_fn.float(), self.cfg.hc_mult),
-            )
-        ]
+        return [first_layer_broadcast(self.layers, self.cfg)]
 
     def allocate_cache(self, slots: int, max_len: int) -> list[LayerCache]:
         device = self.embed.weight.device

@@ -27,7 +27,14 @@ from dsv4.errors import ConfigError
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
 from dsv4.model.cache import LayerCache, allocate_layer_cache
-from dsv4.model.deepseek_v4 import FIRST_LAYER_BROADCAST, DeepseekV4, add_hyper_head, broadcast_fn, hyper_head
+from dsv4.model.deepseek_v4 import (
+    FIRST_LAYER_BROADCAST,
+    DeepseekV4,
+    add_hyper_head,
+    first_layer_broadcast,
+    hyper_head,
+    register_first_layer_broadcast,
+)
 from dsv4.model.derived import DerivedTensor, TopLevelModel
 from dsv4.model.norm import RMSNorm
 
@@ -128,7 +135,7 @@ class DSparkDrafter(TopLevelModel):
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         add_hyper_head(self, cfg)
         self.markov_head = MarkovHead(cfg, spec.markov_rank, dtype)
-        self.register_buffer(FIRST_LAYER_BROADCAST, torch.zeros(cfg.hc_mix, D), persistent=False)
+        register_first_layer_broadcast(self, cfg)
         self.requires_grad_(False)
 
     def native_name(self, param_name: str) -> str:
@@ -142,13 +149,7 @@ class DSparkDrafter(TopLevelModel):
         raise KeyError(f"dspark parameter {param_name} has no native name")
 
     def derived_tensors(self) -> list[DerivedTensor]:
-        return [
-            DerivedTensor(
-                name=FIRST_LAYER_BROADCAST,
-                sources=("layers.0.hc_attn_fn",),
-                compute=lambda: broadcast_fn(self.layers[0].hc_attn_fn.float(), self.cfg.hc_mult),
-            )
-        ]
+        return [first_layer_broadcast(self.layers, self.cfg)]
 
     def allocate_cache(self, slots: int, max_len: int) -> list[LayerCache]:
         device = self.main_proj.weight.device
