@@ -23,7 +23,7 @@ from dsv4.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from dsv4.engine.request import ABORT, LENGTH, STOP, Request, RequestOutput, Sequence
 from dsv4.engine.sampler import Sampler, SamplingState, prompt_logprobs
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.errors import RequestError
+from dsv4.errors import ConfigError, RequestError
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import allocate_layer_cache, cache_tensors
 from dsv4.model.deepseek_v4 import DeepseekV4
@@ -51,20 +51,27 @@ class EngineLimits:
         """Fill unset limits from the model (max positions) and memory (available bytes * fraction):
         max_model_len defaults to the model's maximum, reduced until one sequence's cache fits the
         budget; max_num_seqs defaults to as many such sequences as fit, at most DEFAULT_MAX_NUM_SEQS.
-        Explicit values are honoured (max_model_len is still capped by the model)."""
+        Explicit values are honoured (max_model_len is still capped by the model); max_num_seqs never
+        exceeds max_num_batched_tokens."""
         budget = int((memory_bytes if memory_bytes is not None else available_memory(device)) * CACHE_MEMORY_FRACTION)
-        model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        model_len = cfg.max_position_embeddings if max_model_len is None else min(max_model_len, cfg.max_position_embeddings)
         if max_model_len is None:
             while model_len > 1 and cache_bytes_per_sequence(cfg, model_len, dtype) > budget:
                 model_len //= 2
-        if max_num_seqs is None:
-            fit = budget // max(1, cache_bytes_per_sequence(cfg, model_len, dtype))
-            max_num_seqs = int(max(1, min(DEFAULT_MAX_NUM_SEQS, fit)))
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", model_len)):
-            if not isinstance(value, int) or value < 1:
-                raise RequestError(f"{name} must be a positive int, got {value!r}")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if max_num_seqs is None:
+            fit = budget // max(1, cache_bytes_per_sequence(cfg, model_len, dtype))
+            # Every running sequence needs one token of the step budget to decode.
+            max_num_seqs = int(max(1, min(DEFAULT_MAX_NUM_SEQS, fit, max_num_batched_tokens)))
+        elif max_num_seqs > max_num_batched_tokens:
+            raise ConfigError(
+                f"max_num_seqs={max_num_seqs} > max_num_batched_tokens={max_num_batched_tokens}: "
+                f"some running sequences could not decode in a step"
+            )
         return cls(max_num_seqs, max_num_batched_tokens, model_len)
 
 

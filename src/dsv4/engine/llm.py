@@ -240,7 +240,9 @@ class LLM:
 
         return weight_report(self.loaded, self.weights_version)
 
-    def save_checkpoint(self, out_dir: str | Path, layout: str = "native", dense: str = "model", experts: str = "resident") -> Path:
+    def save_checkpoint(
+        self, out_dir: str | Path, layout: str = "native", dense: str = "model", experts: str = "resident"
+    ) -> Path:
         """Write the current weights as a checkpoint directory (tokenizer files copied along)."""
         from dsv4.weights.export import save_checkpoint
 

@@ -280,12 +280,15 @@ class Attention(nn.Module):
             n_max = max((p + 1) // rate for p in positions)
             if n_max > 0:
                 counts = (pos.squeeze(-1) + 1) // rate  # [B] complete entries per row
-                entries = cache.compressor.entries[slots, :n_max]  # [B, n_max, hd]
                 if self.indexer is not None:
+                    # CSA: attend to the k picked entries only (gathered), not to all n with a mask.
                     self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, slots, positions, cache.indexer, self.rope)
                     index_keys = cache.indexer.entries[slots, :n_max]
-                    entry_bias = self._selected_bias(self.indexer.select_decode(side.idx_q, side.idx_w, index_keys, counts), n_max)
+                    picks = self.indexer.select_decode(side.idx_q, side.idx_w, index_keys, counts)  # [B, k]
+                    entries = cache.compressor.entries[slots.unsqueeze(-1), picks.clamp(min=0)]  # [B, k, hd]
+                    entry_bias = _mask_to_bias(picks >= 0)
                 else:
+                    entries = cache.compressor.entries[slots, :n_max]  # [B, n_max, hd]
                     entry_bias = _mask_to_bias(torch.arange(n_max, device=device) < counts.unsqueeze(-1))
                 keys = torch.cat((keys, entries), dim=1)
                 bias = torch.cat((bias, entry_bias), dim=-1)

@@ -1,0 +1,195 @@
+"""dsv4 vs transformers 5.23 `generate` on the same randomised model, same dtype, in one run.
+
+Workloads (anchors.md §6 for the transformers side):
+  throughput  greedy generation of --new-tokens tokens after --prompt-len-token random prompts, at each
+              --batch size, prefill included: generated tok/s
+  decode      batch-1 decode step latency after a --prompt-len prompt (median over --new-tokens steps)
+  prefill     one forward over --prefill-len tokens, logits at every position: tok/s
+
+Writes <out>/bench_<config>.json and <out>/bench_<config>.png (ratios dsv4 / transformers).
+Usage: python benchmarks/bench_generate.py --config tiny --batch 16 64 [--threads 1] [--repeats 3]
+Needs the `test` extra (transformers) and the `bench` extra (matplotlib) installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the randomised reference models live with the tests
+
+import reference as ref  # noqa: E402
+
+from dsv4 import LLM, SamplingParams  # noqa: E402
+from dsv4.kernels import describe_backends  # noqa: E402
+from dsv4.model.batch import ForwardBatch  # noqa: E402
+
+CONFIGS = {"tiny": ref.tiny_config, "small": ref.small_config}
+MODEL_SEED = 0
+PROMPT_SEED = 1
+
+
+def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(PROMPT_SEED)
+    return torch.randint(2, vocab, (batch, length), generator=g).tolist()
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (kernel build, allocator, lazy init)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ---- transformers ----
+@torch.no_grad()
+def hf_generate(model, prompts: list[list[int]], new_tokens: int) -> None:
+    ids = torch.tensor(prompts)
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # ignore-eos: always exactly new_tokens tokens
+    try:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                             max_new_tokens=new_tokens, use_cache=True)
+    finally:
+        model.generation_config.eos_token_id = saved
+    assert out.shape[1] == ids.shape[1] + new_tokens
+
+
+@torch.no_grad()
+def hf_decode_step(model, prompt: list[int], steps: int) -> float:
+    """Median seconds of one batch-1 cached decode step."""
+    ids = torch.tensor([prompt])
+    out = model(input_ids=ids, use_cache=True)
+    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        times.append(time.perf_counter() - start)
+        cache = out.past_key_values
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def hf_prefill(model, prompt: list[int]) -> None:
+    model(input_ids=torch.tensor([prompt]), use_cache=False)
+
+
+# ---- dsv4 ----
+def dsv4_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> None:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
+
+
+def dsv4_decode_step(llm: LLM, prompt: list[int], steps: int) -> float:
+    """Median seconds of one engine step (forward + sampling) with one running sequence."""
+    engine = llm.engine
+    engine.add_request("bench-decode", prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+    engine.step()  # prefill (the prompt fits one chunk) + the first token
+    times = []
+    while engine.has_work():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def dsv4_prefill(llm: LLM, prompt: list[int], cache) -> None:
+    with torch.inference_mode():
+        model = llm.loaded.target
+        streams, _ = model(ForwardBatch.build([(0, prompt, 0)]), cache)
+        model.logits(streams)
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    config = CONFIGS[args.config]()
+    vocab = config["vocab_size"]
+    hf_model = ref.build_reference_model(config, MODEL_SEED)
+    results: dict = {
+        "config": args.config, "dtype": "float32", "threads": args.threads, "repeats": args.repeats,
+        "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+        "backends": describe_backends(), "throughput": [], "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        ref.save_hf_checkpoint(hf_model, tmp)
+        llm = LLM(tmp, dtype="float32", max_num_seqs=max(args.batch), max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len) + 1,
+                  max_num_batched_tokens=max(args.batch) * args.prompt_len)
+        for batch in args.batch:
+            prompts = _prompts(batch, args.prompt_len, vocab)
+            generated = batch * args.new_tokens
+            hf_s = _median_time(lambda: hf_generate(hf_model, prompts, args.new_tokens), args.repeats)
+            ds_s = _median_time(lambda: dsv4_generate(llm, prompts, args.new_tokens), args.repeats)
+            row = {"batch": batch, "hf_tok_s": generated / hf_s, "dsv4_tok_s": generated / ds_s, "ratio": hf_s / ds_s}
+            results["throughput"].append(row)
+            print(f"throughput b={batch}: transformers {row['hf_tok_s']:.0f} tok/s, dsv4 {row['dsv4_tok_s']:.0f} tok/s, x{row['ratio']:.2f}", flush=True)
+
+        prompt = _prompts(1, args.prompt_len, vocab)[0]
+        hf_step = statistics.median(hf_decode_step(hf_model, prompt, args.new_tokens) for _ in range(args.repeats))
+        ds_step = statistics.median(dsv4_decode_step(llm, prompt, args.new_tokens) for _ in range(args.repeats))
+        results["decode_b1"] = {"hf_ms": hf_step * 1e3, "dsv4_ms": ds_step * 1e3, "ratio": hf_step / ds_step}
+        print(f"decode b=1 step: transformers {hf_step * 1e3:.2f} ms, dsv4 {ds_step * 1e3:.2f} ms, x{hf_step / ds_step:.2f}", flush=True)
+
+        long_prompt = _prompts(1, args.prefill_len, vocab)[0]
+        scratch = llm.loaded.target.allocate_cache(1, args.prefill_len + 1)
+        hf_s = _median_time(lambda: hf_prefill(hf_model, long_prompt), args.repeats)
+        ds_s = _median_time(lambda: dsv4_prefill(llm, long_prompt, scratch), args.repeats)
+        results["prefill"] = {"tokens": args.prefill_len, "hf_tok_s": args.prefill_len / hf_s,
+                              "dsv4_tok_s": args.prefill_len / ds_s, "ratio": hf_s / ds_s}
+        print(f"prefill {args.prefill_len}: transformers {args.prefill_len / hf_s:.0f} tok/s, dsv4 {args.prefill_len / ds_s:.0f} tok/s, x{hf_s / ds_s:.2f}", flush=True)
+    return results
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"throughput b={r['batch']}" for r in results["throughput"]] + ["decode step b=1", "prefill"]
+    ratios = [r["ratio"] for r in results["throughput"]] + [results["decode_b1"]["ratio"], results["prefill"]["ratio"]]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bars = ax.bar(labels, ratios, color="tab:blue")
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.bar_label(bars, labels=[f"x{r:.1f}" for r in ratios])
+    ax.set_ylabel("dsv4 speed / transformers")
+    ax.set_title(f"{results['config']} config, fp32, {results['threads']} thread(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prefill-len", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads for both engines")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    results = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"bench_{args.config}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    plot(results, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json and {stem}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,5 @@
+"""Fast paths behind a registry with capability checks; the torch reference is always the fallback."""
+
+from dsv4.kernels.registry import describe_backends, default_registry
+
+__all__ = ["default_registry", "describe_backends"]

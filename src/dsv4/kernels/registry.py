@@ -1,0 +1,114 @@
+"""Kernel registry: for each op, an ordered list of backends (fast first, the torch reference last).
+
+A backend's `build` either returns the implementation or raises, with the reason it cannot run here;
+the first backend that builds wins, and the reference (plain readable torch, the oracle every fast
+path is tested against) always builds. `describe_backends()` reports each choice and why, for
+`dsv4 env`. Set DSV4_KERNELS=reference to force the reference path everywhere (debugging, bisecting).
+
+Per-call capability checks (device, dtype) stay with the callers: a chosen fast path that does not
+support a given tensor falls back to the reference for that call.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+FORCE_ENV = "DSV4_KERNELS"
+REFERENCE = "reference"
+
+MHC_COEFFICIENTS = "mhc_coefficients"
+DECODE_ATTENTION = "decode_attention"
+MOE_EXPERTS = "moe_experts"
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    build: Callable[[], object]  # -> implementation, or raises with the reason it is unavailable
+    summary: str
+
+
+@dataclass(frozen=True)
+class Choice:
+    op: str
+    backend: str
+    impl: object | None  # None for the reference: callers run their own torch code
+    reason: str
+
+    @property
+    def is_reference(self) -> bool:
+        return self.backend == REFERENCE
+
+
+def _build_mhc_cpu():
+    from dsv4.kernels.mhc_cpu import MhcCpuKernel, build_library
+
+    return MhcCpuKernel(build_library())
+
+
+def _build_gathered_experts():
+    from dsv4.kernels.gathered_experts import GatheredExperts
+
+    return GatheredExperts()
+
+
+def _available() -> object:
+    return True  # pure-torch fast paths: vectorised torch, available wherever torch runs
+
+
+_BACKENDS: dict[str, tuple[Backend, ...]] = {
+    MHC_COEFFICIENTS: (
+        Backend("cpu_c", _build_mhc_cpu, "one C loop per call (ctypes; fp32 CPU), replaces ~120 torch ops"),
+    ),
+    DECODE_ATTENTION: (
+        Backend("batched", _available, "all single-token rows in one gather + masked softmax, no per-sequence loop"),
+    ),
+    MOE_EXPERTS: (
+        Backend("gathered", _build_gathered_experts, "small dense batches: gathered expert weights + bmm, no per-expert loop"),
+    ),
+}
+
+
+class KernelRegistry:
+    """Resolves each op once (lazily) to its first buildable backend."""
+
+    def __init__(self, force_reference: bool = False):
+        self.force_reference = force_reference
+        self._choices: dict[str, Choice] = {}
+
+    def choose(self, op: str) -> Choice:
+        if op not in _BACKENDS:
+            raise KeyError(f"unknown kernel op {op!r}; known: {', '.join(_BACKENDS)}")
+        if op not in self._choices:
+            self._choices[op] = self._resolve(op)
+        return self._choices[op]
+
+    def _resolve(self, op: str) -> Choice:
+        if self.force_reference:
+            return Choice(op, REFERENCE, None, f"{FORCE_ENV}={REFERENCE}")
+        failures = []
+        for backend in _BACKENDS[op]:
+            try:
+                impl = backend.build()
+            except Exception as exc:  # noqa: BLE001 - any build failure means "fall back", with the reason shown
+                failures.append(f"{backend.name}: {type(exc).__name__}: {exc}")
+                continue
+            return Choice(op, backend.name, impl, backend.summary)
+        return Choice(op, REFERENCE, None, "fallback (" + "; ".join(failures) + ")")
+
+    def describe(self) -> list[str]:
+        return [f"{op:18s} {c.backend:10s} {c.reason}" for op in _BACKENDS for c in (self.choose(op),)]
+
+
+@functools.cache
+def default_registry() -> KernelRegistry:
+    """The process-wide registry (built on first use, honouring DSV4_KERNELS)."""
+    return KernelRegistry(force_reference=os.environ.get(FORCE_ENV, "").strip().lower() == REFERENCE)
+
+
+def describe_backends() -> str:
+    """Text for `dsv4 env`: the chosen backend of every op and why."""
+    return "\n".join(["kernel backends (op, backend, why):", *("  " + line for line in default_registry().describe())])

@@ -1,0 +1,93 @@
+"""Every fast path against its torch reference (fp32), plus the registry's fallback behaviour."""
+
+import pytest
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.kernels.mhc_cpu import MhcCpuKernel, build_library
+from dsv4.kernels.registry import MHC_COEFFICIENTS, REFERENCE, KernelRegistry, describe_backends
+from dsv4.model import mhc
+from dsv4.models import EMBEDDED_MODELS
+
+HC = 4
+MIX = 2 * HC + HC * HC
+
+
+@pytest.fixture(scope="module")
+def mhc_kernel() -> MhcCpuKernel:
+    return MhcCpuKernel(build_library())
+
+
+@pytest.mark.parametrize("tokens, iters, hc_eps", [(1, 20, 1e-6), (37, 20, 1e-6), (5, 1, 1e-3), (8, 7, 0.0)])
+def test_mhc_cpu_kernel_matches_reference(mhc_kernel, tokens, iters, hc_eps):
+    g = torch.Generator().manual_seed(tokens * 100 + iters)
+    logits = torch.randn(tokens, MIX, generator=g) * 3
+    base = torch.randn(MIX, generator=g)
+    scale = torch.rand(3, generator=g) * 2
+    assert mhc_kernel.supports(logits, HC, iters)
+    fast = mhc_kernel(logits, base, scale, HC, iters, hc_eps)
+    ref = mhc.coefficients_reference(logits, base, scale, HC, iters, hc_eps)
+    for got, want in zip(fast, ref):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_mhc_cpu_kernel_declines_what_it_cannot_run(mhc_kernel):
+    assert not mhc_kernel.supports(torch.zeros(2, MIX, dtype=torch.float64), HC, 20)
+    assert not mhc_kernel.supports(torch.zeros(2, MIX), HC, 0)
+
+
+def test_dispatching_coefficients_equals_reference():
+    g = torch.Generator().manual_seed(3)
+    logits, base, scale = torch.randn(9, MIX, generator=g), torch.randn(MIX, generator=g), torch.rand(3, generator=g)
+    for got, want in zip(mhc.coefficients(logits, base, scale, HC, 20, 1e-6),
+                         mhc.coefficients_reference(logits, base, scale, HC, 20, 1e-6)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_registry_falls_back_with_reason(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("DSV4_KERNEL_CACHE", "/nonexistent-cache-dir")
+    choice = KernelRegistry().choose(MHC_COEFFICIENTS)
+    assert choice.backend == REFERENCE and choice.impl is None
+    assert "no C compiler" in choice.reason
+
+
+def test_registry_forced_reference_and_description():
+    assert KernelRegistry(force_reference=True).choose(MHC_COEFFICIENTS).is_reference
+    text = describe_backends()
+    assert MHC_COEFFICIENTS in text
+    with pytest.raises(KeyError):
+        KernelRegistry().choose("no_such_op")
+
+
+@pytest.mark.parametrize("tokens, k", [(1, 2), (16, 2), (5, 4)])
+def test_gathered_experts_match_reference_loop(tokens, k):
+    from dsv4.kernels.gathered_experts import GatheredExperts
+    from dsv4.model.moe import RoutedExperts, swiglu
+
+    cfg = ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0])
+    experts = RoutedExperts(cfg, "dense", None, torch.float32)
+    g = torch.Generator().manual_seed(tokens + k)
+    for name in ("w1", "w2", "w3"):
+        getattr(experts, name).data.copy_(torch.randn(getattr(experts, name).shape, generator=g))
+    x = torch.randn(tokens, cfg.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    kernel = GatheredExperts()
+    assert kernel.supports(x, ids.numel(), experts.w1)
+    got = kernel(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
+    # Unit-scale random weights give outputs of size ~10: 1e-5 is fp32 accumulation-order noise.
+    torch.testing.assert_close(got, experts.forward_reference(x, ids, weights), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(experts(x, ids, weights), got, rtol=0, atol=0)  # forward dispatches to it
+
+
+def test_gathered_experts_decline_large_batches_and_large_experts():
+    from dsv4.kernels.gathered_experts import MAX_GATHERED_ELEMENTS, GatheredExperts
+
+    w1 = torch.zeros(4, 32, 64)
+    x = torch.zeros(1, 64)
+    assert GatheredExperts().supports(x, MAX_GATHERED_ELEMENTS // (3 * 32 * 64), w1)
+    assert not GatheredExperts().supports(x, MAX_GATHERED_ELEMENTS // (3 * 32 * 64) + 1, w1)
+    assert not GatheredExperts().supports(x, 1, torch.zeros(4, 256, 512))  # the small config's experts: loop
