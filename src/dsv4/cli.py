@@ -288,6 +288,9 @@ def cmd_env(args: argparse.Namespace) -> int:
     print(f"torch {torch.__version__}")
     print(f"device: {device}")
     print(f"threads: {torch.get_num_threads()}")
+    from dsv4.kernels import describe_backends
+
+    print(describe_backends())
     return EXIT_OK
 
 

@@ -250,13 +250,11 @@ class LLM:
 
 
 def _progress_bar(total: int):
-    """A tqdm bar over requests, only when stderr is a terminal and tqdm is installed."""
+    """A tqdm bar over requests, only when stderr is a terminal."""
     if not sys.stderr.isatty():
         return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
+    from tqdm.auto import tqdm
+
     return tqdm(total=total, desc="generate", unit="req")
 
 
