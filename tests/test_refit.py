@@ -360,3 +360,19 @@ def test_pointer_audit_rejects_an_update_that_moves_a_tensor(ckpts, monkeypatch)
     with pytest.raises(WeightUpdateError, match=rf"moved 1 tensor\(s\) to a new address: target:{re.escape(moved)}"):
         llm.update_weights(ckpts.new_stored.items())
     assert not llm.weight_report()["ready"]
+
+
+def test_refit_ends_requests_in_flight():
+    """Cache state computed with the old weights is never continued under the new ones."""
+    llm = LLM("dsv4-tiny-dummy", load_format="dummy", seed=1, dtype="float32")
+    donor = LLM("dsv4-tiny-dummy", load_format="dummy", seed=2, dtype="float32")
+    stream = llm.stream([[3, 4, 5]], SamplingParams(max_tokens=50, ignore_eos=True))
+    first = next(stream)
+    assert not first.finished and first.weights_version == 0
+    llm.update_weights(donor.iter_weights())
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    after = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert after[0].weights_version == 1
+    expected = donor.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert after[0].outputs[0].token_ids == expected[0].outputs[0].token_ids

@@ -219,6 +219,10 @@ class LLM:
         return self._weight_update
 
     def _commit_weights(self) -> int:
+        # Requests in flight hold cache state computed with the old weights; rather than continue on a
+        # mix of old and new they end with finish_reason "abort" (their outputs name the old version).
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
         self.weights_version += 1
         return self.weights_version
 
