@@ -26,7 +26,6 @@ DRAFTER_PREFIX = "mtp."
 SCALE_SUFFIX = ".scale"
 PACKED_DTYPES = ("I8", "U8")  # FP4 experts: two e2m1 codes per byte
 QUANTIZED_WEIGHT_DTYPES = ("F8_E4M3",)
-DEMO_TEXT_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time")
 DEMO_TOKEN_PROMPTS = ((2, 3, 4, 5), (10, 20, 30), (7,))
 TOKEN_ID_PROMPT = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
 _SHOWN_NAMES = 20  # names listed per problem kind in text output (--json lists all)
@@ -259,7 +258,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt:
         prompts = [_parse_prompt(p) for p in args.prompt]
     elif llm.tokenizer is not None:
-        prompts = list(DEMO_TEXT_PROMPTS)
+        from dsv4.evaluate import DEMO_PROMPTS  # the embedded default model's task
+
+        prompts = list(DEMO_PROMPTS)
     else:
         prompts = [[t % llm.config.vocab_size for t in ids] for ids in DEMO_TOKEN_PROMPTS]
     outputs = llm.generate(prompts, params)
@@ -320,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=16)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.set_defaults(func=cmd_generate)
+
+    from dsv4 import evaluate
+
+    eval_parser = sub.add_parser("eval", help="score the embedded models on held-out examples of their task")
+    evaluate.add_arguments(eval_parser)
+    eval_parser.set_defaults(func=evaluate.run)
 
     env = sub.add_parser("env", help="print the runtime environment")
     env.set_defaults(func=cmd_env)

@@ -1,0 +1,177 @@
+"""`dsv4 eval` and `make demo`: score the embedded models on their task, show them answering.
+
+`evaluate()` draws a fresh seeded held-out sample of the task (`dsv4.tasks.sort_digits`) and measures
+greedy exact-match accuracy, through `LLM` (the same path as any checkpoint), for:
+
+  bf16     the bf16 weights training produced (HF layout, dense experts)
+  fp8      the same checkpoint with routed experts quantized on load by dsv4's quantizer (FP8 e4m3)
+  fp4      the same with FP4 (e2m1, ue8m0 per 32 inputs)
+  shipped  the shipped native checkpoint (FP8 dense, FP4 experts): `LLM()`, the package default
+
+plus the MTP drafter's top-1 agreement with the shipped target's next-next token: over each greedy
+completion, at every position t where the drafter would run (t from the last prompt token on), the
+drafter sees the target's stream at t and token t+1 and its argmax is compared with token t+2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dsv4.models import BF16_MODEL, DEFAULT_MODEL, EMBEDDED_MODELS
+from dsv4.tasks import sort_digits as task
+
+DEFAULT_N = 256
+DEFAULT_SEED = 20260  # held-out: training draws from seeds 0.. of its own stream
+_MAX_CONCURRENCY = 64
+VARIANTS = ("bf16", "fp8", "fp4", "shipped")
+DEMO_PROMPTS = ("sort 31402=", "sort 9081726=", "sort 55512=", "sort 7=", "sort 86420135=")
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    n: int
+    accuracy: dict[str, float]
+    mtp_top1_agreement: float
+    seconds: dict[str, float]
+
+    def to_json(self) -> dict:
+        return {"n": self.n, "accuracy": dict(self.accuracy), "mtp_top1_agreement": self.mtp_top1_agreement}
+
+
+def _greedy(llm, prompts: list[str]):
+    from dsv4.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=task.MAX_DIGITS + 2)
+    return llm.generate(prompts, params)
+
+
+def exact_match(outputs, examples: list[task.Example]) -> float:
+    hits = 0
+    for out, ex in zip(outputs, examples):
+        completion = out.outputs[0]
+        hits += completion.finish_reason == "stop" and completion.text == ex.answer
+    return hits / max(1, len(examples))
+
+
+@torch.inference_mode()
+def mtp_agreement(llm, outputs) -> float:
+    """Top-1 agreement of the MTP draft with the target's token two ahead, teacher-forced on the
+    target's own greedy completions (what speculative decoding would have to guess)."""
+    from dsv4.model.batch import ForwardBatch
+
+    target, mtp = llm.loaded.target, llm.loaded.models["mtp"]
+    seqs = [(list(o.prompt_token_ids), list(o.prompt_token_ids) + list(o.outputs[0].token_ids)) for o in outputs]
+    seqs = [(p, s) for p, s in seqs if len(s) >= len(p) + 2]
+    if not seqs:
+        return 0.0
+    max_len = max(len(s) for _, s in seqs) + 1
+    batch = ForwardBatch.build([(i, s, 0) for i, (_, s) in enumerate(seqs)])
+    streams, _ = target(batch, target.allocate_cache(len(seqs), max_len))
+    draft_batch = ForwardBatch.build([(i, s[1:], 1) for i, (_, s) in enumerate(seqs)])
+    src = torch.cat([torch.arange(seg.begin, seg.end - 1) for seg in batch.segments])
+    _, logits = mtp(draft_batch, streams[src], mtp.allocate_cache(len(seqs), max_len))
+    drafts = logits.argmax(dim=-1).tolist()
+    hits = total = 0
+    for seg, (prompt, seq) in zip(draft_batch.segments, seqs):
+        for t in range(len(prompt) - 1, len(seq) - 2):  # stream at t + token t+1 -> token t+2
+            hits += drafts[seg.begin + t] == seq[t + 2]
+            total += 1
+    return hits / max(1, total)
+
+
+def evaluate(n: int = DEFAULT_N, seed: int = DEFAULT_SEED, models_dir: str | Path | None = None,
+             variants: tuple[str, ...] = VARIANTS) -> EvalResult:
+    """Score the embedded models (or the two model folders under `models_dir`, as the training
+    script writes them) on n held-out examples drawn with `seed`."""
+    from dsv4.engine.llm import LLM
+
+    if models_dir is not None:
+        bf16_path, shipped_path = Path(models_dir) / BF16_MODEL, Path(models_dir) / DEFAULT_MODEL
+    else:
+        bf16_path, shipped_path = EMBEDDED_MODELS[BF16_MODEL][0], None  # None: LLM() loads the default
+    examples = task.examples(n, seed)
+    prompts = [ex.prompt for ex in examples]
+    accuracy: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    agreement = float("nan")
+    for variant in variants:
+        t0 = time.perf_counter()
+        if variant == "shipped":
+            llm = LLM(shipped_path, draft="mtp", max_num_seqs=_MAX_CONCURRENCY)
+        else:
+            expert_dtype = None if variant == "bf16" else variant
+            llm = LLM(bf16_path, expert_dtype=expert_dtype, max_num_seqs=_MAX_CONCURRENCY)
+        outputs = _greedy(llm, prompts)
+        accuracy[variant] = exact_match(outputs, examples)
+        if variant == "shipped":
+            agreement = mtp_agreement(llm, outputs)
+        seconds[variant] = time.perf_counter() - t0
+    return EvalResult(n=n, accuracy=accuracy, mtp_top1_agreement=agreement, seconds=seconds)
+
+
+_DESCRIPTIONS = {
+    "bf16": f"{BF16_MODEL} (HF layout, bf16 experts)",
+    "fp8": f"{BF16_MODEL}, experts -> FP8 on load",
+    "fp4": f"{BF16_MODEL}, experts -> FP4 on load",
+    "shipped": f"{DEFAULT_MODEL} (native FP8 + FP4, default)",
+}
+
+
+def format_table(result: EvalResult) -> str:
+    width = max(len(d) for d in _DESCRIPTIONS.values())
+    lines = [f"task: {task.NAME} (e.g. '{DEMO_PROMPTS[0]}' -> '{task.solve(DEMO_PROMPTS[0])}'), "
+             f"greedy exact match on {result.n} held-out prompts",
+             f"{'variant':<8}  {'model':<{width}}  {'accuracy':>8}  {'time':>6}"]
+    for variant, acc in result.accuracy.items():
+        lines.append(f"{variant:<8}  {_DESCRIPTIONS[variant]:<{width}}  {acc:>8.4f}  {result.seconds[variant]:>5.1f}s")
+    lines.append(f"MTP draft top-1 agreement with the target's next-next token (shipped): {result.mtp_top1_agreement:.4f}")
+    return "\n".join(lines)
+
+
+def demo(prompts: tuple[str, ...] = DEMO_PROMPTS, model: str | None = None) -> None:
+    """Load the default (shipped native FP4) model and answer a few prompts, with timings."""
+    from dsv4.engine.llm import LLM
+    from dsv4.engine.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model)
+    print(f"loaded {model or DEFAULT_MODEL} in {time.perf_counter() - t0:.2f}s "
+          f"(task: sort the digits after 'sort ', end the prompt with '=')")
+    params = SamplingParams(temperature=0.0, max_tokens=task.MAX_DIGITS + 2)
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        text = llm.generate(prompt, params)[0].outputs[0].text
+        ms = (time.perf_counter() - t0) * 1000
+        mark = "ok" if task.is_correct(prompt, text) else f"expected {task.solve(prompt)}"
+        print(f"{prompt!s:<18} -> {text!s:<10} {ms:7.1f} ms  {mark}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help="held-out examples (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="held-out sample seed (default %(default)s)")
+    parser.add_argument("--models-dir", default=None, help="score the two folders a training run wrote instead")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`dsv4 eval` given parsed arguments (see add_arguments). Returns the exit status."""
+    result = evaluate(n=args.n, seed=args.seed, models_dir=args.models_dir)
+    print(json.dumps(result.to_json()) if args.json else format_table(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv4 eval", description="Score the embedded models on their task.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Synthetic tasks with verifiable answers (the embedded models are trained on them)."""
