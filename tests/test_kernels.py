@@ -80,7 +80,7 @@ def test_gathered_experts_match_reference_loop(tokens, k):
     got = kernel(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
     # Unit-scale random weights give outputs of size ~10: 1e-5 is fp32 accumulation-order noise.
     torch.testing.assert_close(got, experts.forward_reference(x, ids, weights), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(experts(x, ids, weights), got, rtol=0, atol=0)  # forward dispatches to it
+    torch.testing.assert_close(experts(x, ids, weights), got, rtol=1e-5, atol=1e-5)  # forward's fast path
 
 
 def test_gathered_experts_decline_large_batches_and_large_experts():
@@ -91,3 +91,97 @@ def test_gathered_experts_decline_large_batches_and_large_experts():
     assert GatheredExperts().supports(x, MAX_GATHERED_ELEMENTS // (3 * 32 * 64), w1)
     assert not GatheredExperts().supports(x, MAX_GATHERED_ELEMENTS // (3 * 32 * 64) + 1, w1)
     assert not GatheredExperts().supports(x, 1, torch.zeros(4, 256, 512))  # the small config's experts: loop
+
+
+@pytest.mark.parametrize("tokens, k", [(1, 2), (16, 2), (37, 4)])
+def test_grouped_experts_match_reference_loop(tokens, k):
+    from dsv4.kernels.gathered_experts import build_grouped_experts
+    from dsv4.model.moe import RoutedExperts, swiglu
+
+    cfg = ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0])
+    experts = RoutedExperts(cfg, "dense", None, torch.float32)
+    g = torch.Generator().manual_seed(tokens * 3 + k)
+    for name in ("w1", "w2", "w3"):
+        getattr(experts, name).data.copy_(torch.randn(getattr(experts, name).shape, generator=g))
+    x = torch.randn(tokens, cfg.hidden_size, generator=g)
+    ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    kernel = build_grouped_experts()
+    assert kernel.supports(x, experts.w1)
+    got = kernel(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
+    torch.testing.assert_close(got, experts.forward_reference(x, ids, weights), rtol=1e-5, atol=1e-5)
+    assert not kernel.supports(x, torch.zeros(4, 30, 64))  # unaligned expert width: not for _grouped_mm
+
+
+@pytest.fixture(scope="module")
+def fused_kernels():
+    from dsv4.kernels.mhc_cpu import MhcFusedKernel, NormRopeKernel
+
+    lib = build_library()
+    return MhcFusedKernel(lib), NormRopeKernel(lib)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast):
+    fused, _ = fused_kernels
+    g = torch.Generator().manual_seed(11 + broadcast)
+    T, D, iters, rms_eps, hc_eps = 7, 48, 20, 1e-6, 1e-3
+    hc_in = 1 if broadcast else HC
+    streams = torch.randn(T, hc_in, D, generator=g)
+    fn = torch.randn(MIX, hc_in * D, generator=g) * 0.1
+    base, scale = torch.randn(MIX, generator=g), torch.rand(3, generator=g) * 2
+    norm_w = 1 + 0.1 * torch.randn(D, generator=g)
+    out = torch.randn(T, D, generator=g)
+    coef, y = fused.pre(streams, streams.view(T, -1) @ fn.t(), base, scale, HC, iters, rms_eps, hc_eps, norm_w, 1e-5)
+    got_streams = fused.post(streams, out, coef, HC)
+
+    from dsv4.model.norm import RMSNorm
+
+    norm = RMSNorm(D, 1e-5)
+    norm.weight.data.copy_(norm_w)
+    if broadcast:
+        e = streams[:, 0]
+        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits_broadcast(e, fn, rms_eps), base, scale, HC, iters, hc_eps)
+        want_y = norm.forward_reference((pre.sum(dim=-1, keepdim=True) * e).to(e.dtype))
+        want_streams = mhc.expand_broadcast(e, out, post, comb)
+    else:
+        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits(streams, fn, rms_eps), base, scale, HC, iters, hc_eps)
+        want_y = norm.forward_reference(mhc.collapse(streams, pre))
+        want_streams = mhc.expand(streams, out, post, comb)
+    for got, want in zip(coef.split([HC, HC, HC * HC], dim=-1), (pre, post, comb.flatten(1))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_streams, want_streams, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm, inverse", [(None, False), ("plain", False), ("weighted", False), (None, True)])
+def test_norm_rope_kernel_matches_reference(fused_kernels, norm, inverse):
+    from dsv4.config import ModelConfig as _Cfg  # noqa: F401 - the tiny config's compress table
+    from dsv4.model.norm import rms_normalize
+    from dsv4.model.rope import RotaryTable, apply_rotary
+
+    _, kernel = fused_kernels
+    cfg = ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0])
+    table = RotaryTable(cfg.rope_compress)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 3, cfg.head_dim, generator=g) * 2
+    positions = torch.randint(0, 1000, (9,), generator=g)
+    weight = 1 + 0.1 * torch.randn(cfg.head_dim, generator=g)
+    want = x
+    if norm == "plain":
+        want = rms_normalize(want, 1e-6)
+    elif norm == "weighted":
+        want = (weight * (want * torch.rsqrt(want.square().mean(-1, keepdim=True) + 1e-6)))
+    cos, sin = table.cos_sin(positions)
+    want = apply_rotary(want, cos, sin, inverse=inverse)
+    assert kernel.supports(x, table.inv_freq)
+    got = kernel(x.clone(), None if norm is None else 1e-6, weight if norm == "weighted" else None,
+                 positions, table.inv_freq, inverse)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # And the model's entry point (registry fast path) equals its torch reference.
+    from dsv4.model.rope import norm_rope_
+
+    assert not kernel.supports(x.double(), table.inv_freq)
+    ref64 = norm_rope_(x.double(), None if norm is None else 1e-6, weight.double() if norm == "weighted" else None,
+                       positions, table, inverse)  # float64: the reference path
+    torch.testing.assert_close(got.double(), ref64, rtol=1e-5, atol=1e-5)

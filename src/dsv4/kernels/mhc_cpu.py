@@ -53,21 +53,125 @@ void mhc_coefficients_f32(const float *logits, const float *base, const float *s
             for (int j = 0; j < hc; ++j) { c[i * hc + j] = expf(c[i * hc + j] - mx); sum += c[i * hc + j]; }
             for (int j = 0; j < hc; ++j) c[i * hc + j] = c[i * hc + j] / sum + hc_eps;
         }
+        float denom[16];
         for (int it = 0; it < 2 * iters - 1; ++it) { /* columns, then rows/columns alternately */
-            const int by_column = (it % 2) == 0;
-            for (int a = 0; a < hc; ++a) {
-                float sum = 0.0f;
-                for (int b = 0; b < hc; ++b) sum += by_column ? c[b * hc + a] : c[a * hc + b];
-                const float denom = sum + hc_eps;
-                for (int b = 0; b < hc; ++b) {
-                    if (by_column) c[b * hc + a] /= denom; else c[a * hc + b] /= denom;
+            /* Exact divisions, laid out so the compiler can do hc of them per vector instruction. */
+            if ((it % 2) == 0) {
+                for (int a = 0; a < hc; ++a) denom[a] = c[a];
+                for (int b = 1; b < hc; ++b)
+                    for (int a = 0; a < hc; ++a) denom[a] += c[b * hc + a];
+                for (int a = 0; a < hc; ++a) denom[a] += hc_eps;
+                for (int b = 0; b < hc; ++b)
+                    for (int a = 0; a < hc; ++a) c[b * hc + a] /= denom[a];
+            } else {
+                for (int a = 0; a < hc; ++a) {
+                    float sum = 0.0f;
+                    for (int b = 0; b < hc; ++b) sum += c[a * hc + b];
+                    denom[a] = sum + hc_eps;
+                }
+                for (int a = 0; a < hc; ++a)
+                    for (int b = 0; b < hc; ++b) c[a * hc + b] /= denom[a];
+            }
+        }
+    }
+}
+
+/* Fused mHC pre-step for T tokens. streams [T, hc_in, D] (hc_in = hc, or 1 when every stream is the
+   same broadcast embedding), raw [T, mix] = flatten(streams) @ fn^T (the broadcast fn when hc_in = 1).
+   rho = rsqrt(mean(flatten(streams)^2) + rms_eps); logits = raw * rho; coefficients as above into
+   coef [T, mix]; y = sum_k pre_k R_k (fp32); then, if norm_w is not NULL, the weighted RMSNorm of y. */
+void mhc_pre_f32(const float *streams, const float *raw, const float *base, const float *scale, long T,
+                 int hc, int hc_in, long D, int iters, float rms_eps, float hc_eps, const float *norm_w,
+                 float norm_eps, float *coef, float *y) {
+    const int mix = 2 * hc + hc * hc;
+    for (long t = 0; t < T; ++t) {
+        const float *x = streams + t * hc_in * D;
+        float ss = 0.0f;
+        for (long i = 0; i < hc_in * D; ++i) ss += x[i] * x[i];
+        const float rho = 1.0f / sqrtf(ss / (float)(hc_in * D) + rms_eps);
+        float logits[2 * 16 + 16 * 16];
+        for (int i = 0; i < mix; ++i) logits[i] = raw[t * mix + i] * rho;
+        mhc_coefficients_f32(logits, base, scale, 1, hc, iters, hc_eps, coef + t * mix);
+        const float *pre = coef + t * mix;
+        float *yt = y + t * D;
+        if (hc_in == 1) {
+            float p = 0.0f;
+            for (int k = 0; k < hc; ++k) p += pre[k];
+            for (long d = 0; d < D; ++d) yt[d] = p * x[d];
+        } else {
+            for (long d = 0; d < D; ++d) {
+                float acc = pre[0] * x[d];
+                for (int k = 1; k < hc; ++k) acc += pre[k] * x[k * D + d];
+                yt[d] = acc;
+            }
+        }
+        if (norm_w) {
+            float s2 = 0.0f;
+            for (long d = 0; d < D; ++d) s2 += yt[d] * yt[d];
+            const float r = 1.0f / sqrtf(s2 / (float)D + norm_eps);
+            for (long d = 0; d < D; ++d) yt[d] = norm_w[d] * (yt[d] * r);
+        }
+    }
+}
+
+/* mHC post-step: out[t, j, :] = post_j o_t + sum_i comb[i, j] R_i (hc_in = 1: R_i = e for every i).
+   coef [T, mix] as written by mhc_pre_f32. */
+void mhc_post_f32(const float *streams, const float *o, const float *coef, long T, int hc, int hc_in,
+                  long D, float *out) {
+    const int mix = 2 * hc + hc * hc;
+    for (long t = 0; t < T; ++t) {
+        const float *post = coef + t * mix + hc, *c = coef + t * mix + 2 * hc;
+        const float *x = streams + t * hc_in * D, *ot = o + t * D;
+        for (int j = 0; j < hc; ++j) {
+            float *dst = out + (t * hc + j) * D;
+            const float pj = post[j];
+            if (hc_in == 1) {
+                float cs = 0.0f;
+                for (int i = 0; i < hc; ++i) cs += c[i * hc + j];
+                for (long d = 0; d < D; ++d) dst[d] = pj * ot[d] + cs * x[d];
+            } else {
+                for (long d = 0; d < D; ++d) {
+                    float acc = c[j] * x[d];
+                    for (int i = 1; i < hc; ++i) acc += c[i * hc + j] * x[i * D + d];
+                    dst[d] = pj * ot[d] + acc;
                 }
             }
         }
     }
 }
+
+/* In place on x [T, G, hd]: optional RMSNorm over hd (weighted when w is not NULL; eps < 0: none), then
+   RoPE on the trailing 2 * rh channels, interleaved pairs, angle = pos[t] * inv_freq[i] (negated when
+   inverse). rh = 0: norm only. */
+void norm_rope_f32(float *x, long T, long G, long hd, float eps, const float *w, const long *pos,
+                   const float *inv_freq, long rh, int inverse) {
+    float cs[2 * 512];
+    for (long t = 0; t < T; ++t) {
+        for (long i = 0; i < rh; ++i) {
+            const float a = (float)pos[t] * inv_freq[i];
+            cs[2 * i] = cosf(a);
+            cs[2 * i + 1] = inverse ? -sinf(a) : sinf(a);
+        }
+        for (long g = 0; g < G; ++g) {
+            float *v = x + (t * G + g) * hd;
+            if (eps >= 0.0f) {
+                float ss = 0.0f;
+                for (long d = 0; d < hd; ++d) ss += v[d] * v[d];
+                const float r = 1.0f / sqrtf(ss / (float)hd + eps);
+                if (w) { for (long d = 0; d < hd; ++d) v[d] = w[d] * (v[d] * r); }
+                else { for (long d = 0; d < hd; ++d) v[d] = v[d] * r; }
+            }
+            float *rp = v + hd - 2 * rh;
+            for (long i = 0; i < rh; ++i) {
+                const float a = rp[2 * i], b = rp[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
+                rp[2 * i] = a * c - b * s;
+                rp[2 * i + 1] = b * c + a * s;
+            }
+        }
+    }
+}
 """
-_FLAGS = ("-O2", "-shared", "-fPIC", "-fno-fast-math")
+_FLAGS = ("-O3", "-shared", "-fPIC", "-fno-fast-math")
 
 
 def _cache_dir() -> Path:
@@ -100,6 +204,13 @@ def build_library() -> ctypes.CDLL:
     fn = lib.mhc_coefficients_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+    P, L, I, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    lib.mhc_pre_f32.restype = None
+    lib.mhc_pre_f32.argtypes = [P, P, P, P, L, I, I, L, I, F, F, P, F, P, P]
+    lib.mhc_post_f32.restype = None
+    lib.mhc_post_f32.argtypes = [P, P, P, L, I, I, L, P]
+    lib.norm_rope_f32.restype = None
+    lib.norm_rope_f32.argtypes = [P, L, L, L, F, P, P, P, L, I]
     return lib
 
 
@@ -125,3 +236,77 @@ class MhcCpuKernel:
         self._fn(logits.data_ptr(), base.data_ptr(), scale.data_ptr(), T, hc, sinkhorn_iters, hc_eps, out.data_ptr())
         pre, post, comb = out.split([hc, hc, hc * hc], dim=-1)
         return pre, post, comb.unflatten(-1, (hc, hc))
+
+
+def _f32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+# The kernel keeps per-token cos/sin on the stack: at most this many rotary pairs.
+MAX_ROTARY_PAIRS = 512
+
+
+class MhcFusedKernel:
+    """The whole mHC pre-step (RMS, coefficients + Sinkhorn, stream collapse, the sublayer's weighted
+    RMSNorm) and the post-step (stream expansion) as one C call each, fp32 CPU. The mix GEMM stays a
+    torch matmul (the caller passes its result), so this is `mhc.mix_logits` + `coefficients` +
+    `collapse` + the norm, and `mhc.expand`, in 3 dispatches instead of ~40."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._pre = lib.mhc_pre_f32
+        self._post = lib.mhc_post_f32
+
+    @staticmethod
+    def supports(streams: torch.Tensor, hc: int, sinkhorn_iters: int) -> bool:
+        return _f32_cpu(streams) and hc <= MAX_HC and sinkhorn_iters >= 1
+
+    def pre(
+        self, streams: torch.Tensor, raw: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
+        sinkhorn_iters: int, rms_eps: float, hc_eps: float, norm_weight: torch.Tensor | None, norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, hc_in, D] (hc_in = hc, or 1 for a broadcast embedding), raw [T, mix] = the
+        un-normalised mix GEMM -> (coef [T, mix] = pre | post | comb, block input [T, D])."""
+        T, hc_in, D = streams.shape
+        raw = raw.contiguous()
+        coef = torch.empty_like(raw)
+        y = streams.new_empty(T, D)
+        self._pre(streams.data_ptr(), raw.data_ptr(), base.data_ptr(), scale.data_ptr(), T, hc, hc_in, D,
+                  sinkhorn_iters, rms_eps, hc_eps, None if norm_weight is None else norm_weight.data_ptr(),
+                  norm_eps, coef.data_ptr(), y.data_ptr())
+        return coef, y
+
+    def post(self, streams: torch.Tensor, out: torch.Tensor, coef: torch.Tensor, hc: int) -> torch.Tensor:
+        """R'_j = post_j * out + sum_i comb[i, j] R_i -> [T, hc, D]."""
+        T, hc_in, D = streams.shape
+        out = out.contiguous()
+        result = streams.new_empty(T, hc, D)
+        self._post(streams.data_ptr(), out.data_ptr(), coef.data_ptr(), T, hc, hc_in, D, result.data_ptr())
+        return result
+
+
+class NormRopeKernel:
+    """In place on a contiguous fp32 CPU x [T, G, hd]: optional RMSNorm over hd (weighted or not), then
+    interleaved RoPE of the trailing channels at positions [T] (cos/sin computed in the loop)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fn = lib.norm_rope_f32
+
+    @staticmethod
+    def supports(x: torch.Tensor, inv_freq: torch.Tensor | None = None) -> bool:
+        return _f32_cpu(x) and (inv_freq is None or (_f32_cpu(inv_freq) and inv_freq.numel() <= MAX_ROTARY_PAIRS))
+
+    def __call__(
+        self, x: torch.Tensor, eps: float | None, weight: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None, inverse: bool = False,
+    ) -> torch.Tensor:
+        """x [T, ..., hd]; eps None skips the norm; positions None skips the rotation. Returns x."""
+        T, hd = x.shape[0], x.shape[-1]
+        G = x.numel() // max(1, T * hd)
+        rh = 0 if positions is None else inv_freq.numel()
+        if positions is not None and positions.dtype != torch.int64:
+            positions = positions.long()
+        self._fn(x.data_ptr(), T, G, hd, -1.0 if eps is None else eps,
+                 None if weight is None else weight.data_ptr(),
+                 None if positions is None else positions.contiguous().data_ptr(),
+                 None if inv_freq is None else inv_freq.data_ptr(), rh, int(inverse))
+        return x

@@ -22,6 +22,8 @@ REFERENCE = "reference"
 MHC_COEFFICIENTS = "mhc_coefficients"
 DECODE_ATTENTION = "decode_attention"
 MOE_EXPERTS = "moe_experts"
+MHC_FUSED = "mhc_fused"
+NORM_ROPE = "norm_rope"
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,24 @@ def _build_mhc_cpu():
     return MhcCpuKernel(build_library())
 
 
+def _build_mhc_fused():
+    from dsv4.kernels.mhc_cpu import MhcFusedKernel, build_library
+
+    return MhcFusedKernel(build_library())
+
+
+def _build_norm_rope():
+    from dsv4.kernels.mhc_cpu import NormRopeKernel, build_library
+
+    return NormRopeKernel(build_library())
+
+
+def _build_grouped_experts():
+    from dsv4.kernels.gathered_experts import build_grouped_experts
+
+    return build_grouped_experts()
+
+
 def _build_gathered_experts():
     from dsv4.kernels.gathered_experts import GatheredExperts
 
@@ -63,10 +83,17 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
     MHC_COEFFICIENTS: (
         Backend("cpu_c", _build_mhc_cpu, "one C loop per call (ctypes; fp32 CPU), replaces ~120 torch ops"),
     ),
+    MHC_FUSED: (
+        Backend("cpu_c", _build_mhc_fused, "mHC pre (RMS, coefficients, collapse, norm) and post as one C call each"),
+    ),
+    NORM_ROPE: (
+        Backend("cpu_c", _build_norm_rope, "RMSNorm and/or interleaved RoPE in place, one C call (fp32 CPU)"),
+    ),
     DECODE_ATTENTION: (
         Backend("batched", _available, "all single-token rows in one gather + masked softmax, no per-sequence loop"),
     ),
     MOE_EXPERTS: (
+        Backend("grouped_mm", _build_grouped_experts, "dense experts: rows sorted by expert, one torch._grouped_mm per matrix"),
         Backend("gathered", _build_gathered_experts, "small dense batches: gathered expert weights + bmm, no per-expert loop"),
     ),
 }

@@ -20,8 +20,8 @@ from dsv4.config import CSA, SLIDING, ModelConfig
 from dsv4.kernels.registry import DECODE_ATTENTION, default_registry
 from dsv4.model.batch import ForwardBatch, Segment
 from dsv4.model.cache import CompressorCache, LayerCache
-from dsv4.model.norm import RMSNorm, rms_normalize
-from dsv4.model.rope import RotaryTable, apply_rotary
+from dsv4.model.norm import RMSNorm
+from dsv4.model.rope import RotaryTable, norm_rope_
 
 
 class Compressor(nn.Module):
@@ -86,29 +86,25 @@ class Compressor(nn.Module):
         else:
             slots_kv, slots_gate = cur_kv, cur_gate
         pooled = (slots_kv * slots_gate.softmax(dim=1)).sum(dim=1)  # [n_new, d] fp32
-        entries = self.norm(pooled.to(kv.dtype))
         positions = torch.arange(first_window, end_window, device=kv.device) * m
-        cos, sin = rope.cos_sin(positions)
-        cache.entries[slot, first_window:end_window] = apply_rotary(entries, cos, sin)
+        entries = norm_rope_(pooled.to(kv.dtype), self.norm.eps, self.norm.weight, positions, rope)
+        cache.entries[slot, first_window:end_window] = entries
         return end_window
 
     def emit_decode(
-        self, kv: torch.Tensor, gate: torch.Tensor, slots: torch.Tensor, positions: list[int],
-        cache: CompressorCache, rope: RotaryTable,
+        self, kv: torch.Tensor, gate: torch.Tensor, meta: "DecodeMeta", cache: CompressorCache, rope: RotaryTable,
     ) -> None:
-        """`emit` for B single-token rows at once: kv, gate [B, width] at `positions`, cache slots
-        `slots` [B]. Records each token in its ring; rows whose token completes window w = p // m
-        append entry w. Equals `emit` on each row (same ring rows, same entries)."""
+        """`emit` for B single-token rows at once: kv, gate [B, width] at meta's positions and cache
+        slots. Records each token in its ring; rows whose token completes window w = p // m append
+        entry w. Equals `emit` on each row (same ring rows, same entries)."""
         m, ring_len = self.rate, cache.ring_kv.shape[1]
         device = kv.device
-        pos = torch.tensor(positions, device=device)
-        cache.ring_kv[slots, pos % ring_len] = kv
-        cache.ring_gate[slots, pos % ring_len] = gate
-        done = [b for b, p in enumerate(positions) if (p + 1) % m == 0]
+        slots, ring_rows = meta.slots, meta.ring_rows(ring_len)
+        cache.ring_kv[slots, ring_rows] = kv
+        cache.ring_gate[slots, ring_rows] = gate
+        done, windows, done_slots, window_ids = meta.completed(m)
         if not done:
             return
-        windows = [positions[b] // m for b in done]
-        done_slots = slots[torch.tensor(done, device=device)]
         ring_kv = cache.ring_kv[done_slots].float()  # [E, R, width]
         ring_gate = cache.ring_gate[done_slots].float()
         if not self.overlap:
@@ -130,10 +126,8 @@ class Compressor(nn.Module):
             slots_kv = torch.cat((prev_kv, cur_kv[..., d:]), dim=1)  # [E, 2m, d]
             slots_gate = torch.cat((prev_gate, cur_gate[..., d:]), dim=1)
         pooled = (slots_kv * slots_gate.softmax(dim=1)).sum(dim=1)  # [E, d] fp32
-        entries = self.norm(pooled.to(kv.dtype))
-        window_ids = torch.tensor(windows, device=device)
-        cos, sin = rope.cos_sin(window_ids * m)
-        cache.entries[done_slots, window_ids] = apply_rotary(entries, cos, sin)
+        entries = norm_rope_(pooled.to(kv.dtype), self.norm.eps, self.norm.weight, window_ids * m, rope)
+        cache.entries[done_slots, window_ids] = entries
 
 
 class Indexer(nn.Module):
@@ -211,28 +205,31 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         """x [T, D] (normed block input) -> [T, D]; reads and extends each sequence's cache slot."""
-        T = x.shape[0]
-        cos, sin = self.rope.cos_sin(batch.positions)  # [T, r/2]
-        q_res = self.q_norm(self.wq_a(x))  # [T, ql]
-        q = rms_normalize(self.wq_b(q_res).view(T, self.n_heads, self.head_dim), self.eps)
-        q = apply_rotary(q, cos, sin)  # [T, H, hd]
-        kv = apply_rotary(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+        T, pos = x.shape[0], batch.positions
+        q_res = self.q_norm(self.wq_a(x), inplace=True)  # [T, ql]
+        # Per-head unweighted norm, then RoPE: [T, H, hd]
+        q = norm_rope_(self.wq_b(q_res).view(T, self.n_heads, self.head_dim), self.eps, None, pos, self.rope)
+        kv = norm_rope_(self.wkv(x), self.kv_norm.eps, self.kv_norm.weight, pos, self.rope)  # [T, hd]
 
         comp_kv = comp_gate = idx_kv = idx_gate = idx_q = idx_w = None
         if self.compressor is not None:
             comp_kv, comp_gate = self.compressor.project(x)
         if self.indexer is not None:
             idx_kv, idx_gate = self.indexer.compressor.project(x)
-            idx_q = apply_rotary(self.indexer.wq_b(q_res).view(T, self.indexer.n_heads, -1), cos, sin)
+            idx_q = norm_rope_(self.indexer.wq_b(q_res).view(T, self.indexer.n_heads, -1), None, None, pos, self.rope)
             idx_w = self.indexer.weights_proj(x)
 
-        out = torch.empty_like(q)
-        decode = [seg for seg in batch.segments if seg.length == 1]
-        if decode and not default_registry().choose(DECODE_ATTENTION).is_reference:
+        meta = decode_meta(batch) if not default_registry().choose(DECODE_ATTENTION).is_reference else None
+        if meta is not None and meta.pure:
             # A pure decode step needs no gather: its rows are the whole flat batch, in segment order.
-            rows = slice(None) if len(decode) == T else torch.tensor([seg.begin for seg in decode], device=x.device)
+            side = _SideInputs(comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
+            out = self._decode(q, kv, meta, cache, side)
+            return self._project_out(norm_rope_(out, None, None, pos, self.rope, inverse=True))
+        out = torch.empty_like(q)
+        if meta is not None:
+            rows = meta.rows
             side = _rows_of(rows, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
-            out[rows] = self._decode(q[rows], kv[rows], decode, cache, side)
+            out[rows] = self._decode(q[rows], kv[rows], meta, cache, side)
             segments = [seg for seg in batch.segments if seg.length > 1]
         else:
             segments = batch.segments
@@ -240,7 +237,7 @@ class Attention(nn.Module):
             rows = slice(seg.begin, seg.end)
             out[rows] = self._segment(q[rows], kv[rows], seg, batch.positions[rows], cache,
                                       _rows_of(rows, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w))
-        out = apply_rotary(out, cos, sin, inverse=True)  # V carried RoPE: de-rotate at the query position
+        out = norm_rope_(out, None, None, pos, self.rope, inverse=True)  # V carried RoPE: de-rotate at the query position
         return self._project_out(out)
 
     def _segment(
@@ -262,43 +259,42 @@ class Attention(nn.Module):
         return self._attend(q, keys, bias)
 
     def _decode(
-        self, q: torch.Tensor, kv: torch.Tensor, segs: list[Segment], cache: LayerCache, side: "_SideInputs"
+        self, q: torch.Tensor, kv: torch.Tensor, meta: "DecodeMeta", cache: LayerCache, side: "_SideInputs"
     ) -> torch.Tensor:
         """Batched path for B single-token segments: q [B, H, hd], kv [B, hd] -> [B, H, hd].
         Writes the same cache rows as `_segment` would for each row."""
         W, device = self.window, q.device
-        positions = [seg.start for seg in segs]
-        slots = torch.tensor([seg.slot for seg in segs], device=device)
-        pos = torch.tensor(positions, device=device).unsqueeze(-1)  # [B, 1]
-        cache.window[slots, pos.squeeze(-1) % W] = kv
+        slots = meta.slots
+        ring_rows, bias = meta.window(W)
+        cache.window[slots, ring_rows] = kv
         keys = cache.window[slots]  # [B, W, hd]; ring row i holds the latest position = i (mod W), <= pos
-        held = pos - (pos - torch.arange(W, device=device)) % W
-        bias = _mask_to_bias(held >= 0)  # [B, W]; held > pos - W always: only unwritten rows are hidden
         if self.compressor is not None:
             rate = self.compressor.rate
-            self.compressor.emit_decode(side.comp_kv, side.comp_gate, slots, positions, cache.compressor, self.rope)
-            n_max = max((p + 1) // rate for p in positions)
+            self.compressor.emit_decode(side.comp_kv, side.comp_gate, meta, cache.compressor, self.rope)
+            n_max, counts = meta.entry_counts(rate)
             if n_max > 0:
-                counts = (pos.squeeze(-1) + 1) // rate  # [B] complete entries per row
                 if self.indexer is not None:
                     # CSA: attend to the k picked entries only (gathered), not to all n with a mask.
-                    self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, slots, positions, cache.indexer, self.rope)
+                    self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, meta, cache.indexer, self.rope)
                     index_keys = cache.indexer.entries[slots, :n_max]
                     picks = self.indexer.select_decode(side.idx_q, side.idx_w, index_keys, counts)  # [B, k]
                     entries = cache.compressor.entries[slots.unsqueeze(-1), picks.clamp(min=0)]  # [B, k, hd]
                     entry_bias = _mask_to_bias(picks >= 0)
                 else:
                     entries = cache.compressor.entries[slots, :n_max]  # [B, n_max, hd]
-                    entry_bias = _mask_to_bias(torch.arange(n_max, device=device) < counts.unsqueeze(-1))
+                    entry_bias = meta.entry_bias(rate)
                 keys = torch.cat((keys, entries), dim=1)
                 bias = torch.cat((bias, entry_bias), dim=-1)
             elif self.indexer is not None:
-                self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, slots, positions, cache.indexer, self.rope)
+                self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, meta, cache.indexer, self.rope)
         return self._attend_decode(q, keys, bias)
 
     def _attend_decode(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """`_attend` per row: q [B, H, hd], keys (= values) [B, N, hd], bias [B, N] -> [B, H, hd]."""
-        logits = torch.bmm(q, keys.transpose(1, 2)).float() * self.head_dim**-0.5 + bias.unsqueeze(1)  # [B, H, N]
+        if q.dtype == torch.float32:  # one fused GEMM: bias + scale * q k^T
+            logits = torch.baddbmm(bias.unsqueeze(1), q, keys.transpose(1, 2), alpha=self.head_dim**-0.5)
+        else:
+            logits = torch.bmm(q, keys.transpose(1, 2)).float() * self.head_dim**-0.5 + bias.unsqueeze(1)  # [B, H, N]
         sink = self.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
         probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
         return torch.bmm(probs.to(keys.dtype), keys)
@@ -344,6 +340,74 @@ class Attention(nn.Module):
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)  # [g, ol, (H/g)*hd]
         low_rank = torch.einsum("tgc,goc->tgo", grouped, wo_a).reshape(T, -1)  # [T, g*ol]
         return self.wo_b(low_rank)
+
+
+class DecodeMeta:
+    """The index tensors of a step's single-token rows, built once per step and shared by every layer
+    (each layer's caches differ, the slots / positions / masks do not)."""
+
+    def __init__(self, batch: ForwardBatch):
+        segs = [seg for seg in batch.segments if seg.length == 1]
+        device = batch.positions.device
+        self.batch = batch  # keeps the keyed batch alive, so its id is never reused while memoised
+        self.count = len(segs)
+        self.pure = len(segs) == len(batch.segments) and len(segs) == batch.positions.shape[0]
+        self.rows = slice(None) if self.pure else torch.tensor([seg.begin for seg in segs], device=device)
+        self.positions = [seg.start for seg in segs]
+        self.device = device
+        self.slots = torch.tensor([seg.slot for seg in segs], device=device)
+        self.pos = torch.tensor(self.positions, device=device)
+        self._memo: dict = {}
+
+    def _cached(self, key, build):
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def ring_rows(self, ring_len: int) -> torch.Tensor:
+        return self._cached(("ring", ring_len), lambda: self.pos % ring_len)
+
+    def window(self, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ring row of each token, [B, W] bias): ring row i holds the latest position = i (mod W), <= pos;
+        held > pos - W always, so only never-written rows are hidden."""
+        def build():
+            pos = self.pos.unsqueeze(-1)
+            held = pos - (pos - torch.arange(W, device=self.device)) % W
+            return self.ring_rows(W), _mask_to_bias(held >= 0)
+        return self._cached(("window", W), build)
+
+    def entry_counts(self, rate: int) -> tuple[int, torch.Tensor]:
+        """(most complete entries of any row, [B] complete entries per row)."""
+        return self._cached(("counts", rate), lambda: (max((p + 1) // rate for p in self.positions), (self.pos + 1) // rate))
+
+    def entry_bias(self, rate: int) -> torch.Tensor:
+        def build():
+            n_max, counts = self.entry_counts(rate)
+            return _mask_to_bias(torch.arange(n_max, device=self.device) < counts.unsqueeze(-1))
+        return self._cached(("entry_bias", rate), build)
+
+    def completed(self, rate: int):
+        """Rows whose token completes a window: (row list, window list, their slots, window ids tensor)."""
+        def build():
+            done = [b for b, p in enumerate(self.positions) if (p + 1) % rate == 0]
+            if not done:
+                return done, [], None, None
+            windows = [self.positions[b] // rate for b in done]
+            return done, windows, self.slots[torch.tensor(done, device=self.device)], torch.tensor(windows, device=self.device)
+        return self._cached(("done", rate), build)
+
+
+_LAST_META: list = [None]
+
+
+def decode_meta(batch: ForwardBatch) -> DecodeMeta | None:
+    """The step's DecodeMeta (memoised on the batch object), None when it has no single-token rows."""
+    meta = _LAST_META[0]
+    if meta is None or meta.batch is not batch:
+        if not any(seg.length == 1 for seg in batch.segments):
+            return None
+        meta = _LAST_META[0] = DecodeMeta(batch)
+    return meta
 
 
 class _SideInputs:

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from dsv4.config import ModelConfig
+from dsv4.kernels.registry import MHC_FUSED, default_registry
 from dsv4.model import mhc
 from dsv4.model.attention import Attention
 from dsv4.model.batch import ForwardBatch
@@ -35,7 +36,27 @@ class Block(nn.Module):
             cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps,
         )
 
+    def _fused(self, streams: torch.Tensor):
+        """The registry's fused mHC pre/post kernel when it supports these streams, else None."""
+        kernel = default_registry().choose(MHC_FUSED).impl
+        cfg = self.cfg
+        return kernel if kernel is not None and kernel.supports(streams, cfg.hc_mult, cfg.hc_sinkhorn_iters) else None
+
+    def _fused_pre(self, kernel, streams: torch.Tensor, fn: torch.Tensor, sub: str, norm: RMSNorm):
+        """Fast path of mix_logits + coefficients + collapse + norm: (coef, normed block input)."""
+        cfg = self.cfg
+        raw = streams.view(streams.shape[0], -1) @ fn.t()
+        return kernel.pre(
+            streams, raw, getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"), cfg.hc_mult,
+            cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps, norm.weight, norm.eps,
+        )
+
     def forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        kernel = self._fused(streams)
+        if kernel is not None:
+            coef, block_in = self._fused_pre(kernel, streams, self.hc_attn_fn, "attn", self.attn_norm)
+            streams = kernel.post(streams, self.attn(block_in, batch, cache), coef, self.cfg.hc_mult)
+            return self._ffn(streams, batch)
         pre, post, comb = self._coefficients(mhc.mix_logits(streams, self.hc_attn_fn, self.cfg.rms_norm_eps), "attn")
         attn_out = self.attn(self.attn_norm(mhc.collapse(streams, pre)), batch, cache)
         streams = mhc.expand(streams, attn_out, post, comb)
@@ -46,6 +67,12 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """First block of the model: every input stream is the embedding [T, D], so the attention mHC step
         projects the un-repeated embedding with the pre-summed fn_broadcast [mix, D]."""
+        one_stream = embeds.unsqueeze(1)  # [T, 1, D]
+        kernel = self._fused(one_stream)
+        if kernel is not None:
+            coef, block_in = self._fused_pre(kernel, one_stream, fn_broadcast, "attn", self.attn_norm)
+            streams = kernel.post(one_stream, self.attn(block_in, batch, cache), coef, self.cfg.hc_mult)
+            return self._ffn(streams, batch)
         logits = mhc.mix_logits_broadcast(embeds, fn_broadcast, self.cfg.rms_norm_eps)
         pre, post, comb = self._coefficients(logits, "attn")
         block_in = (pre.sum(dim=-1, keepdim=True) * embeds.float()).to(embeds.dtype)
@@ -54,6 +81,10 @@ class Block(nn.Module):
         return self._ffn(streams, batch)
 
     def _ffn(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        kernel = self._fused(streams)
+        if kernel is not None:
+            coef, block_in = self._fused_pre(kernel, streams, self.hc_ffn_fn, "ffn", self.ffn_norm)
+            return kernel.post(streams, self.ffn(block_in, batch.token_ids), coef, self.cfg.hc_mult)
         pre, post, comb = self._coefficients(mhc.mix_logits(streams, self.hc_ffn_fn, self.cfg.rms_norm_eps), "ffn")
         ffn_out = self.ffn(self.ffn_norm(mhc.collapse(streams, pre)), batch.token_ids)
         return mhc.expand(streams, ffn_out, post, comb)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import HASH_MOE, ModelConfig, QuantConfig
+from dsv4.kernels.gathered_experts import GroupedExperts
 from dsv4.kernels.registry import MOE_EXPERTS, default_registry
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
 
@@ -46,7 +47,9 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (expert ids [T, k] int64, weights [T, k] fp32)."""
-        logits = x.float() @ self.weight.float().t()  # [T, E]
+        xf = x if x.dtype == torch.float32 else x.float()
+        wf = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        logits = xf @ wf.t()  # [T, E]
         if self.scoring_func == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
         elif self.scoring_func == "sigmoid":
@@ -116,9 +119,13 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]; the registry's gathered path
         for small batches of dense experts, else the reference loop."""
-        gathered = default_registry().choose(MOE_EXPERTS).impl
-        if self.format == DENSE and gathered is not None and gathered.supports(x, ids.numel(), self.w1):
-            return gathered(x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
+        fast = default_registry().choose(MOE_EXPERTS).impl
+        if self.format == DENSE and fast is not None:
+            if isinstance(fast, GroupedExperts):
+                if fast.supports(x, self.w1):
+                    return fast(x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
+            elif fast.supports(x, ids.numel(), self.w1):
+                return fast(x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
         return self.forward_reference(x, ids, weights)
 
     def forward_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dsv4.config import RopeConfig
+from dsv4.model.norm import norm_rope_kernel, rms_normalize
 
 
 def inverse_frequencies(cfg: RopeConfig) -> torch.Tensor:
@@ -60,3 +61,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse:
     a, b = rope[..., 0::2], rope[..., 1::2]  # even / odd channel of each pair
     rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
     return torch.cat((x[..., :-r], rotated), dim=-1)
+
+
+def norm_rope_(
+    x: torch.Tensor, eps: float | None, weight: torch.Tensor | None, positions: torch.Tensor | None,
+    table: RotaryTable | None, inverse: bool = False,
+) -> torch.Tensor:
+    """Optional RMSNorm over the last dim (weighted when `weight` is given; eps None: no norm), then RoPE
+    at `positions` with `table` (None: no rotation). x [T, ..., hd] must be a fresh tensor: the fast
+    path (one C call) overwrites it; the reference composes RMSNorm / rms_normalize and apply_rotary."""
+    inv_freq = None if table is None else table.inv_freq
+    kernel = norm_rope_kernel(x, inv_freq)
+    if kernel is not None:
+        return kernel(x, eps, weight, positions, inv_freq, inverse)
+    if eps is not None:
+        if weight is None:
+            x = rms_normalize(x, eps)
+        else:
+            xf = x.float()
+            x = (weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
+    if table is not None:
+        cos, sin = table.cos_sin(positions)
+        x = apply_rotary(x, cos, sin, inverse=inverse)
+    return x
