@@ -23,7 +23,6 @@ Both get the same character-level tokenizer.json. Quantization uses `dsv4.quant`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import random
@@ -295,26 +294,11 @@ def _write_dir(out_dir: Path, files: dict[str, torch.Tensor], config: dict) -> N
 
 
 # ---------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def reference_kernels():
-    """Run the model's plain-torch reference path (differentiable) while training: the registry's fast
-    paths (a ctypes mHC loop, grouped expert GEMMs) are inference kernels without a backward."""
-    try:
-        from dsv4.kernels.registry import default_registry
-    except ImportError:  # no kernel registry: the model is the reference
-        yield
-        return
-    registry = default_registry()
-    saved = (registry.force_reference, dict(registry._choices))
-    registry.force_reference, registry._choices = True, {}
-    try:
-        yield
-    finally:
-        registry.force_reference, registry._choices = saved
-
-
 def train(args: argparse.Namespace) -> dict:
-    with reference_kernels():
+    from dsv4.kernels import default_registry
+
+    # The fast paths are inference kernels without a backward: train through the torch reference.
+    with default_registry().reference_only():
         return _train(args)
 
 

@@ -11,6 +11,7 @@ support a given tensor falls back to the reference for that call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -125,6 +126,17 @@ class KernelRegistry:
                 continue
             return Choice(op, backend.name, impl, backend.summary)
         return Choice(op, REFERENCE, None, "fallback (" + "; ".join(failures) + ")")
+
+    @contextlib.contextmanager
+    def reference_only(self):
+        """Within the block every op resolves to the plain-torch reference (differentiable: training
+        uses this, the fast paths are inference kernels without a backward); restored on exit."""
+        saved = (self.force_reference, self._choices)
+        self.force_reference, self._choices = True, {}
+        try:
+            yield self
+        finally:
+            self.force_reference, self._choices = saved
 
     def describe(self) -> list[str]:
         return [f"{op:18s} {c.backend:10s} {c.reason}" for op in _BACKENDS for c in (self.choose(op),)]
