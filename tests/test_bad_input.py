@@ -29,14 +29,6 @@ PROMPT_LEN = 48
 WEIGHT = "model.safetensors"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 @pytest.fixture(scope="module")
 def config():
     return ref.tiny_config()

@@ -61,15 +61,6 @@ CONFIGS = {
 SEEDS = {"tiny": 11, "all_csa_sigmoid": 12, "hca_first": 13, "softmax": 14}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    """These models are tiny: one intra-op thread is much faster than two contended ones on a shared machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def _ids(seed: int, length: int, vocab: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(2, vocab, (length,), generator=generator).tolist()
