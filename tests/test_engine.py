@@ -159,6 +159,25 @@ def test_stream_deltas_concatenate_and_abort_frees_slots(llm):
     assert len(llm.engine.free_slots) == llm.limits.max_num_seqs and not llm.engine.has_work()
 
 
+def test_unstreamed_requests_are_reported_once_when_finished(llm):
+    """stream=False: step() reports nothing while the request runs, then one output with everything;
+    a streamed request in the same steps still gets a delta every step."""
+    engine = llm.engine
+    quiet = engine.add_request("quiet", _ids(6, seed=4), SamplingParams(max_tokens=5, ignore_eos=True, n=2), stream=False)
+    loud = engine.add_request("loud", _ids(9, seed=5), SamplingParams(max_tokens=7, ignore_eos=True))
+    reported: dict[str, list] = {"quiet": [], "loud": []}
+    while engine.has_work():
+        for out in engine.step():
+            reported[out.request_id].append(out)
+    assert len(reported["quiet"]) == 1 and reported["quiet"][0].finished
+    final = quiet.output(delta=False)
+    assert [c.token_ids for c in reported["quiet"][0].outputs] == [c.token_ids for c in final.outputs]
+    assert all(len(c.token_ids) == 5 and c.text for c in final.outputs)
+    assert len(reported["loud"]) == 7 and [o.finished for o in reported["loud"]] == [False] * 6 + [True]
+    assert sum((o.outputs[0].token_ids for o in reported["loud"]), []) == loud.output(delta=False).outputs[0].token_ids
+    assert len(engine.free_slots) == llm.limits.max_num_seqs
+
+
 def test_chat_uses_checkpoint_template(llm):
     messages = [{"role": "user", "content": "w7 w9"}]
     out = llm.chat(messages, GREEDY, use_tqdm=False)[0]

@@ -121,11 +121,13 @@ def fused_kernels():
     return MhcFusedKernel(lib), NormRopeKernel(lib)
 
 
+# Token counts: below one Sinkhorn lane block (8 tokens), and two full blocks plus a partial one.
+@pytest.mark.parametrize("T", [7, 19])
 @pytest.mark.parametrize("broadcast", [False, True])
-def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast):
+def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T):
     fused, _ = fused_kernels
-    g = torch.Generator().manual_seed(11 + broadcast)
-    T, D, iters, rms_eps, hc_eps = 7, 48, 20, 1e-6, 1e-3
+    g = torch.Generator().manual_seed(11 + broadcast + T)
+    D, iters, rms_eps, hc_eps = 48, 20, 1e-6, 1e-3
     hc_in = 1 if broadcast else HC
     streams = torch.randn(T, hc_in, D, generator=g)
     fn = torch.randn(MIX, hc_in * D, generator=g) * 0.1

@@ -1,4 +1,4 @@
-"""The batched decode attention path against the per-segment reference path (fp32, <= 1e-5).
+"""The batched decode and prefill attention paths against the per-segment reference path (fp32, <= 1e-5).
 
 Each case prefills sequences of assorted lengths into identical caches, then runs decode steps in
 which every sequence contributes one token (plus, in some steps, a prefill chunk of another
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsv4.config import CSA, HCA, SLIDING, ModelConfig
-from dsv4.kernels.registry import KernelRegistry
+from dsv4.kernels.registry import DECODE_ATTENTION, PREFILL_ATTENTION, REFERENCE, Choice, KernelRegistry
 from dsv4.model import attention as attention_module
 from dsv4.model.attention import Attention
 from dsv4.model.batch import ForwardBatch
@@ -77,3 +77,49 @@ def test_batched_decode_equals_reference(cfg, layer_type, monkeypatch):
             torch.testing.assert_close(a, b, **TOL)
         for slot, tokens, start in chunks:
             lengths[slot] = start + len(tokens)
+
+
+class _PartialRegistry:
+    """A registry whose listed ops take their batched path and every other op its reference."""
+
+    def __init__(self, batched_ops: tuple[str, ...]):
+        self.batched_ops = batched_ops
+
+    def choose(self, op: str) -> Choice:
+        return Choice(op, "batched" if op in self.batched_ops else REFERENCE, None, "test")
+
+
+# Prefill steps: (cache slot, chunk length, start position). They mix lengths in one step, continue
+# chunks that start mid-window (W=32) and mid compressor window (m=4, 16), add decode rows (length 1),
+# and reuse slots 1 and 2 for new sequences (start 0 over the previous sequences' data).
+PREFILL_STEPS = [
+    [(0, 7, 0), (1, 33, 0), (2, 1, 0), (3, 64, 0)],
+    [(0, 10, 7), (1, 5, 33), (3, 17, 64), (4, 40, 0), (2, 3, 1)],
+    [(0, 1, 17), (1, 1, 38), (2, 30, 4), (3, 1, 81), (4, 9, 40)],
+    [(1, 20, 0), (0, 1, 18), (4, 2, 49), (2, 1, 34), (3, 45, 82)],
+    [(2, 66, 0), (1, 1, 20), (0, 13, 19)],
+]
+
+
+@pytest.mark.parametrize("batched_ops", [(DECODE_ATTENTION, PREFILL_ATTENTION), (PREFILL_ATTENTION,)])
+@pytest.mark.parametrize("layer_type", [SLIDING, CSA, HCA])
+@torch.no_grad()
+def test_batched_prefill_equals_reference(cfg, layer_type, batched_ops, monkeypatch):
+    """All chunks of a step at once (padded) vs one segment at a time; with the decode path off, the
+    batched prefill path serves the single-token segments too."""
+    attn = _random_attention(cfg, layer_type, seed=3 + len(layer_type))
+    g = torch.Generator().manual_seed(11)
+    ref_cache = allocate_layer_cache(cfg, layer_type, SLOTS, MAX_LEN, torch.float32, "cpu")
+    for t in cache_tensors([ref_cache]):  # stale data from earlier sequences must never leak in
+        t.copy_(torch.randn(t.shape, generator=g))
+    fast_cache = copy.deepcopy(ref_cache)
+    for steps in PREFILL_STEPS:
+        chunks = [(slot, [0] * length, start) for slot, length, start in steps]
+        x = torch.randn(sum(length for _, length, _ in steps), cfg.hidden_size, generator=g)
+        monkeypatch.setattr(attention_module, "default_registry", lambda: KernelRegistry(force_reference=True))
+        want = attn(x, ForwardBatch.build(chunks), ref_cache)
+        monkeypatch.setattr(attention_module, "default_registry", lambda: _PartialRegistry(batched_ops))
+        got = attn(x, ForwardBatch.build(chunks), fast_cache)
+        torch.testing.assert_close(got, want, **TOL)
+        for a, b in zip(cache_tensors([fast_cache]), cache_tensors([ref_cache])):
+            torch.testing.assert_close(a, b, **TOL)

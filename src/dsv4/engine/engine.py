@@ -6,8 +6,10 @@ cache slot from admission to retirement; a request that finds no free slot waits
 (admission control), it never fails for lack of room. A prompt that cannot fit `max_model_len` is
 rejected on its own, when it is added.
 
-`step()` returns, for every request that progressed, what is new since its previous output
-(streaming deltas); finished requests appear one last time with `finished=True`.
+`step()` returns, for every streamed request that progressed, what is new since its previous output
+(streaming deltas); finished requests appear one last time with `finished=True`. Requests added with
+`stream=False` appear only then (their one delta is the whole result), so a step builds no output
+objects for the many requests that merely progressed.
 """
 
 from __future__ import annotations
@@ -115,9 +117,10 @@ class Engine:
     # ---- requests ----
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        weights_version: int = 0,
+        weights_version: int = 0, stream: bool = True,
     ) -> Request:
-        """Queue a request (its n sequences). Raises RequestError for this request only."""
+        """Queue a request (its n sequences). Raises RequestError for this request only. stream=False:
+        `step()` reports it only when it finishes."""
         if request_id in self.requests:
             raise RequestError(f"request {request_id}: id already in use")
         if not prompt_ids:
@@ -130,7 +133,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise RequestError(f"request {request_id}: stop strings need a tokenizer, and this model has none")
         seqs = [self._sequence(request_id, i, prompt_ids, params) for i in range(params.n)]
-        request = Request(request_id, prompt, list(prompt_ids), params, seqs, weights_version)
+        request = Request(request_id, prompt, list(prompt_ids), params, seqs, weights_version, stream=stream)
         self.requests[request_id] = request
         self.waiting.extend(seqs)
         return request
@@ -171,7 +174,7 @@ class Engine:
         work = []
         for seq in self.running:
             if seq.computed >= len(seq.prompt_ids) and budget > 0:
-                work.append((seq, [seq.all_ids[seq.computed]]))
+                work.append((seq, [seq.token_at(seq.computed)]))
                 budget -= 1
         for seq in self.running:
             if seq.computed < len(seq.prompt_ids) and budget > 0:
@@ -191,22 +194,28 @@ class Engine:
             return outputs
         batch = ForwardBatch.build([(seq.slot, chunk, seq.computed) for seq, chunk in work], device=self._device)
         streams, _ = self.model(batch, self.cache)
-        sampling = []  # (seq, flat row whose logits pick its next token)
+        sampling: list[Sequence] = []  # sequences whose last known token is in the step
+        rows: list[int] = []  # the flat row of that token: its logits pick the next one
         for (seq, chunk), segment in zip(work, batch.segments):
             if seq.params.prompt_logprobs is not None and seq.index == 0 and seq.computed < len(seq.prompt_ids):
                 self._score_prompt_chunk(seq, streams[segment.begin : segment.end])
             seq.computed += len(chunk)
-            if seq.computed == len(seq.all_ids):  # the last known token: its logits pick the next one
-                sampling.append((seq, segment.end - 1))
-        progressed: dict[str, Request] = {}
-        if sampling:
-            rows = torch.tensor([row for _, row in sampling], device=self._device)
-            logits = self.model.logits(streams.index_select(0, rows))
-            out = self.sampler.sample(logits, [seq.state for seq, _ in sampling])
-            for (seq, _), token, lp in zip(sampling, out.token_ids.tolist(), out.logprobs):
-                self._append(seq, token, lp)
-                progressed[seq.request_id] = self.requests[seq.request_id]
-        for request in progressed.values():
+            if seq.computed == seq.num_tokens:
+                sampling.append(seq)
+                rows.append(segment.end - 1)
+        if not sampling:
+            return outputs
+        if len(rows) < batch.num_tokens:
+            streams = streams.index_select(0, torch.tensor(rows, device=self._device))
+        # else every row samples (a pure decode step): rows are 0..T-1 in order, no gather needed.
+        out = self.sampler.sample(self.model.logits(streams), [seq.state for seq in sampling])
+        reported: dict[str, Request] = {}  # streamed requests that progressed, and finished ones
+        for seq, token, lp in zip(sampling, out.token_ids.tolist(), out.logprobs):
+            self._append(seq, token, lp)
+            request = self.requests[seq.request_id]
+            if request.stream or (seq.finished and request.finished):
+                reported[seq.request_id] = request
+        for request in reported.values():
             outputs.append(request.output(delta=True))
             if request.finished:
                 del self.requests[request.request_id]
@@ -247,7 +256,7 @@ class Engine:
             stop = seq.add_text(token)
             if stop is not None:
                 self._finish(seq, STOP, stop)
-            elif len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.limits.max_model_len:
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.limits.max_model_len:
                 self._finish(seq, LENGTH)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:

@@ -92,7 +92,7 @@ class LLM:
         """Generate for every prompt (text or token ids); one RequestOutput per prompt, in order.
         A prompt that cannot be served (too long, bad ids) gets an output with `.error` set and no
         completions; the others still run. A progress bar shows when stderr is a terminal."""
-        requests: list[Request | RequestOutput] = self._add_all(prompts, sampling_params)
+        requests: list[Request | RequestOutput] = self._add_all(prompts, sampling_params, stream=False)
         pending = {r.request_id for r in requests if isinstance(r, Request)}
         bar = _progress_bar(len(pending)) if use_tqdm else None
         while pending:
@@ -112,7 +112,7 @@ class LLM:
         request has `finished=True`). `abort(request_id)` from the consuming loop stops a request: its
         final delta has finish_reason "abort". Rejected prompts are yielded first, with `.error`."""
         pending = set()
-        for r in self._add_all(prompts, sampling_params):
+        for r in self._add_all(prompts, sampling_params, stream=True):
             if isinstance(r, Request):
                 pending.add(r.request_id)
             else:
@@ -145,9 +145,11 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm)
 
     def _add_all(
-        self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
+        self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None,
+        stream: bool,
     ) -> list[Request | RequestOutput]:
-        """Queue every prompt; a prompt rejected on its own becomes an error RequestOutput."""
+        """Queue every prompt; a prompt rejected on its own becomes an error RequestOutput. `stream`: report
+        every step's delta (True) or only the finished output (False)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -162,7 +164,7 @@ class LLM:
             text = prompt if isinstance(prompt, str) else None
             try:
                 ids = self._encode(prompt)
-                added.append(self.engine.add_request(rid, ids, params, text, self.weights_version))
+                added.append(self.engine.add_request(rid, ids, params, text, self.weights_version, stream=stream))
             except RequestError as exc:
                 ids = [] if isinstance(prompt, str) else list(prompt)
                 added.append(RequestOutput(rid, text, ids, [], True, self.weights_version, error=str(exc)))

@@ -66,6 +66,16 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        """len(all_ids), without building the list (the engine asks every step)."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, index: int) -> int:
+        """all_ids[index], without building the list."""
+        n_prompt = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n_prompt else self.output_ids[index - n_prompt]
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -113,6 +123,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # set once the whole prompt is scored
     prompt_logprobs_parts: list[TokenLogprobs | None] = field(default_factory=list)  # chunks scored so far
     prompt_logprobs_sent: bool = False
+    stream: bool = True  # False: `Engine.step` reports the request only once, when it finishes
 
     @property
     def finished(self) -> bool:

@@ -28,31 +28,37 @@ _SOURCE = r"""
 
 static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+/* One token's pre, post and the row-softmaxed comb (+ eps): everything before the Sinkhorn passes. */
+static void coefficients_head(const float *l, const float *base, const float *scale, int hc, float hc_eps,
+                              float *o) {
+    const float s_pre = scale[0], s_post = scale[1], s_comb = scale[2];
+    for (int k = 0; k < hc; ++k) {
+        o[k] = sigmoidf_(l[k] * s_pre + base[k]) + hc_eps;
+        o[hc + k] = 2.0f * sigmoidf_(l[hc + k] * s_post + base[hc + k]);
+    }
+    float *c = o + 2 * hc;
+    const float *lc = l + 2 * hc, *bc = base + 2 * hc;
+    for (int i = 0; i < hc; ++i) { /* row softmax (the first row normalisation), then + eps */
+        float mx = -INFINITY;
+        for (int j = 0; j < hc; ++j) {
+            c[i * hc + j] = lc[i * hc + j] * s_comb + bc[i * hc + j];
+            if (c[i * hc + j] > mx) mx = c[i * hc + j];
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < hc; ++j) { c[i * hc + j] = expf(c[i * hc + j] - mx); sum += c[i * hc + j]; }
+        for (int j = 0; j < hc; ++j) c[i * hc + j] = c[i * hc + j] / sum + hc_eps;
+    }
+}
+
 /* logits [T, mix], base [mix], scale [3] -> out [T, mix] = pre [hc] | post [hc] | comb [hc, hc] per token.
    mix = 2 hc + hc^2. comb[i, j]: source stream i -> destination stream j. */
 void mhc_coefficients_f32(const float *logits, const float *base, const float *scale, long T, int hc,
                           int iters, float hc_eps, float *out) {
     const int mix = 2 * hc + hc * hc;
-    const float s_pre = scale[0], s_post = scale[1], s_comb = scale[2];
     for (long t = 0; t < T; ++t) {
-        const float *l = logits + t * mix;
         float *o = out + t * mix;
-        for (int k = 0; k < hc; ++k) {
-            o[k] = sigmoidf_(l[k] * s_pre + base[k]) + hc_eps;
-            o[hc + k] = 2.0f * sigmoidf_(l[hc + k] * s_post + base[hc + k]);
-        }
+        coefficients_head(logits + t * mix, base, scale, hc, hc_eps, o);
         float *c = o + 2 * hc;
-        const float *lc = l + 2 * hc, *bc = base + 2 * hc;
-        for (int i = 0; i < hc; ++i) { /* row softmax (the first row normalisation), then + eps */
-            float mx = -INFINITY;
-            for (int j = 0; j < hc; ++j) {
-                c[i * hc + j] = lc[i * hc + j] * s_comb + bc[i * hc + j];
-                if (c[i * hc + j] > mx) mx = c[i * hc + j];
-            }
-            float sum = 0.0f;
-            for (int j = 0; j < hc; ++j) { c[i * hc + j] = expf(c[i * hc + j] - mx); sum += c[i * hc + j]; }
-            for (int j = 0; j < hc; ++j) c[i * hc + j] = c[i * hc + j] / sum + hc_eps;
-        }
         float denom[16];
         for (int it = 0; it < 2 * iters - 1; ++it) { /* columns, then rows/columns alternately */
             /* Exact divisions, laid out so the compiler can do hc of them per vector instruction. */
@@ -76,6 +82,40 @@ void mhc_coefficients_f32(const float *logits, const float *base, const float *s
     }
 }
 
+/* Tokens per Sinkhorn batch: one vector lane each (8 fp32 = one AVX register, two SSE ones). */
+#define LANES 8
+
+/* The Sinkhorn passes of mhc_coefficients_f32 for LANES tokens at once, c[i * LANES + lane] = comb
+   entry i of that lane's token: the same operations in the same order per token (bit-identical), with
+   every step one vector op across tokens (a lone 4x4 matrix leaves the divider mostly idle). */
+static void sinkhorn_lanes(float *c, int hc, int iters, float hc_eps) {
+    float denom[16 * LANES];
+    for (int it = 0; it < 2 * iters - 1; ++it) { /* columns, then rows/columns alternately */
+        if ((it % 2) == 0) {
+            for (int a = 0; a < hc; ++a)
+                for (int l = 0; l < LANES; ++l) denom[a * LANES + l] = c[a * LANES + l];
+            for (int b = 1; b < hc; ++b)
+                for (int a = 0; a < hc; ++a)
+                    for (int l = 0; l < LANES; ++l) denom[a * LANES + l] += c[(b * hc + a) * LANES + l];
+            for (int a = 0; a < hc; ++a)
+                for (int l = 0; l < LANES; ++l) denom[a * LANES + l] += hc_eps;
+            for (int b = 0; b < hc; ++b)
+                for (int a = 0; a < hc; ++a)
+                    for (int l = 0; l < LANES; ++l) c[(b * hc + a) * LANES + l] /= denom[a * LANES + l];
+        } else {
+            for (int a = 0; a < hc; ++a) {
+                for (int l = 0; l < LANES; ++l) denom[a * LANES + l] = 0.0f;
+                for (int b = 0; b < hc; ++b)
+                    for (int l = 0; l < LANES; ++l) denom[a * LANES + l] += c[(a * hc + b) * LANES + l];
+                for (int l = 0; l < LANES; ++l) denom[a * LANES + l] += hc_eps;
+            }
+            for (int a = 0; a < hc; ++a)
+                for (int b = 0; b < hc; ++b)
+                    for (int l = 0; l < LANES; ++l) c[(a * hc + b) * LANES + l] /= denom[a * LANES + l];
+        }
+    }
+}
+
 /* Fused mHC pre-step for T tokens. streams [T, hc_in, D] (hc_in = hc, or 1 when every stream is the
    same broadcast embedding), raw [T, mix] = flatten(streams) @ fn^T (the broadcast fn when hc_in = 1).
    rho = rsqrt(mean(flatten(streams)^2) + rms_eps); logits = raw * rho; coefficients as above into
@@ -84,14 +124,28 @@ void mhc_pre_f32(const float *streams, const float *raw, const float *base, cons
                  int hc, int hc_in, long D, int iters, float rms_eps, float hc_eps, const float *norm_w,
                  float norm_eps, float *coef, float *y) {
     const int mix = 2 * hc + hc * hc;
+    float lanes[16 * 16 * LANES];
+    for (long t0 = 0; t0 < T; t0 += LANES) { /* coefficients, LANES tokens at a time */
+        const int nb = T - t0 < LANES ? (int)(T - t0) : LANES;
+        for (int l = 0; l < nb; ++l) {
+            const long t = t0 + l;
+            const float *x = streams + t * hc_in * D;
+            float ss = 0.0f;
+            for (long i = 0; i < hc_in * D; ++i) ss += x[i] * x[i];
+            const float rho = 1.0f / sqrtf(ss / (float)(hc_in * D) + rms_eps);
+            float logits[2 * 16 + 16 * 16];
+            for (int i = 0; i < mix; ++i) logits[i] = raw[t * mix + i] * rho;
+            coefficients_head(logits, base, scale, hc, hc_eps, coef + t * mix);
+            for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = coef[t * mix + 2 * hc + i];
+        }
+        for (int l = nb; l < LANES; ++l) /* unused lanes: any finite values, never read back */
+            for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = 1.0f;
+        sinkhorn_lanes(lanes, hc, iters, hc_eps);
+        for (int l = 0; l < nb; ++l)
+            for (int i = 0; i < hc * hc; ++i) coef[(t0 + l) * mix + 2 * hc + i] = lanes[i * LANES + l];
+    }
     for (long t = 0; t < T; ++t) {
         const float *x = streams + t * hc_in * D;
-        float ss = 0.0f;
-        for (long i = 0; i < hc_in * D; ++i) ss += x[i] * x[i];
-        const float rho = 1.0f / sqrtf(ss / (float)(hc_in * D) + rms_eps);
-        float logits[2 * 16 + 16 * 16];
-        for (int i = 0; i < mix; ++i) logits[i] = raw[t * mix + i] * rho;
-        mhc_coefficients_f32(logits, base, scale, 1, hc, iters, hc_eps, coef + t * mix);
         const float *pre = coef + t * mix;
         float *yt = y + t * D;
         if (hc_in == 1) {

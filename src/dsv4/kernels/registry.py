@@ -22,6 +22,7 @@ REFERENCE = "reference"
 
 MHC_COEFFICIENTS = "mhc_coefficients"
 DECODE_ATTENTION = "decode_attention"
+PREFILL_ATTENTION = "prefill_attention"
 MOE_EXPERTS = "moe_experts"
 MHC_FUSED = "mhc_fused"
 NORM_ROPE = "norm_rope"
@@ -92,6 +93,9 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
     ),
     DECODE_ATTENTION: (
         Backend("batched", _available, "all single-token rows in one gather + masked softmax, no per-sequence loop"),
+    ),
+    PREFILL_ATTENTION: (
+        Backend("batched", _available, "all prompt chunks padded to the longest: banded masks, one bmm, no per-sequence loop"),
     ),
     MOE_EXPERTS: (
         Backend("grouped_mm", _build_grouped_experts, "dense experts: rows sorted by expert, one torch._grouped_mm per matrix"),

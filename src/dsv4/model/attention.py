@@ -10,14 +10,15 @@ B single-token (decode) rows.
 Two paths compute the same thing. The per-segment path (the reference) loops over the sequences of
 the step and handles any chunk length. The batched decode path serves every single-token segment at
 once: it gathers each row's window ring and entries by cache slot and masks them by position, so a
-decode step costs the same number of ops for 1 or 64 sequences.
+decode step costs the same number of ops for 1 or 64 sequences. The batched prefill path serves every
+other segment at once, padded to the longest chunk: P segments, L = longest chunk.
 """
 
 import torch
 from torch import nn
 
 from dsv4.config import CSA, SLIDING, ModelConfig
-from dsv4.kernels.registry import DECODE_ATTENTION, default_registry
+from dsv4.kernels.registry import DECODE_ATTENTION, PREFILL_ATTENTION, default_registry
 from dsv4.model.batch import ForwardBatch, Segment
 from dsv4.model.cache import CompressorCache, LayerCache
 from dsv4.model.norm import RMSNorm
@@ -129,6 +130,40 @@ class Compressor(nn.Module):
         entries = norm_rope_(pooled.to(kv.dtype), self.norm.eps, self.norm.weight, window_ids * m, rope)
         cache.entries[done_slots, window_ids] = entries
 
+    def emit_batched(
+        self, kv: torch.Tensor, gate: torch.Tensor, meta: "PrefillMeta", cache: CompressorCache, rope: RotaryTable,
+    ) -> None:
+        """`emit` for all of meta's segments at once: kv, gate [T, width] are the flat batch's raw
+        projections. Equals `emit` on each segment (same ring rows, same entries)."""
+        m, ring_len = self.rate, cache.ring_kv.shape[1]
+        plan = meta.compressor(m, ring_len)
+        slots = meta.slots.unsqueeze(-1)  # [P, 1]
+        # Each segment's tokens from `plan.history` positions before its chunk on: [P, hist + L, width]
+        # (read before the ring is overwritten below; advanced indexing copies).
+        all_kv = torch.cat((cache.ring_kv[slots, plan.history_rows], kv[meta.gather_rows]), dim=1)
+        all_gate = torch.cat((cache.ring_gate[slots, plan.history_rows], gate[meta.gather_rows]), dim=1)
+        write_slots, write_rows, write_src = meta.ring_writes(ring_len)
+        cache.ring_kv[write_slots, write_rows] = kv[write_src]
+        cache.ring_gate[write_slots, write_rows] = gate[write_src]
+        if plan.window_ids.numel() == 0:
+            return
+        seg = plan.window_seg.unsqueeze(-1)  # [E, 1]: the segment of each completed window
+        cur_kv = all_kv[seg, plan.token_index].float()  # [E, m, width]
+        cur_gate = all_gate[seg, plan.token_index].float() + self.ape  # ape by slot in window
+        if self.overlap:
+            d = self.out_dim
+            first = (plan.window_ids == 0).view(-1, 1, 1)  # window 0 has no previous window: its Ca slots weigh nothing
+            prev_index = (plan.token_index - m).clamp(min=0)  # clamped rows belong to window 0 only (masked)
+            prev_kv = all_kv[seg, prev_index][..., :d].float().masked_fill(first, 0.0)
+            prev_gate = (all_gate[seg, prev_index][..., :d].float() + self.ape[:, :d]).masked_fill(first, float("-inf"))
+            slots_kv = torch.cat((prev_kv, cur_kv[..., d:]), dim=1)  # [E, 2m, d]
+            slots_gate = torch.cat((prev_gate, cur_gate[..., d:]), dim=1)
+        else:
+            slots_kv, slots_gate = cur_kv, cur_gate
+        pooled = (slots_kv * slots_gate.softmax(dim=1)).sum(dim=1)  # [E, d] fp32
+        entries = norm_rope_(pooled.to(kv.dtype), self.norm.eps, self.norm.weight, plan.window_ids * m, rope)
+        cache.entries[plan.window_slots, plan.window_ids] = entries
+
 
 class Indexer(nn.Module):
     """Lightning indexer: picks, per query, the top-k compressed entries a CSA layer attends to.
@@ -167,6 +202,21 @@ class Indexer(nn.Module):
         first counts[b] are its visible entries) -> [B, min(k, n)] picks, -1 where fewer are visible."""
         scores = torch.bmm(q.float(), keys.float().transpose(1, 2)).relu() * self.head_dim**-0.5  # [B, nI, n]
         scores = (scores * (head_weights.float() * self.n_heads**-0.5).unsqueeze(-1)).sum(dim=1)  # [B, n]
+        visible_count = counts.unsqueeze(-1)
+        entry = torch.arange(keys.shape[1], device=keys.device)
+        scores = scores.masked_fill(entry >= visible_count, float("-inf"))
+        picks = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        return torch.where(picks >= visible_count, torch.full_like(picks, -1), picks)
+
+    def select_batched(
+        self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """`select` for P padded segments: q [P, L, nI, dI], head_weights [P, L, nI], keys [P, n, dI],
+        counts [P, L] visible entries per query -> [P, L, min(k, n)] picks, -1 where fewer are visible."""
+        P, L, n_heads, dim = q.shape
+        scores = torch.bmm(q.float().view(P, L * n_heads, dim), keys.float().transpose(1, 2))  # [P, L*nI, n]
+        scores = scores.view(P, L, n_heads, -1).relu() * self.head_dim**-0.5
+        scores = (scores * (head_weights.float() * self.n_heads**-0.5).unsqueeze(-1)).sum(dim=2)  # [P, L, n]
         visible_count = counts.unsqueeze(-1)
         entry = torch.arange(keys.shape[1], device=keys.device)
         scores = scores.masked_fill(entry >= visible_count, float("-inf"))
@@ -219,7 +269,8 @@ class Attention(nn.Module):
             idx_q = norm_rope_(self.indexer.wq_b(q_res).view(T, self.indexer.n_heads, -1), None, None, pos, self.rope)
             idx_w = self.indexer.weights_proj(x)
 
-        meta = decode_meta(batch) if not default_registry().choose(DECODE_ATTENTION).is_reference else None
+        registry = default_registry()
+        meta = decode_meta(batch) if not registry.choose(DECODE_ATTENTION).is_reference else None
         if meta is not None and meta.pure:
             # A pure decode step needs no gather: its rows are the whole flat batch, in segment order.
             side = _SideInputs(comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
@@ -230,9 +281,13 @@ class Attention(nn.Module):
             rows = meta.rows
             side = _rows_of(rows, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
             out[rows] = self._decode(q[rows], kv[rows], meta, cache, side)
-            segments = [seg for seg in batch.segments if seg.length > 1]
-        else:
-            segments = batch.segments
+        # Segments the decode path did not serve (all of them when it is off).
+        segments = [seg for seg in batch.segments if meta is None or seg.length > 1]
+        if segments and not registry.choose(PREFILL_ATTENTION).is_reference:
+            pre = prefill_meta(batch, decode_served=meta is not None)
+            side = _SideInputs(comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
+            out[pre.rows] = self._prefill(q, kv, pre, cache, side)[pre.valid]
+            segments = []
         for seg in segments:
             rows = slice(seg.begin, seg.end)
             out[rows] = self._segment(q[rows], kv[rows], seg, batch.positions[rows], cache,
@@ -288,6 +343,47 @@ class Attention(nn.Module):
             elif self.indexer is not None:
                 self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, meta, cache.indexer, self.rope)
         return self._attend_decode(q, keys, bias)
+
+    def _prefill(
+        self, q: torch.Tensor, kv: torch.Tensor, meta: "PrefillMeta", cache: LayerCache, side: "_SideInputs"
+    ) -> torch.Tensor:
+        """Batched path for meta's P segments: q [T, H, hd], kv [T, hd] and side are the whole flat batch
+        -> padded [P, L, H, hd] (rows past a segment's length are padding). Writes the same cache rows as
+        `_segment` would for each segment."""
+        W, slots = self.window, meta.slots
+        history_rows, bias = meta.window(W)  # [P, hist], [P, L, hist + L]
+        # [earlier ring tokens | new tokens] per segment, read before the ring is overwritten below.
+        keys = torch.cat((cache.window[slots.unsqueeze(-1), history_rows], kv[meta.gather_rows]), dim=1)
+        write_slots, write_rows, write_src = meta.ring_writes(W)
+        cache.window[write_slots, write_rows] = kv[write_src]
+        if self.compressor is not None:
+            rate = self.compressor.rate
+            self.compressor.emit_batched(side.comp_kv, side.comp_gate, meta, cache.compressor, self.rope)
+            n_max, counts = meta.entry_counts(rate)  # counts [P, L]: complete entries each query sees
+            entries = cache.compressor.entries[slots, :n_max]  # [P, n_max, hd]; past a segment's own count: masked
+            if self.indexer is not None:
+                self.indexer.compressor.emit_batched(side.idx_kv, side.idx_gate, meta, cache.indexer, self.rope)
+                index_keys = cache.indexer.entries[slots, :n_max]
+                rows = meta.gather_rows
+                picks = self.indexer.select_batched(side.idx_q[rows], side.idx_w[rows], index_keys, counts)
+                visible = torch.zeros(*picks.shape[:2], n_max + 1, dtype=torch.bool, device=q.device)
+                visible.scatter_(-1, torch.where(picks < 0, n_max, picks), True)  # -1 picks select column n_max
+                entry_bias = _mask_to_bias(visible[..., :n_max])
+            else:
+                entry_bias = _mask_to_bias(torch.arange(n_max, device=q.device) < counts.unsqueeze(-1))
+            keys = torch.cat((keys, entries), dim=1)
+            bias = torch.cat((bias, entry_bias), dim=-1)
+        return self._attend_padded(q[meta.gather_rows], keys, bias)
+
+    def _attend_padded(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """`_attend` per segment: q [P, L, H, hd], keys (= values) [P, N, hd], bias [P, L, N] -> [P, L, H, hd].
+        Padding queries see no key, so only the sink takes their mass (no NaN)."""
+        P, L, H, hd = q.shape
+        logits = torch.bmm(q.reshape(P, L * H, hd), keys.transpose(1, 2)).view(P, L, H, -1)  # [P, L, H, N]
+        logits = logits.float() * self.head_dim**-0.5 + bias.unsqueeze(2)
+        sink = self.attn_sink.view(1, 1, H, 1).expand(P, L, H, 1)
+        probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        return torch.bmm(probs.to(keys.dtype).reshape(P, L * H, -1), keys).view(P, L, H, hd)
 
     def _attend_decode(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """`_attend` per row: q [B, H, hd], keys (= values) [B, N, hd], bias [B, N] -> [B, H, hd]."""
@@ -397,7 +493,102 @@ class DecodeMeta:
         return self._cached(("done", rate), build)
 
 
+class PrefillMeta:
+    """The index tensors of a step's batched segments, padded to the longest chunk L, built once per step
+    and shared by every layer. Padded row t of segment p is flat row begin_p + min(t, len_p - 1)
+    (a duplicate of its last token, masked out everywhere)."""
+
+    def __init__(self, batch: ForwardBatch, segments: list[Segment]):
+        device = batch.positions.device
+        self.batch = batch  # keeps the keyed batch alive, so its id is never reused while memoised
+        self.device = device
+        longest = max(seg.length for seg in segments)
+        self.max_start = max(seg.start for seg in segments)
+        self.slots = torch.tensor([seg.slot for seg in segments], device=device)  # [P]
+        self.starts = torch.tensor([seg.start for seg in segments], device=device)  # [P]
+        lengths = torch.tensor([seg.length for seg in segments], device=device)  # [P]
+        self.ends = self.starts + lengths
+        t = torch.arange(longest, device=device)
+        begins = torch.tensor([seg.begin for seg in segments], device=device)
+        self.valid = t < lengths.unsqueeze(-1)  # [P, L]
+        self.gather_rows = begins.unsqueeze(-1) + torch.minimum(t, lengths.unsqueeze(-1) - 1)  # [P, L] flat rows
+        self.rows = self.gather_rows[self.valid]  # [T'] flat rows of the valid padded rows, in padded order
+        self.positions = self.starts.unsqueeze(-1) + t  # [P, L]
+        self._memo: dict = {}
+
+    def _cached(self, key, build):
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def _history(self, ring_len: int, wanted: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(h, [P, h] positions and [P, h] ring rows of the h positions before each chunk): h = wanted, trimmed when
+        no segment starts that late (positions < 0 do not exist: fresh prompts need no history)."""
+        h = min(wanted, self.max_start)
+        positions = self.starts.unsqueeze(-1) - h + torch.arange(h, device=self.device)
+        return h, positions, positions % ring_len
+
+    def ring_writes(self, ring_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slots, ring rows, flat source rows) of the tokens a ring of ring_len keeps: each segment's
+        last ring_len positions."""
+        def build():
+            keep = self.valid & (self.positions >= (self.ends - ring_len).unsqueeze(-1))  # [P, L]
+            slots = self.slots.unsqueeze(-1).expand_as(keep)[keep]
+            return slots, self.positions[keep] % ring_len, self.gather_rows[keep]
+        return self._cached(("ring", ring_len), build)
+
+    def window(self, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([P, h] ring rows of the up to W-1 earlier positions, [P, L, h + L] bias over [history | chunk]):
+        key j is visible from query t iff it exists and t - W < j <= t."""
+        def build():
+            h, history_pos, history_rows = self._history(W, W - 1)
+            key_pos = torch.cat((history_pos, self.positions), dim=1)  # [P, h + L]
+            key_ok = torch.cat((history_pos >= 0, self.valid), dim=1)
+            q_pos, k_pos = self.positions.unsqueeze(-1), key_pos.unsqueeze(1)
+            visible = key_ok.unsqueeze(1) & (k_pos <= q_pos) & (k_pos > q_pos - W)  # [P, L, h + L]
+            return history_rows, _mask_to_bias(visible)
+        return self._cached(("window", W), build)
+
+    def entry_counts(self, rate: int) -> tuple[int, torch.Tensor]:
+        """(most entries of any segment after the step, [P, L] complete entries each query sees: w < (t+1)//m)."""
+        return self._cached(("counts", rate), lambda: (int(self.ends.max()) // rate, (self.positions + 1) // rate))
+
+    def compressor(self, rate: int, ring_len: int) -> "_CompressorPlan":
+        return self._cached(("compressor", rate, ring_len), lambda: _CompressorPlan(self, rate, ring_len))
+
+
+class _CompressorPlan:
+    """Where the windows completed by a PrefillMeta's segments find their tokens. A compressor lays out
+    each segment's tokens as [h ring positions before the chunk | chunk] ([P, h + L]); position p of
+    segment s sits at index p - start_s + h. h <= the ring length, which holds the previous window too."""
+
+    def __init__(self, meta: PrefillMeta, rate: int, ring_len: int):
+        device = meta.device
+        history, _, self.history_rows = meta._history(ring_len, ring_len)  # [P, h]
+        first_window, end_window = meta.starts // rate, meta.ends // rate  # windows [first, end) complete
+        counts = end_window - first_window  # [P]
+        segs = torch.arange(len(counts), device=device)
+        self.window_seg = torch.repeat_interleave(segs, counts)  # [E] segment of each completed window
+        offsets = torch.cumsum(counts, 0) - counts
+        within = torch.arange(self.window_seg.numel(), device=device) - offsets[self.window_seg]
+        self.window_ids = first_window[self.window_seg] + within  # [E]
+        self.window_slots = meta.slots[self.window_seg]  # [E]
+        token_pos = self.window_ids.unsqueeze(-1) * rate + torch.arange(rate, device=device)  # [E, m]
+        self.token_index = token_pos - meta.starts[self.window_seg].unsqueeze(-1) + history  # [E, m]
+
+
 _LAST_META: list = [None]
+_LAST_PREFILL: list = [None]
+
+
+def prefill_meta(batch: ForwardBatch, decode_served: bool) -> PrefillMeta:
+    """The step's PrefillMeta (memoised on the batch object): every segment, or only the multi-token
+    ones when the decode path serves the single-token rows."""
+    memo = _LAST_PREFILL[0]
+    if memo is None or memo[0] is not batch or memo[1] != decode_served:
+        segments = [seg for seg in batch.segments if not (decode_served and seg.length == 1)]
+        memo = _LAST_PREFILL[0] = (batch, decode_served, PrefillMeta(batch, segments))
+    return memo[2]
 
 
 def decode_meta(batch: ForwardBatch) -> DecodeMeta | None:
