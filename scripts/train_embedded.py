@@ -150,8 +150,8 @@ def make_batch(examples: list[task.Example]):
     """-> target batch, MTP batch, index tensors and labels for both losses."""
     seqs = [task.training_ids(ex) for ex in examples]
     batch = ForwardBatch.build([(i, ids, 0) for i, (ids, _) in enumerate(seqs)])
-    # MTP: the stream at t with token t+1 (at position t+1) predicts token t+2.
-    mtp_batch = ForwardBatch.build([(i, ids[1:], 1) for i, (ids, _) in enumerate(seqs)])
+    # MTP: the stream at t with token t+1 (run at position t) predicts token t+2.
+    mtp_batch = ForwardBatch.build([(i, ids[1:], 0) for i, (ids, _) in enumerate(seqs)])
     rows, labels, mtp_src, mtp_rows, mtp_labels = [], [], [], [], []
     for seg, mseg, (ids, answer_start) in zip(batch.segments, mtp_batch.segments, seqs):
         for t in range(answer_start - 1, len(ids) - 1):

@@ -126,7 +126,7 @@ def _drafter_logits(llm: LLM, role: str) -> torch.Tensor:
     streams, captured = target(batch, target.allocate_cache(1, 32), capture_layers=layers)
     cache = drafter.allocate_cache(1, 32)
     if role == "mtp":
-        _, logits = drafter(ForwardBatch.build([(0, ids[1:], 1)]), streams[:-1], cache)
+        _, logits = drafter(ForwardBatch.build([(0, ids[1:], 0)]), streams[:-1], cache)
     else:
         logits = drafter(batch, captured, cache)
     return logits
@@ -207,7 +207,7 @@ def test_forward_refuses_unfinalized_models():
     target.process_weights_after_loading()
     streams, _ = target(batch, target.allocate_cache(1, 8))
     with pytest.raises(WeightsNotReadyError, match="mtp model"):
-        models["mtp"](ForwardBatch.build([(0, [2, 3], 1)]), streams[:-1], models["mtp"].allocate_cache(1, 8))
+        models["mtp"](ForwardBatch.build([(0, [2, 3], 0)]), streams[:-1], models["mtp"].allocate_cache(1, 8))
 
 
 def test_finalize_is_idempotent_and_in_place():

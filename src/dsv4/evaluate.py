@@ -74,7 +74,7 @@ def mtp_agreement(llm, outputs) -> float:
     max_len = max(len(s) for _, s in seqs) + 1
     batch = ForwardBatch.build([(i, s, 0) for i, (_, s) in enumerate(seqs)])
     streams, _ = target(batch, target.allocate_cache(len(seqs), max_len))
-    draft_batch = ForwardBatch.build([(i, s[1:], 1) for i, (_, s) in enumerate(seqs)])
+    draft_batch = ForwardBatch.build([(i, s[1:], 0) for i, (_, s) in enumerate(seqs)])
     src = torch.cat([torch.arange(seg.begin, seg.end - 1) for seg in batch.segments])
     _, logits = mtp(draft_batch, streams[src], mtp.allocate_cache(len(seqs), max_len))
     drafts = logits.argmax(dim=-1).tolist()

@@ -1,7 +1,8 @@
 """Per-sequence attention state in preallocated slots (fixed addresses; nothing is allocated per step).
 
-Positions index everything, so no counters are stored: a sequence's state is fully described by its
-slot and its length, which the engine tracks.
+Positions index everything: a sequence's state is its slot plus how many positions the slot holds
+(`ModelCache.lengths`). A chunk must start at or before that length: the window and the compressor
+rings are read by position, so starting later would read rows that were never written.
 
   window ring      [S, W, hd]       K=V after kv_norm + RoPE, token p at p % W
   compressor ring  [S, R, width]    raw kv / gate projections (gate before ape) of the last R tokens;
@@ -50,6 +51,36 @@ def allocate_layer_cache(cfg: ModelConfig, layer_type: str, slots: int, max_len:
         if layer_type == CSA:
             cache.indexer = _compressor_cache(slots, rate, True, cfg.index_head_dim, max_len, dtype, device)
     return cache
+
+
+class ModelCache:
+    """One model's per-layer slot caches (indexable by layer) and how many positions each slot holds."""
+
+    def __init__(self, layers: list[LayerCache], slots: int):
+        self.layers = layers
+        self.lengths = [0] * slots
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        return self.layers[layer]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def begin_step(self, segments) -> None:
+        """Check that every chunk continues (or rewrites) what its slot holds, then record the new lengths.
+        Starting before the held length is allowed: it overwrites, e.g. after rejected draft tokens."""
+        for seg in segments:
+            held = self.lengths[seg.slot]
+            if seg.start > held:
+                raise ValueError(
+                    f"cache slot {seg.slot} holds positions [0, {held}); a chunk starting at position "
+                    f"{seg.start} would attend to rows that were never written (start sequences at 0)"
+                )
+        for seg in segments:
+            self.lengths[seg.slot] = seg.start + seg.length
 
 
 def cache_tensors(layers: list[LayerCache]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from dsv4.config import ModelConfig
 from dsv4.model import mhc
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
-from dsv4.model.cache import LayerCache, allocate_layer_cache
+from dsv4.model.cache import ModelCache, allocate_layer_cache
 from dsv4.model.derived import DerivedTensor, TopLevelModel
 from dsv4.model.norm import RMSNorm
 
@@ -76,16 +76,18 @@ class DeepseekV4(TopLevelModel):
     def derived_tensors(self) -> list[DerivedTensor]:
         return [first_layer_broadcast(self.layers, self.cfg)]
 
-    def allocate_cache(self, slots: int, max_len: int) -> list[LayerCache]:
+    def allocate_cache(self, slots: int, max_len: int) -> ModelCache:
         device = self.embed.weight.device
-        return [allocate_layer_cache(self.cfg, t, slots, max_len, self.dtype, device) for t in self.cfg.layer_types]
+        layers = [allocate_layer_cache(self.cfg, t, slots, max_len, self.dtype, device) for t in self.cfg.layer_types]
+        return ModelCache(layers, slots)
 
     @torch.no_grad()
     def forward(
-        self, batch: ForwardBatch, cache: list[LayerCache], capture_layers: tuple[int, ...] = ()
+        self, batch: ForwardBatch, cache: ModelCache, capture_layers: tuple[int, ...] = ()
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """-> (pre-hc_head streams S [T, hc, D], {layer id: that layer's output streams} for capture_layers)."""
         self.require_ready()
+        cache.begin_step(batch.segments)
         embeds = self.embed(batch.token_ids)  # [T, D]
         streams = self.layers[0].forward_broadcast(embeds, self.get_buffer(FIRST_LAYER_BROADCAST), batch, cache[0])
         captured = {0: streams} if 0 in capture_layers else {}

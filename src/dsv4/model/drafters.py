@@ -2,7 +2,8 @@
 lifecycle; both alias the target's embedding and head (the target owns them, nothing is copied).
 
 MTP (native `mtp.{i}.*`): the target's pre-hc_head stream S at position t plus the embedding of token
-t+1 predict token t+2:
+t+1 predict token t+2. The draft sequence runs at the positions t of S (its attention is relative, and
+its cache slot then holds positions from 0 like every sequence's):
     R0 = h_proj(hnorm(S)) + e_proj(enorm(embed(x_{t+1})))     [T, hc, D]  (hnorm per stream)
     R  = block(R0)                                             sliding-window attention + routed MoE
     logits = head(norm(hc_head(R)))
@@ -26,7 +27,7 @@ from dsv4.config import MOE, SLIDING, ModelConfig
 from dsv4.errors import ConfigError
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
-from dsv4.model.cache import LayerCache, allocate_layer_cache
+from dsv4.model.cache import ModelCache, allocate_layer_cache
 from dsv4.model.deepseek_v4 import (
     FIRST_LAYER_BROADCAST,
     DeepseekV4,
@@ -76,18 +77,20 @@ class MTPDrafter(TopLevelModel):
         self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype) for _ in range(cfg.num_nextn_predict_layers))
         self.requires_grad_(False)
 
-    def allocate_cache(self, slots: int, max_len: int) -> list[LayerCache]:
+    def allocate_cache(self, slots: int, max_len: int) -> ModelCache:
         device = self.mtp[0].e_proj.weight.device
-        return [allocate_layer_cache(self.cfg, SLIDING, slots, max_len, self.dtype, device) for _ in self.mtp]
+        layers = [allocate_layer_cache(self.cfg, SLIDING, slots, max_len, self.dtype, device) for _ in self.mtp]
+        return ModelCache(layers, slots)
 
     @torch.no_grad()
     def forward(
-        self, batch: ForwardBatch, target_streams: torch.Tensor, cache: list[LayerCache], depth: int = 0
+        self, batch: ForwardBatch, target_streams: torch.Tensor, cache: ModelCache, depth: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """batch: tokens x_{t+1} at positions t+1; target_streams: S at t [T, hc, D].
+        """batch: tokens x_{t+1} at positions t; target_streams: S at t [T, hc, D].
         -> (R [T, hc, D] for the next draft step, fp32 logits [T, V] for token t+2).
         Depths beyond the checkpoint's MTP layers reuse the last layer autoregressively."""
         self.require_ready()
+        cache.begin_step(batch.segments)
         layer = self.mtp[min(depth, len(self.mtp) - 1)]
         target = self.shared.target
         embeds = target.embed(batch.token_ids)
@@ -151,17 +154,19 @@ class DSparkDrafter(TopLevelModel):
     def derived_tensors(self) -> list[DerivedTensor]:
         return [first_layer_broadcast(self.layers, self.cfg)]
 
-    def allocate_cache(self, slots: int, max_len: int) -> list[LayerCache]:
+    def allocate_cache(self, slots: int, max_len: int) -> ModelCache:
         device = self.main_proj.weight.device
-        return [allocate_layer_cache(self.cfg, SLIDING, slots, max_len, self.dtype, device) for _ in self.layers]
+        layers = [allocate_layer_cache(self.cfg, SLIDING, slots, max_len, self.dtype, device) for _ in self.layers]
+        return ModelCache(layers, slots)
 
     @torch.no_grad()
     def forward(
-        self, batch: ForwardBatch, captured: dict[int, torch.Tensor], cache: list[LayerCache]
+        self, batch: ForwardBatch, captured: dict[int, torch.Tensor], cache: ModelCache
     ) -> torch.Tensor:
         """batch: draft input tokens; captured: the target's streams [T, hc, D] after each target layer id
         (from `DeepseekV4.forward(..., capture_layers=drafter.target_layer_ids)`). -> fp32 logits [T, V]."""
         self.require_ready()
+        cache.begin_step(batch.segments)
         target = self.shared.target
         features = torch.cat([captured[i].mean(dim=1) for i in self.target_layer_ids], dim=-1)
         embeds = target.embed(batch.token_ids) + self.main_norm(self.main_proj(features))
