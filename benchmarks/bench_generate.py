@@ -6,8 +6,11 @@ Workloads (anchors.md §6 for the transformers side):
   decode      batch-1 decode step latency after a --prompt-len prompt (median over --new-tokens steps)
   prefill     one forward over --prefill-len tokens, logits at every position: tok/s
 
-Writes <out>/bench_<config>.json and <out>/bench_<config>.png (ratios dsv4 / transformers).
-Usage: python benchmarks/bench_generate.py --config tiny --batch 16 64 [--threads 1] [--repeats 3]
+  roofline    dsv4's median decode step at batch 1 and at each --batch size against this machine's
+              roofline, measured in the same run (roofline.py: bandwidth, matmul peaks, bytes, FLOPs)
+
+Writes <out>/bench_<config>[_bf16].json and .png (ratios dsv4 / transformers; roofline fractions).
+Usage: python benchmarks/bench_generate.py --config tiny --batch 16 64 [--threads 1] [--repeats 3] [--dtype bfloat16]
 Needs the `test` extra (transformers) and the `bench` extra (matplotlib) installed.
 """
 
@@ -26,14 +29,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the randomised reference models live with the tests
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import reference as ref  # noqa: E402
+import roofline  # noqa: E402
 
 from dsv4 import LLM, SamplingParams  # noqa: E402
 from dsv4.kernels import describe_backends  # noqa: E402
 from dsv4.model.batch import ForwardBatch  # noqa: E402
 
 CONFIGS = {"tiny": ref.tiny_config, "small": ref.small_config}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FILE_SUFFIX = {"float32": "", "bfloat16": "_bf16"}
 MODEL_SEED = 0
 PROMPT_SEED = 1
 
@@ -94,11 +101,12 @@ def dsv4_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> None:
     assert all(len(o.outputs[0].token_ids) == new_tokens for o in outs)
 
 
-def dsv4_decode_step(llm: LLM, prompt: list[int], steps: int) -> float:
-    """Median seconds of one engine step (forward + sampling) with one running sequence."""
+def dsv4_decode_step(llm: LLM, prompts: list[list[int]], steps: int) -> float:
+    """Median seconds of one engine step (forward + sampling) with len(prompts) running sequences."""
     engine = llm.engine
-    engine.add_request("bench-decode", prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-    engine.step()  # prefill (the prompt fits one chunk) + the first token
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-decode-{i}", prompt, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+    engine.step()  # prefill (all prompts fit one step's token budget) + the first tokens
     times = []
     while engine.has_work():
         start = time.perf_counter()
@@ -118,15 +126,15 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     config = CONFIGS[args.config]()
     vocab = config["vocab_size"]
-    hf_model = ref.build_reference_model(config, MODEL_SEED)
+    hf_model = ref.build_reference_model(config, MODEL_SEED).to(DTYPES[args.dtype])
     results: dict = {
-        "config": args.config, "dtype": "float32", "threads": args.threads, "repeats": args.repeats,
+        "config": args.config, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
         "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
         "backends": describe_backends(), "throughput": [], "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
     }
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_hf_checkpoint(hf_model, tmp)
-        llm = LLM(tmp, dtype="float32", max_num_seqs=max(args.batch), max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len) + 1,
+        llm = LLM(tmp, dtype=args.dtype, max_num_seqs=max(args.batch), max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len) + 1,
                   max_num_batched_tokens=max(args.batch) * args.prompt_len)
         for batch in args.batch:
             prompts = _prompts(batch, args.prompt_len, vocab)
@@ -139,7 +147,7 @@ def run(args) -> dict:
 
         prompt = _prompts(1, args.prompt_len, vocab)[0]
         hf_step = statistics.median(hf_decode_step(hf_model, prompt, args.new_tokens) for _ in range(args.repeats))
-        ds_step = statistics.median(dsv4_decode_step(llm, prompt, args.new_tokens) for _ in range(args.repeats))
+        ds_step = statistics.median(dsv4_decode_step(llm, [prompt], args.new_tokens) for _ in range(args.repeats))
         results["decode_b1"] = {"hf_ms": hf_step * 1e3, "dsv4_ms": ds_step * 1e3, "ratio": hf_step / ds_step}
         print(f"decode b=1 step: transformers {hf_step * 1e3:.2f} ms, dsv4 {ds_step * 1e3:.2f} ms, x{hf_step / ds_step:.2f}", flush=True)
 
@@ -150,7 +158,27 @@ def run(args) -> dict:
         results["prefill"] = {"tokens": args.prefill_len, "hf_tok_s": args.prefill_len / hf_s,
                               "dsv4_tok_s": args.prefill_len / ds_s, "ratio": hf_s / ds_s}
         print(f"prefill {args.prefill_len}: transformers {args.prefill_len / hf_s:.0f} tok/s, dsv4 {args.prefill_len / ds_s:.0f} tok/s, x{hf_s / ds_s:.2f}", flush=True)
+
+        results["roofline"] = measure_roofline(args, llm, vocab, ds_step)
     return results
+
+
+def measure_roofline(args, llm: LLM, vocab: int, b1_step_s: float) -> dict:
+    """dsv4's decode step at batch 1 (already measured) and at each --batch size against this machine's
+    roofline; the cost is taken at the mean decode position of the workload."""
+    peaks = roofline.measure_peaks()
+    print("peaks: " + ", ".join(f"{k} {v:.1f}" for k, v in peaks.items()), flush=True)
+    model, cfg = llm.loaded.target, llm.loaded.target.cfg
+    mean_pos = args.prompt_len + args.new_tokens // 2
+    rows = []
+    for batch in [1, *args.batch]:
+        step_s = b1_step_s if batch == 1 else dsv4_decode_step(llm, _prompts(batch, args.prompt_len, vocab), args.new_tokens)
+        cost = roofline.decode_step_cost(model, cfg, batch, mean_pos)
+        row = {"batch": batch, **cost, **roofline.roofline_fraction(cost, peaks, args.dtype, step_s)}
+        rows.append(row)
+        print(f"roofline b={batch}: {cost['bytes'] / 1e6:.2f} MB, {cost['flops'] / 1e9:.3f} GFLOP, {row['bound']}-bound "
+              f"{row['roofline_ms']:.3f} ms vs measured {row['measured_ms']:.2f} ms: {100 * row['fraction']:.1f}%", flush=True)
+    return {"peaks": peaks, "position": mean_pos, "experts": "expected distinct under uniform routing", "steps": rows}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -161,12 +189,23 @@ def plot(results: dict, path: Path) -> None:
 
     labels = [f"throughput b={r['batch']}" for r in results["throughput"]] + ["decode step b=1", "prefill"]
     ratios = [r["ratio"] for r in results["throughput"]] + [results["decode_b1"]["ratio"], results["prefill"]["ratio"]]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, (ax, ax_roof) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 2]})
     bars = ax.bar(labels, ratios, color="tab:blue")
     ax.axhline(1.0, color="grey", linewidth=1)
     ax.bar_label(bars, labels=[f"x{r:.1f}" for r in ratios])
     ax.set_ylabel("dsv4 speed / transformers")
-    ax.set_title(f"{results['config']} config, fp32, {results['threads']} thread(s)")
+    ax.set_title(f"{results['config']} config, {results['dtype']}, {results['threads']} thread(s)")
+    ax.tick_params(axis="x", labelsize=8)
+
+    steps = results["roofline"]["steps"]
+    fractions = [100 * r["fraction"] for r in steps]
+    bars = ax_roof.bar([f"b={r['batch']}" for r in steps], fractions, color="tab:orange")
+    ax_roof.bar_label(bars, labels=[f"{f:.1f}%\n{r['bound'][:3]}" for f, r in zip(fractions, steps)])
+    ax_roof.set_ylabel("dsv4 decode step, % of roofline")
+    peaks = results["roofline"]["peaks"]
+    ax_roof.set_title(f"roofline: {peaks['read_bw_gb_s']:.0f} GB/s, {peaks['matmul_' + results['dtype'] + '_gflop_s']:.0f} GFLOP/s",
+                      fontsize=10)
+    ax_roof.set_ylim(0, max(100.0, 1.2 * max(fractions)))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -180,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads for both engines")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="both engines' weights and activations")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_{args.config}"
+    stem = args.out / f"bench_{args.config}{FILE_SUFFIX[args.dtype]}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot(results, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and {stem}.png")

@@ -108,9 +108,23 @@ def test_grouped_experts_match_reference_loop(tokens, k):
     weights = torch.rand(tokens, k, generator=g)
     kernel = build_grouped_experts()
     assert kernel.supports(x, experts.w1)
-    got = kernel(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
-    torch.testing.assert_close(got, experts.forward_reference(x, ids, weights), rtol=1e-5, atol=1e-5)
+    want = experts.forward_reference(x, ids, weights)
+    # Both of the kernel's paths, whichever __call__ would pick for this batch.
+    for path in (kernel.grouped, kernel.all_experts, kernel):
+        got = path(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not kernel.supports(x, torch.zeros(4, 30, 64))  # unaligned expert width: not for _grouped_mm
+
+
+def test_grouped_experts_use_all_experts_only_for_small_experts_at_covering_batches():
+    from dsv4.kernels.gathered_experts import MAX_ALL_EXPERTS_FLOPS, GroupedExperts
+
+    tiny, small = torch.zeros(8, 32, 64), torch.zeros(16, 256, 512)  # the tiny / small bench configs' w1
+    assert GroupedExperts.uses_all_experts(64, 2, tiny)
+    assert not GroupedExperts.uses_all_experts(3, 2, tiny)  # 6 picks cannot cover 8 experts
+    assert not GroupedExperts.uses_all_experts(16, 2, small)  # 16x the routed FLOPs of 131k-element experts
+    flops_per_token = 2 * 3 * 8 * 32 * 64
+    assert not GroupedExperts.uses_all_experts(MAX_ALL_EXPERTS_FLOPS // flops_per_token + 1, 2, tiny)
 
 
 @pytest.fixture(scope="module")

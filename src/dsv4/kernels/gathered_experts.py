@@ -17,6 +17,11 @@ MAX_ELEMENTS_PER_PICK = 1 << 16
 # And the whole gathered copy stays within 1 MiB (fp32) per call (measured: beyond it, e.g. 128 picks of
 # the tiny config, the copy costs more than the loop), so large batches use the loop.
 MAX_GATHERED_ELEMENTS = 1 << 18
+# GroupedExperts' all-experts path: on CPU `_grouped_mm` loops over the experts (a few small GEMMs each,
+# ~125 us per matrix for the tiny config's 8 experts at 64 tokens), so while every expert is in use anyway
+# one plain GEMM over all experts is cheaper, as long as its wasted FLOPs (E/k times the routed ones) stay
+# small: up to 2^24 FLOPs per call (~0.1 ms at this CPU's ~150 GFLOP/s fp32, about one matrix's loop).
+MAX_ALL_EXPERTS_FLOPS = 1 << 24
 
 
 class GatheredExperts:
@@ -50,7 +55,9 @@ class GroupedExperts:
     """All routed (token, pick) rows sorted by expert, then one `torch._grouped_mm` per matrix over
     the stacked dense weights: ~20 ops per layer whatever the batch or the number of experts in use,
     no per-expert Python loop, no host read of the expert counts, no weight copies. Contributions are
-    added with one index_add in the reference's order (experts ascending, stable within an expert)."""
+    added with one index_add in the reference's order (experts ascending, stable within an expert).
+
+    Small experts at batches that touch every expert take `all_experts` instead (see `uses_all_experts`)."""
 
     @staticmethod
     def supports(x: torch.Tensor, w1: torch.Tensor) -> bool:
@@ -59,11 +66,44 @@ class GroupedExperts:
         return x.dtype == w1.dtype and x.dtype in (torch.float32, torch.bfloat16) and x.device == w1.device and aligned
 
     @staticmethod
+    def uses_all_experts(tokens: int, k: int, w1: torch.Tensor) -> bool:
+        """True when the T*k picks can cover every expert (so the grouped loop would visit all E anyway)
+        and computing every expert for every token stays within MAX_ALL_EXPERTS_FLOPS."""
+        E, inter, hidden = w1.shape
+        return tokens * k >= E and 2 * 3 * tokens * E * inter * hidden <= MAX_ALL_EXPERTS_FLOPS
+
     def __call__(
-        x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float, swiglu,
     ) -> torch.Tensor:
         """x [T, D], ids/weights [T, k], dense w1/w3 [E, I, D], w2 [E, D, I] -> sum_e w_e expert_e(x) [T, D]."""
+        if self.uses_all_experts(ids.shape[0], ids.shape[1], w1):
+            return self.all_experts(x, ids, weights, w1, w3, w2, limit, swiglu)
+        return self.grouped(x, ids, weights, w1, w3, w2, limit, swiglu)
+
+    @staticmethod
+    def all_experts(
+        x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+        w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float, swiglu,
+    ) -> torch.Tensor:
+        """Every expert on every token, unpicked ones weighted 0: three plain GEMMs, no sort or scatter.
+        The down projection sums the experts inside its GEMM (fp32 rounding differs from the reference's
+        pick-by-pick adds, values do not)."""
+        T = x.shape[0]
+        E, inter, hidden = w1.shape
+        # [T, E] routing weight of each expert (0 where not picked)
+        dense_weights = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, ids, weights.float())
+        hidden_all = swiglu(x @ w1.reshape(E * inter, hidden).t(), x @ w3.reshape(E * inter, hidden).t(), limit)
+        scaled = (hidden_all.view(T, E, inter).float() * dense_weights.unsqueeze(-1)).to(x.dtype)  # [T, E, I]
+        # w2 [E, D, I] -> [E*I, D]: one small copy (E*D*I elements) instead of a loop over experts.
+        return scaled.view(T, E * inter) @ w2.transpose(1, 2).reshape(E * inter, -1)
+
+    @staticmethod
+    def grouped(
+        x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+        w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float, swiglu,
+    ) -> torch.Tensor:
+        """The `_grouped_mm` path (any batch)."""
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
         offsets = torch.bincount(flat_ids, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
@@ -80,7 +120,7 @@ def build_grouped_experts() -> GroupedExperts:
     """Raises where torch has no usable `_grouped_mm` (the registry then falls back)."""
     kernel = GroupedExperts()
     w = torch.ones(2, 4, 8)
-    got = kernel(torch.ones(2, 8), torch.tensor([[0], [1]]), torch.ones(2, 1), w, w, w.transpose(1, 2).contiguous(),
+    got = kernel.grouped(torch.ones(2, 8), torch.tensor([[0], [1]]), torch.ones(2, 1), w, w, w.transpose(1, 2).contiguous(),
                  10.0, lambda a, b, limit: a * b)
     if not torch.equal(got, torch.full((2, 8), 256.0)):  # (8 * 8) * 4
         raise RuntimeError("torch._grouped_mm gave a wrong result")
