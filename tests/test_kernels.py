@@ -201,3 +201,47 @@ def test_norm_rope_kernel_matches_reference(fused_kernels, norm, inverse):
     ref64 = norm_rope_(x.double(), None if norm is None else 1e-6, weight.double() if norm == "weighted" else None,
                        positions, table, inverse)  # float64: the reference path
     torch.testing.assert_close(got.double(), ref64, rtol=1e-5, atol=1e-5)
+
+
+# bf16 through the fp32 kernel vs the bf16 reference, which rounds to bf16 after the norm and again after
+# the rotation (the kernel rounds once): they differ by about two bf16 ulps (2^-8 relative) of values of
+# size ~2, far below the O(1) error of a wrong norm, angle or channel.
+BF16_TOL = dict(rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("norm, inverse", [(None, False), ("plain", False), ("weighted", False), ("weighted", True)])
+def test_norm_rope_kernel_bf16_matches_reference(fused_kernels, norm, inverse, monkeypatch):
+    from dsv4.model import rope as rope_module
+    from dsv4.model.rope import RotaryTable, norm_rope_
+
+    _, kernel = fused_kernels
+    cfg = ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0])
+    table = RotaryTable(cfg.rope_compress)
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(9, 3, cfg.head_dim, generator=g) * 2).bfloat16()
+    positions = torch.randint(0, 1000, (9,), generator=g)
+    weight = 1 + 0.1 * torch.randn(cfg.head_dim, generator=g)
+    eps, w = (None if norm is None else 1e-6), (weight if norm == "weighted" else None)
+    assert kernel.supports(x, table.inv_freq)
+    monkeypatch.setattr(rope_module, "norm_rope_kernel", lambda *args: None)  # norm_rope_'s reference path
+    want = norm_rope_(x.clone(), eps, w, positions, table, inverse)
+    got = kernel(x.clone(), eps, w, positions, table.inv_freq, inverse)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, **BF16_TOL)
+    # The rotation-free part of each head (norm off) passes through the fp32 round trip bit-exactly.
+    if norm is None:
+        nope = cfg.head_dim - 2 * table.inv_freq.numel()
+        torch.testing.assert_close(got[..., :nope], x[..., :nope], rtol=0, atol=0)
+
+
+def test_rms_norm_bf16_fast_path_matches_reference(fused_kernels):
+    from dsv4.model.norm import RMSNorm
+
+    _, kernel = fused_kernels
+    g = torch.Generator().manual_seed(8)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(64, generator=g))
+    x = (torch.randn(5, 64, generator=g) * 3).bfloat16()
+    got = kernel(x.clone(), norm.eps, norm.weight)
+    # One rounding each (the reference normalises and weights in fp32 too): at most one bf16 ulp apart.
+    torch.testing.assert_close(got, norm.forward_reference(x), rtol=8e-3, atol=1e-5)

@@ -15,7 +15,7 @@ import torch
 from dsv4.config import CSA, HCA, SLIDING, ModelConfig
 from dsv4.kernels.registry import DECODE_ATTENTION, PREFILL_ATTENTION, REFERENCE, Choice, KernelRegistry
 from dsv4.model import attention as attention_module
-from dsv4.model.attention import Attention
+from dsv4.model.attention import Attention, DecodeMeta
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import allocate_layer_cache, cache_tensors
 from dsv4.models import EMBEDDED_MODELS
@@ -49,9 +49,35 @@ def _run(attn, cache, chunks, x, batched: bool, monkeypatch):
     return attn(x, ForwardBatch.build(chunks), cache)
 
 
+# How a decode step orders its rows' cache slots: one ascending run from slot 0 or from a later slot
+# (the batched path reads the caches through views), or shuffled (it gathers them).
+SLOT_ORDERS = ["ascending", "offset", "shuffled"]
+
+
+def _order_chunks(chunks: list, order: str, step: int) -> list:
+    if order == "offset":  # slots 0 and 1 sit this step out: the decode rows start at slot 2
+        return [c for c in chunks if c[0] > 1 or len(c[1]) > 1]
+    if order == "shuffled":
+        perm = torch.randperm(len(chunks), generator=torch.Generator().manual_seed(step))
+        return [chunks[i] for i in perm]
+    return chunks
+
+
+def test_decode_meta_reads_contiguous_slots_as_views():
+    cache = torch.arange(6 * 3, dtype=torch.float32).view(6, 3)
+    ascending = DecodeMeta(ForwardBatch.build([(slot, [0], 4) for slot in (2, 3, 4)]))
+    shuffled = DecodeMeta(ForwardBatch.build([(slot, [0], 4) for slot in (3, 2, 4)]))
+    assert ascending.slot_range == slice(2, 5) and shuffled.slot_range is None
+    view = ascending.read(cache)
+    assert view.data_ptr() == cache[2].data_ptr() and view.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()  # a view: no copy
+    torch.testing.assert_close(ascending.read(cache, 2), cache[2:5, :2], rtol=0, atol=0)
+    torch.testing.assert_close(shuffled.read(cache, 2), cache[[3, 2, 4], :2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("order", SLOT_ORDERS)
 @pytest.mark.parametrize("layer_type", [SLIDING, CSA, HCA])
 @torch.no_grad()
-def test_batched_decode_equals_reference(cfg, layer_type, monkeypatch):
+def test_batched_decode_equals_reference(cfg, layer_type, order, monkeypatch):
     attn = _random_attention(cfg, layer_type, seed=len(layer_type))
     g = torch.Generator().manual_seed(7)
     ref_cache = allocate_layer_cache(cfg, layer_type, SLOTS, MAX_LEN, torch.float32, "cpu")
@@ -69,6 +95,7 @@ def test_batched_decode_equals_reference(cfg, layer_type, monkeypatch):
         chunks = [(slot, [0], lengths[slot]) for slot in sorted(lengths) if not (joining and slot == late_slot)]
         if joining:
             chunks.insert(step % 3, (late_slot, [0] * 5, lengths.get(late_slot, 0)))
+        chunks = _order_chunks(chunks, order, step)
         x = torch.randn(sum(len(c[1]) for c in chunks), cfg.hidden_size, generator=g)
         want = _run(attn, ref_cache, chunks, x, False, monkeypatch)
         got = _run(attn, fast_cache, chunks, x, True, monkeypatch)

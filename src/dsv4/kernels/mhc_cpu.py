@@ -338,16 +338,24 @@ class MhcFusedKernel:
         return result
 
 
+# Activation dtypes the norm/RoPE kernel accepts. bf16 runs as fp32 in the kernel: one conversion in and
+# one copy back per call, still far fewer ops than the reference (whose norm and rotation each upcast,
+# compute and round); the result differs from it only by bf16 rounding.
+NORM_ROPE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class NormRopeKernel:
-    """In place on a contiguous fp32 CPU x [T, G, hd]: optional RMSNorm over hd (weighted or not), then
-    interleaved RoPE of the trailing channels at positions [T] (cos/sin computed in the loop)."""
+    """In place on a contiguous fp32 or bf16 CPU x [T, G, hd]: optional RMSNorm over hd (weighted or
+    not), then interleaved RoPE of the trailing channels at positions [T] (cos/sin computed in the loop).
+    The arithmetic is fp32 throughout (bf16 x: converted once, rounded once at the end)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._fn = lib.norm_rope_f32
 
     @staticmethod
     def supports(x: torch.Tensor, inv_freq: torch.Tensor | None = None) -> bool:
-        return _f32_cpu(x) and (inv_freq is None or (_f32_cpu(inv_freq) and inv_freq.numel() <= MAX_ROTARY_PAIRS))
+        x_ok = x.device.type == "cpu" and x.dtype in NORM_ROPE_DTYPES and x.is_contiguous()
+        return x_ok and (inv_freq is None or (_f32_cpu(inv_freq) and inv_freq.numel() <= MAX_ROTARY_PAIRS))
 
     def __call__(
         self, x: torch.Tensor, eps: float | None, weight: torch.Tensor | None = None,
@@ -359,8 +367,13 @@ class NormRopeKernel:
         rh = 0 if positions is None else inv_freq.numel()
         if positions is not None and positions.dtype != torch.int64:
             positions = positions.long()
-        self._fn(x.data_ptr(), T, G, hd, -1.0 if eps is None else eps,
+        if weight is not None and weight.dtype != torch.float32:
+            weight = weight.float()  # the model keeps norm weights fp32; the kernel reads float*
+        work = x if x.dtype == torch.float32 else x.float()  # the kernel's fp32 buffer
+        self._fn(work.data_ptr(), T, G, hd, -1.0 if eps is None else eps,
                  None if weight is None else weight.data_ptr(),
                  None if positions is None else positions.contiguous().data_ptr(),
                  None if inv_freq is None else inv_freq.data_ptr(), rh, int(inverse))
+        if work is not x:
+            x.copy_(work)  # in place, as for fp32: one rounding to x's dtype
         return x

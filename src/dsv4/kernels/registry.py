@@ -89,7 +89,7 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
         Backend("cpu_c", _build_mhc_fused, "mHC pre (RMS, coefficients, collapse, norm) and post as one C call each"),
     ),
     NORM_ROPE: (
-        Backend("cpu_c", _build_norm_rope, "RMSNorm and/or interleaved RoPE in place, one C call (fp32 CPU)"),
+        Backend("cpu_c", _build_norm_rope, "RMSNorm and/or interleaved RoPE in place, one C call (fp32 CPU; bf16 via one fp32 round trip)"),
     ),
     DECODE_ATTENTION: (
         Backend("batched", _available, "all single-token rows in one gather + masked softmax, no per-sequence loop"),

@@ -318,31 +318,26 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Batched path for B single-token segments: q [B, H, hd], kv [B, hd] -> [B, H, hd].
         Writes the same cache rows as `_segment` would for each row."""
-        W, device = self.window, q.device
-        slots = meta.slots
-        ring_rows, bias = meta.window(W)
-        cache.window[slots, ring_rows] = kv
-        keys = cache.window[slots]  # [B, W, hd]; ring row i holds the latest position = i (mod W), <= pos
+        ring_rows, window_bias = meta.window(self.window)
+        cache.window[meta.slots, ring_rows] = kv
+        # [B, W, hd]; ring row i holds the latest position = i (mod W), <= pos
+        blocks = [(meta.read(cache.window), window_bias)]
         if self.compressor is not None:
             rate = self.compressor.rate
             self.compressor.emit_decode(side.comp_kv, side.comp_gate, meta, cache.compressor, self.rope)
+            if self.indexer is not None:
+                self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, meta, cache.indexer, self.rope)
             n_max, counts = meta.entry_counts(rate)
             if n_max > 0:
                 if self.indexer is not None:
                     # CSA: attend to the k picked entries only (gathered), not to all n with a mask.
-                    self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, meta, cache.indexer, self.rope)
-                    index_keys = cache.indexer.entries[slots, :n_max]
+                    index_keys = meta.read(cache.indexer.entries, n_max)  # [B, n_max, dI]
                     picks = self.indexer.select_decode(side.idx_q, side.idx_w, index_keys, counts)  # [B, k]
-                    entries = cache.compressor.entries[slots.unsqueeze(-1), picks.clamp(min=0)]  # [B, k, hd]
-                    entry_bias = _mask_to_bias(picks >= 0)
+                    entries = _gather_entries(cache.compressor.entries, meta.slots, picks.clamp(min=0))  # [B, k, hd]
+                    blocks.append((entries, _mask_to_bias(picks >= 0)))
                 else:
-                    entries = cache.compressor.entries[slots, :n_max]  # [B, n_max, hd]
-                    entry_bias = meta.entry_bias(rate)
-                keys = torch.cat((keys, entries), dim=1)
-                bias = torch.cat((bias, entry_bias), dim=-1)
-            elif self.indexer is not None:
-                self.indexer.compressor.emit_decode(side.idx_kv, side.idx_gate, meta, cache.indexer, self.rope)
-        return self._attend_decode(q, keys, bias)
+                    blocks.append((meta.read(cache.compressor.entries, n_max), meta.entry_bias(rate)))  # [B, n_max, hd]
+        return self._attend_decode(q, blocks)
 
     def _prefill(
         self, q: torch.Tensor, kv: torch.Tensor, meta: "PrefillMeta", cache: LayerCache, side: "_SideInputs"
@@ -385,15 +380,24 @@ class Attention(nn.Module):
         probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
         return torch.bmm(probs.to(keys.dtype).reshape(P, L * H, -1), keys).view(P, L, H, hd)
 
-    def _attend_decode(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """`_attend` per row: q [B, H, hd], keys (= values) [B, N, hd], bias [B, N] -> [B, H, hd]."""
-        if q.dtype == torch.float32:  # one fused GEMM: bias + scale * q k^T
-            logits = torch.baddbmm(bias.unsqueeze(1), q, keys.transpose(1, 2), alpha=self.head_dim**-0.5)
+    def _attend_decode(self, q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """`_attend` per row over score blocks: q [B, H, hd], blocks of (keys (= values) [B, N_i, hd],
+        bias [B, N_i]) -> [B, H, hd]. One softmax spans every block's logits and the per-head sink, so
+        this equals attending over the concatenated keys; only the small [B, H, N] logits are
+        concatenated, never the keys (which may be views into the cache)."""
+        scale = self.head_dim**-0.5
+        if q.dtype == torch.float32:  # one fused GEMM per block: bias + scale * q k^T
+            logits = [torch.baddbmm(bias.unsqueeze(1), q, keys.transpose(1, 2), alpha=scale) for keys, bias in blocks]
         else:
-            logits = torch.bmm(q, keys.transpose(1, 2)).float() * self.head_dim**-0.5 + bias.unsqueeze(1)  # [B, H, N]
+            logits = [torch.bmm(q, keys.transpose(1, 2)).float() * scale + bias.unsqueeze(1) for keys, bias in blocks]
         sink = self.attn_sink.view(1, -1, 1).expand(q.shape[0], -1, 1)
-        probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.bmm(probs.to(keys.dtype), keys)
+        probs = torch.cat((*logits, sink), dim=-1).softmax(dim=-1).to(q.dtype)  # [B, H, sum N_i + 1]
+        out, start = None, 0
+        for keys, _ in blocks:
+            block_probs = probs[..., start : start + keys.shape[1]]  # [B, H, N_i]
+            out = torch.bmm(block_probs, keys) if out is None else torch.baddbmm(out, block_probs, keys)
+            start += keys.shape[1]
+        return out
 
     def _window_keys(self, kv: torch.Tensor, seg: Segment, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The window keys visible to the segment ([earlier ring tokens | new tokens]) and the [len, n]
@@ -451,9 +455,21 @@ class DecodeMeta:
         self.rows = slice(None) if self.pure else torch.tensor([seg.begin for seg in segs], device=device)
         self.positions = [seg.start for seg in segs]
         self.device = device
-        self.slots = torch.tensor([seg.slot for seg in segs], device=device)
+        slot_ids = [seg.slot for seg in segs]
+        self.slots = torch.tensor(slot_ids, device=device)
+        # Rows whose slots are one ascending run (the usual steady decode batch) read every cache as a
+        # slice, a view: no per-layer copy of each row's window ring and entries.
+        first = slot_ids[0] if slot_ids else 0
+        contiguous = slot_ids == list(range(first, first + len(slot_ids)))
+        self.slot_range = slice(first, first + len(slot_ids)) if contiguous else None
         self.pos = torch.tensor(self.positions, device=device)
         self._memo: dict = {}
+
+    def read(self, cache_rows: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        """cache_rows [slots, N, ...] -> each row's slot's first `count` (all when None) entries
+        [B, count, ...]: a view when the slots are one ascending run, else a gather (a copy)."""
+        rows = self.slot_range if self.slot_range is not None else self.slots
+        return cache_rows[rows] if count is None else cache_rows[rows, :count]
 
     def _cached(self, key, build):
         if key not in self._memo:
@@ -613,6 +629,14 @@ class _SideInputs:
 
 def _rows_of(rows, *tensors: torch.Tensor | None) -> _SideInputs:
     return _SideInputs(*(None if t is None else t[rows] for t in tensors))
+
+
+def _gather_entries(entries: torch.Tensor, slots: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """entries [S, n, d] (a contiguous cache), slots [B], picks [B, k] -> entries[slots[b], picks[b, j]]
+    [B, k, d]: one index_select over the flattened rows, several times cheaper than 2-D advanced indexing."""
+    S, n, d = entries.shape
+    flat_rows = (slots.unsqueeze(-1) * n + picks).view(-1)  # [B*k]
+    return entries.view(S * n, d).index_select(0, flat_rows).view(*picks.shape, d)
 
 
 def _mask_to_bias(visible: torch.Tensor) -> torch.Tensor:
