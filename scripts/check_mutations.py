@@ -71,8 +71,8 @@ MUTATIONS = (
     Mutation(
         "forward does not check readiness",
         "model/deepseek_v4.py",
-        "        self.require_ready()\n        embeds",
-        "        embeds",
+        "        self.require_ready()\n        cache.begin_step",
+        "        cache.begin_step",
     ),
 )
 

@@ -14,7 +14,9 @@ from dsv4 import LLM
 
 # Wide enough that the weights dwarf interpreter noise: embed + head alone are 2 * 16384 * 512 * 4 B = 64 MiB.
 WIDE = {"vocab_size": 16384, "hidden_size": 512}
-ALLOWED_OVERSHOOT = 0.25  # of the resident size, for one in-flight tensor and allocator slack
+# A streaming load holds the resident model plus the one incoming tensor being written (the largest here
+# is the 32 MiB head); this covers allocator slack on top of that.
+ALLOCATOR_SLACK = 16 * 2**20
 
 PROBE = textwrap.dedent(
     """
@@ -39,7 +41,8 @@ PROBE = textwrap.dedent(
     before = anon_bytes()
     loaded = load_models(sys.argv[1], dtype=torch.float32)
     resident = sum(p.numel() * p.element_size() for m in loaded.models.values() for p in m.parameters())
-    print(json.dumps({"before": before, "peak": max(samples), "resident": resident}))
+    largest = max(p.numel() * p.element_size() for m in loaded.models.values() for p in m.parameters())
+    print(json.dumps({"before": before, "peak": max(samples), "resident": resident, "largest": largest}))
     """
 )
 
@@ -64,4 +67,5 @@ def test_checkpoint_load_streams(tmp_path):
     stats = json.loads(result.stdout.strip().splitlines()[-1])
     growth = stats["peak"] - stats["before"]
     assert stats["resident"] > 64 * 2**20
-    assert growth < stats["resident"] * (1 + ALLOWED_OVERSHOOT), stats
+    # Reading whole files first would add the checkpoint's size (~ the resident size) instead of one tensor.
+    assert growth < stats["resident"] + stats["largest"] + ALLOCATOR_SLACK, stats

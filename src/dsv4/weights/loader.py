@@ -10,7 +10,6 @@ Any failure raises before the models are returned, so no half-loaded model ever 
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -83,7 +82,7 @@ def build_models(cfg: ModelConfig, expert_format: str, dtype: torch.dtype, devic
     return models
 
 
-def _resolve_load_format(path: Path | None, load_format: str) -> str:
+def _resolve_load_format(load_format: str) -> str:
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load_format: expected one of {LOAD_FORMATS}, got {load_format!r}")
     if load_format == "auto":
@@ -106,7 +105,7 @@ def load_models(
     cfg = ModelConfig.from_file(path)
     if draft is not None and draft not in DRAFTERS:
         raise ConfigError(f"draft: expected one of {DRAFTERS} or None, got {draft!r}")
-    fmt = _resolve_load_format(path, load_format)
+    fmt = _resolve_load_format(load_format)
     checkpoint = CheckpointDir(path) if fmt == "safetensors" else None
     expert_format = resolve_expert_format(cfg, expert_dtype)
     layout = quant_layout(cfg)
@@ -125,15 +124,3 @@ def load_models(
     loaded.ignored = writer.ignored
     loaded.finalize()
     return loaded
-
-
-def load_tensors_into(loaded: LoadedModels, tensors: Iterable[tuple[str, torch.Tensor]], origin: str) -> None:
-    """Load a complete set of (name, tensor) pairs (e.g. a clone's iter_weights) and finalize."""
-    table = loaded.slot_table()
-    writer = WeightWriter(table, loaded.layout, error_type=CheckpointError)
-    for model in loaded.models.values():
-        model.mark_loading()
-    for name, tensor in tensors:
-        writer.load(name, tensor, origin)
-    writer.check_complete(table.names(), f"{origin}: incomplete weights")
-    loaded.finalize()

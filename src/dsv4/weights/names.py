@@ -67,10 +67,6 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def is_stacked_experts(name: str) -> bool:
-    return bool(_STACKED_GATE_UP.match(name) or _STACKED_DOWN.match(name))
-
-
 def canonical_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """One incoming (name, tensor) -> the native (name, tensor) pairs it carries. HF stacks experts:
     gate_up_proj [E, 2I, D] (gate rows first) and down_proj [E, D, I] become per-expert w1/w3/w2."""
