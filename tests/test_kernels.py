@@ -245,3 +245,36 @@ def test_rms_norm_bf16_fast_path_matches_reference(fused_kernels):
     got = kernel(x.clone(), norm.eps, norm.weight)
     # One rounding each (the reference normalises and weights in fp32 too): at most one bf16 ulp apart.
     torch.testing.assert_close(got, norm.forward_reference(x), rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_fused_mhc_bf16_matches_reference(fused_kernels, broadcast):
+    """bf16 streams go through the fp32 kernel once per call: same coefficients as the fp32 reference on
+    the same bf16 values, block input and new streams within bf16 rounding."""
+    fused, _ = fused_kernels
+    g = torch.Generator().manual_seed(29 + broadcast)
+    T, D, iters, rms_eps, hc_eps = 11, 48, 20, 1e-6, 1e-3
+    hc_in = 1 if broadcast else HC
+    streams = torch.randn(T, hc_in, D, generator=g).to(torch.bfloat16)
+    fn = torch.randn(MIX, hc_in * D, generator=g) * 0.1
+    base, scale = torch.randn(MIX, generator=g), torch.rand(3, generator=g) * 2
+    out = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    assert fused.supports(streams, HC, iters)
+    coef, y = fused.pre(streams, streams.view(T, -1).float() @ fn.t(), base, scale, HC, iters, rms_eps, hc_eps, None, 1e-5)
+    got_streams = fused.post(streams, out, coef, HC)
+    assert y.dtype == torch.bfloat16 and got_streams.dtype == torch.bfloat16
+    s32 = streams.float()
+    if broadcast:
+        e = s32[:, 0]
+        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits_broadcast(e, fn, rms_eps), base, scale, HC, iters, hc_eps)
+        want_y = pre.sum(dim=-1, keepdim=True) * e
+        want_streams = mhc.expand_broadcast(e, out.float(), post, comb)
+    else:
+        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits(s32, fn, rms_eps), base, scale, HC, iters, hc_eps)
+        want_y = mhc.collapse(s32, pre)
+        want_streams = mhc.expand(s32, out.float(), post, comb)
+    for got, want in zip(coef.split([HC, HC, HC * HC], dim=-1), (pre, post, comb.flatten(1))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    bf16_tol = dict(rtol=1.6e-2, atol=2e-2)
+    torch.testing.assert_close(y.float(), want_y, **bf16_tol)
+    torch.testing.assert_close(got_streams.float(), want_streams, **bf16_tol)

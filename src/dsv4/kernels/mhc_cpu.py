@@ -300,6 +300,10 @@ def _f32_cpu(*tensors: torch.Tensor) -> bool:
 MAX_ROTARY_PAIRS = 512
 
 
+# Stream dtypes the fused mHC kernel accepts (bf16 through one fp32 round trip per call).
+MHC_STREAM_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class MhcFusedKernel:
     """The whole mHC pre-step (RMS, coefficients + Sinkhorn, stream collapse, the sublayer's weighted
     RMSNorm) and the post-step (stream expansion) as one C call each, fp32 CPU. The mix GEMM stays a
@@ -312,7 +316,10 @@ class MhcFusedKernel:
 
     @staticmethod
     def supports(streams: torch.Tensor, hc: int, sinkhorn_iters: int) -> bool:
-        return _f32_cpu(streams) and hc <= MAX_HC and sinkhorn_iters >= 1
+        # bf16 streams run as fp32 in the kernel: one conversion in and one out per call is still far
+        # fewer dispatches than the reference path, and mHC's coefficients are fp32 anyway.
+        dtype_ok = streams.dtype in MHC_STREAM_DTYPES and streams.device.type == "cpu" and streams.is_contiguous()
+        return dtype_ok and hc <= MAX_HC and sinkhorn_iters >= 1
 
     def pre(
         self, streams: torch.Tensor, raw: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
@@ -321,21 +328,23 @@ class MhcFusedKernel:
         """streams [T, hc_in, D] (hc_in = hc, or 1 for a broadcast embedding), raw [T, mix] = the
         un-normalised mix GEMM -> (coef [T, mix] = pre | post | comb, block input [T, D])."""
         T, hc_in, D = streams.shape
-        raw = raw.contiguous()
+        work = streams.float().contiguous()  # no copy for fp32
+        raw = raw.float().contiguous()
         coef = torch.empty_like(raw)
-        y = streams.new_empty(T, D)
-        self._pre(streams.data_ptr(), raw.data_ptr(), base.data_ptr(), scale.data_ptr(), T, hc, hc_in, D,
+        y = work.new_empty(T, D)
+        self._pre(work.data_ptr(), raw.data_ptr(), base.data_ptr(), scale.data_ptr(), T, hc, hc_in, D,
                   sinkhorn_iters, rms_eps, hc_eps, None if norm_weight is None else norm_weight.data_ptr(),
                   norm_eps, coef.data_ptr(), y.data_ptr())
-        return coef, y
+        return coef, y.to(streams.dtype)
 
     def post(self, streams: torch.Tensor, out: torch.Tensor, coef: torch.Tensor, hc: int) -> torch.Tensor:
         """R'_j = post_j * out + sum_i comb[i, j] R_i -> [T, hc, D]."""
         T, hc_in, D = streams.shape
-        out = out.contiguous()
-        result = streams.new_empty(T, hc, D)
-        self._post(streams.data_ptr(), out.data_ptr(), coef.data_ptr(), T, hc, hc_in, D, result.data_ptr())
-        return result
+        work = streams.float().contiguous()
+        out = out.float().contiguous()
+        result = work.new_empty(T, hc, D)
+        self._post(work.data_ptr(), out.data_ptr(), coef.data_ptr(), T, hc, hc_in, D, result.data_ptr())
+        return result.to(streams.dtype)
 
 
 # Activation dtypes the norm/RoPE kernel accepts. bf16 runs as fp32 in the kernel: one conversion in and

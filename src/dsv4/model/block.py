@@ -45,7 +45,7 @@ class Block(nn.Module):
     def _fused_pre(self, kernel, streams: torch.Tensor, fn: torch.Tensor, sub: str, norm: RMSNorm):
         """Fast path of mix_logits + coefficients + collapse + norm: (coef, normed block input)."""
         cfg = self.cfg
-        raw = streams.view(streams.shape[0], -1) @ fn.t()
+        raw = streams.view(streams.shape[0], -1).float() @ fn.float().t()  # fp32 like mhc.mix_logits
         return kernel.pre(
             streams, raw, getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"), cfg.hc_mult,
             cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps, norm.weight, norm.eps,
