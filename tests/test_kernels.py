@@ -172,7 +172,6 @@ def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T):
 
 @pytest.mark.parametrize("norm, inverse", [(None, False), ("plain", False), ("weighted", False), (None, True)])
 def test_norm_rope_kernel_matches_reference(fused_kernels, norm, inverse):
-    from dsv4.config import ModelConfig as _Cfg  # noqa: F401 - the tiny config's compress table
     from dsv4.model.norm import rms_normalize
     from dsv4.model.rope import RotaryTable, apply_rotary
 

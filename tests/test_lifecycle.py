@@ -7,7 +7,6 @@ the cell's weights ends bit-identical to a fresh load of them; no tensor address
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest

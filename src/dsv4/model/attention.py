@@ -23,6 +23,7 @@ from dsv4.model.batch import ForwardBatch, Segment
 from dsv4.model.cache import CompressorCache, LayerCache
 from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import RotaryTable, norm_rope_
+from dsv4.model.step_plan import DecodeMeta, PrefillMeta, decode_meta, mask_to_bias, prefill_meta
 
 
 class Compressor(nn.Module):
@@ -93,7 +94,7 @@ class Compressor(nn.Module):
         return end_window
 
     def emit_decode(
-        self, kv: torch.Tensor, gate: torch.Tensor, meta: "DecodeMeta", cache: CompressorCache, rope: RotaryTable,
+        self, kv: torch.Tensor, gate: torch.Tensor, meta: DecodeMeta, cache: CompressorCache, rope: RotaryTable,
     ) -> None:
         """`emit` for B single-token rows at once: kv, gate [B, width] at meta's positions and cache
         slots. Records each token in its ring; rows whose token completes window w = p // m append
@@ -131,7 +132,7 @@ class Compressor(nn.Module):
         cache.entries[done_slots, window_ids] = entries
 
     def emit_batched(
-        self, kv: torch.Tensor, gate: torch.Tensor, meta: "PrefillMeta", cache: CompressorCache, rope: RotaryTable,
+        self, kv: torch.Tensor, gate: torch.Tensor, meta: PrefillMeta, cache: CompressorCache, rope: RotaryTable,
     ) -> None:
         """`emit` for all of meta's segments at once: kv, gate [T, width] are the flat batch's raw
         projections. Equals `emit` on each segment (same ring rows, same entries)."""
@@ -314,7 +315,7 @@ class Attention(nn.Module):
         return self._attend(q, keys, bias)
 
     def _decode(
-        self, q: torch.Tensor, kv: torch.Tensor, meta: "DecodeMeta", cache: LayerCache, side: "_SideInputs"
+        self, q: torch.Tensor, kv: torch.Tensor, meta: DecodeMeta, cache: LayerCache, side: "_SideInputs"
     ) -> torch.Tensor:
         """Batched path for B single-token segments: q [B, H, hd], kv [B, hd] -> [B, H, hd].
         Writes the same cache rows as `_segment` would for each row."""
@@ -334,13 +335,13 @@ class Attention(nn.Module):
                     index_keys = meta.read(cache.indexer.entries, n_max)  # [B, n_max, dI]
                     picks = self.indexer.select_decode(side.idx_q, side.idx_w, index_keys, counts)  # [B, k]
                     entries = _gather_entries(cache.compressor.entries, meta.slots, picks.clamp(min=0))  # [B, k, hd]
-                    blocks.append((entries, _mask_to_bias(picks >= 0)))
+                    blocks.append((entries, mask_to_bias(picks >= 0)))
                 else:
                     blocks.append((meta.read(cache.compressor.entries, n_max), meta.entry_bias(rate)))  # [B, n_max, hd]
         return self._attend_decode(q, blocks)
 
     def _prefill(
-        self, q: torch.Tensor, kv: torch.Tensor, meta: "PrefillMeta", cache: LayerCache, side: "_SideInputs"
+        self, q: torch.Tensor, kv: torch.Tensor, meta: PrefillMeta, cache: LayerCache, side: "_SideInputs"
     ) -> torch.Tensor:
         """Batched path for meta's P segments: q [T, H, hd], kv [T, hd] and side are the whole flat batch
         -> padded [P, L, H, hd] (rows past a segment's length are padding). Writes the same cache rows as
@@ -363,9 +364,9 @@ class Attention(nn.Module):
                 picks = self.indexer.select_batched(side.idx_q[rows], side.idx_w[rows], index_keys, counts)
                 visible = torch.zeros(*picks.shape[:2], n_max + 1, dtype=torch.bool, device=q.device)
                 visible.scatter_(-1, torch.where(picks < 0, n_max, picks), True)  # -1 picks select column n_max
-                entry_bias = _mask_to_bias(visible[..., :n_max])
+                entry_bias = mask_to_bias(visible[..., :n_max])
             else:
-                entry_bias = _mask_to_bias(torch.arange(n_max, device=q.device) < counts.unsqueeze(-1))
+                entry_bias = mask_to_bias(torch.arange(n_max, device=q.device) < counts.unsqueeze(-1))
             keys = torch.cat((keys, entries), dim=1)
             bias = torch.cat((bias, entry_bias), dim=-1)
         return self._attend_padded(q[meta.gather_rows], keys, bias)
@@ -410,20 +411,20 @@ class Attention(nn.Module):
         visible = (key_pos <= q_pos) & (key_pos > q_pos - W)
         keep = torch.arange(max(start, end - W), end, device=kv.device)
         ring[seg.slot, keep % W] = kv[keep - start]
-        return keys, _mask_to_bias(visible)
+        return keys, mask_to_bias(visible)
 
     @staticmethod
     def _causal_entry_bias(positions: torch.Tensor, n: int, rate: int) -> torch.Tensor:
         """HCA: every complete entry is visible: w < (t+1)//m."""
         entry = torch.arange(n, device=positions.device)
-        return _mask_to_bias(entry < ((positions + 1) // rate).unsqueeze(-1))
+        return mask_to_bias(entry < ((positions + 1) // rate).unsqueeze(-1))
 
     @staticmethod
     def _selected_bias(picks: torch.Tensor, n: int) -> torch.Tensor:
         """CSA: only the indexer's picks are visible; -1 picks select nothing."""
         visible = torch.zeros(picks.shape[0], n + 1, dtype=torch.bool, device=picks.device)
         visible.scatter_(1, torch.where(picks < 0, n, picks), True)
-        return _mask_to_bias(visible[:, :n])
+        return mask_to_bias(visible[:, :n])
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """q [L, H, hd], keys (= values) [N, hd], bias [L, N] -> [L, H, hd]; softmax with a per-head sink
@@ -440,181 +441,6 @@ class Attention(nn.Module):
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)  # [g, ol, (H/g)*hd]
         low_rank = torch.einsum("tgc,goc->tgo", grouped, wo_a).reshape(T, -1)  # [T, g*ol]
         return self.wo_b(low_rank)
-
-
-class DecodeMeta:
-    """The index tensors of a step's single-token rows, built once per step and shared by every layer
-    (each layer's caches differ, the slots / positions / masks do not)."""
-
-    def __init__(self, batch: ForwardBatch):
-        segs = [seg for seg in batch.segments if seg.length == 1]
-        device = batch.positions.device
-        self.batch = batch  # keeps the keyed batch alive, so its id is never reused while memoised
-        self.count = len(segs)
-        self.pure = len(segs) == len(batch.segments) and len(segs) == batch.positions.shape[0]
-        self.rows = slice(None) if self.pure else torch.tensor([seg.begin for seg in segs], device=device)
-        self.positions = [seg.start for seg in segs]
-        self.device = device
-        slot_ids = [seg.slot for seg in segs]
-        self.slots = torch.tensor(slot_ids, device=device)
-        # Rows whose slots are one ascending run (the usual steady decode batch) read every cache as a
-        # slice, a view: no per-layer copy of each row's window ring and entries.
-        first = slot_ids[0] if slot_ids else 0
-        contiguous = slot_ids == list(range(first, first + len(slot_ids)))
-        self.slot_range = slice(first, first + len(slot_ids)) if contiguous else None
-        self.pos = torch.tensor(self.positions, device=device)
-        self._memo: dict = {}
-
-    def read(self, cache_rows: torch.Tensor, count: int | None = None) -> torch.Tensor:
-        """cache_rows [slots, N, ...] -> each row's slot's first `count` (all when None) entries
-        [B, count, ...]: a view when the slots are one ascending run, else a gather (a copy)."""
-        rows = self.slot_range if self.slot_range is not None else self.slots
-        return cache_rows[rows] if count is None else cache_rows[rows, :count]
-
-    def _cached(self, key, build):
-        if key not in self._memo:
-            self._memo[key] = build()
-        return self._memo[key]
-
-    def ring_rows(self, ring_len: int) -> torch.Tensor:
-        return self._cached(("ring", ring_len), lambda: self.pos % ring_len)
-
-    def window(self, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ring row of each token, [B, W] bias): ring row i holds the latest position = i (mod W), <= pos;
-        held > pos - W always, so only never-written rows are hidden."""
-        def build():
-            pos = self.pos.unsqueeze(-1)
-            held = pos - (pos - torch.arange(W, device=self.device)) % W
-            return self.ring_rows(W), _mask_to_bias(held >= 0)
-        return self._cached(("window", W), build)
-
-    def entry_counts(self, rate: int) -> tuple[int, torch.Tensor]:
-        """(most complete entries of any row, [B] complete entries per row)."""
-        return self._cached(("counts", rate), lambda: (max((p + 1) // rate for p in self.positions), (self.pos + 1) // rate))
-
-    def entry_bias(self, rate: int) -> torch.Tensor:
-        def build():
-            n_max, counts = self.entry_counts(rate)
-            return _mask_to_bias(torch.arange(n_max, device=self.device) < counts.unsqueeze(-1))
-        return self._cached(("entry_bias", rate), build)
-
-    def completed(self, rate: int):
-        """Rows whose token completes a window: (row list, window list, their slots, window ids tensor)."""
-        def build():
-            done = [b for b, p in enumerate(self.positions) if (p + 1) % rate == 0]
-            if not done:
-                return done, [], None, None
-            windows = [self.positions[b] // rate for b in done]
-            return done, windows, self.slots[torch.tensor(done, device=self.device)], torch.tensor(windows, device=self.device)
-        return self._cached(("done", rate), build)
-
-
-class PrefillMeta:
-    """The index tensors of a step's batched segments, padded to the longest chunk L, built once per step
-    and shared by every layer. Padded row t of segment p is flat row begin_p + min(t, len_p - 1)
-    (a duplicate of its last token, masked out everywhere)."""
-
-    def __init__(self, batch: ForwardBatch, segments: list[Segment]):
-        device = batch.positions.device
-        self.batch = batch  # keeps the keyed batch alive, so its id is never reused while memoised
-        self.device = device
-        longest = max(seg.length for seg in segments)
-        self.max_start = max(seg.start for seg in segments)
-        self.slots = torch.tensor([seg.slot for seg in segments], device=device)  # [P]
-        self.starts = torch.tensor([seg.start for seg in segments], device=device)  # [P]
-        lengths = torch.tensor([seg.length for seg in segments], device=device)  # [P]
-        self.ends = self.starts + lengths
-        t = torch.arange(longest, device=device)
-        begins = torch.tensor([seg.begin for seg in segments], device=device)
-        self.valid = t < lengths.unsqueeze(-1)  # [P, L]
-        self.gather_rows = begins.unsqueeze(-1) + torch.minimum(t, lengths.unsqueeze(-1) - 1)  # [P, L] flat rows
-        self.rows = self.gather_rows[self.valid]  # [T'] flat rows of the valid padded rows, in padded order
-        self.positions = self.starts.unsqueeze(-1) + t  # [P, L]
-        self._memo: dict = {}
-
-    def _cached(self, key, build):
-        if key not in self._memo:
-            self._memo[key] = build()
-        return self._memo[key]
-
-    def _history(self, ring_len: int, wanted: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(h, [P, h] positions and [P, h] ring rows of the h positions before each chunk): h = wanted, trimmed when
-        no segment starts that late (positions < 0 do not exist: fresh prompts need no history)."""
-        h = min(wanted, self.max_start)
-        positions = self.starts.unsqueeze(-1) - h + torch.arange(h, device=self.device)
-        return h, positions, positions % ring_len
-
-    def ring_writes(self, ring_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(slots, ring rows, flat source rows) of the tokens a ring of ring_len keeps: each segment's
-        last ring_len positions."""
-        def build():
-            keep = self.valid & (self.positions >= (self.ends - ring_len).unsqueeze(-1))  # [P, L]
-            slots = self.slots.unsqueeze(-1).expand_as(keep)[keep]
-            return slots, self.positions[keep] % ring_len, self.gather_rows[keep]
-        return self._cached(("ring", ring_len), build)
-
-    def window(self, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([P, h] ring rows of the up to W-1 earlier positions, [P, L, h + L] bias over [history | chunk]):
-        key j is visible from query t iff it exists and t - W < j <= t."""
-        def build():
-            h, history_pos, history_rows = self._history(W, W - 1)
-            key_pos = torch.cat((history_pos, self.positions), dim=1)  # [P, h + L]
-            key_ok = torch.cat((history_pos >= 0, self.valid), dim=1)
-            q_pos, k_pos = self.positions.unsqueeze(-1), key_pos.unsqueeze(1)
-            visible = key_ok.unsqueeze(1) & (k_pos <= q_pos) & (k_pos > q_pos - W)  # [P, L, h + L]
-            return history_rows, _mask_to_bias(visible)
-        return self._cached(("window", W), build)
-
-    def entry_counts(self, rate: int) -> tuple[int, torch.Tensor]:
-        """(most entries of any segment after the step, [P, L] complete entries each query sees: w < (t+1)//m)."""
-        return self._cached(("counts", rate), lambda: (int(self.ends.max()) // rate, (self.positions + 1) // rate))
-
-    def compressor(self, rate: int, ring_len: int) -> "_CompressorPlan":
-        return self._cached(("compressor", rate, ring_len), lambda: _CompressorPlan(self, rate, ring_len))
-
-
-class _CompressorPlan:
-    """Where the windows completed by a PrefillMeta's segments find their tokens. A compressor lays out
-    each segment's tokens as [h ring positions before the chunk | chunk] ([P, h + L]); position p of
-    segment s sits at index p - start_s + h. h <= the ring length, which holds the previous window too."""
-
-    def __init__(self, meta: PrefillMeta, rate: int, ring_len: int):
-        device = meta.device
-        history, _, self.history_rows = meta._history(ring_len, ring_len)  # [P, h]
-        first_window, end_window = meta.starts // rate, meta.ends // rate  # windows [first, end) complete
-        counts = end_window - first_window  # [P]
-        segs = torch.arange(len(counts), device=device)
-        self.window_seg = torch.repeat_interleave(segs, counts)  # [E] segment of each completed window
-        offsets = torch.cumsum(counts, 0) - counts
-        within = torch.arange(self.window_seg.numel(), device=device) - offsets[self.window_seg]
-        self.window_ids = first_window[self.window_seg] + within  # [E]
-        self.window_slots = meta.slots[self.window_seg]  # [E]
-        token_pos = self.window_ids.unsqueeze(-1) * rate + torch.arange(rate, device=device)  # [E, m]
-        self.token_index = token_pos - meta.starts[self.window_seg].unsqueeze(-1) + history  # [E, m]
-
-
-_LAST_META: list = [None]
-_LAST_PREFILL: list = [None]
-
-
-def prefill_meta(batch: ForwardBatch, decode_served: bool) -> PrefillMeta:
-    """The step's PrefillMeta (memoised on the batch object): every segment, or only the multi-token
-    ones when the decode path serves the single-token rows."""
-    memo = _LAST_PREFILL[0]
-    if memo is None or memo[0] is not batch or memo[1] != decode_served:
-        segments = [seg for seg in batch.segments if not (decode_served and seg.length == 1)]
-        memo = _LAST_PREFILL[0] = (batch, decode_served, PrefillMeta(batch, segments))
-    return memo[2]
-
-
-def decode_meta(batch: ForwardBatch) -> DecodeMeta | None:
-    """The step's DecodeMeta (memoised on the batch object), None when it has no single-token rows."""
-    meta = _LAST_META[0]
-    if meta is None or meta.batch is not batch:
-        if not any(seg.length == 1 for seg in batch.segments):
-            return None
-        meta = _LAST_META[0] = DecodeMeta(batch)
-    return meta
 
 
 class _SideInputs:
@@ -637,7 +463,3 @@ def _gather_entries(entries: torch.Tensor, slots: torch.Tensor, picks: torch.Ten
     S, n, d = entries.shape
     flat_rows = (slots.unsqueeze(-1) * n + picks).view(-1)  # [B*k]
     return entries.view(S * n, d).index_select(0, flat_rows).view(*picks.shape, d)
-
-
-def _mask_to_bias(visible: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill(~visible, float("-inf"))
