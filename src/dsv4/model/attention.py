@@ -190,24 +190,15 @@ class Indexer(nn.Module):
         entry indices, -1 where fewer than k entries are visible."""
         scores = torch.einsum("thd,nd->thn", q.float(), keys.float()).relu() * self.head_dim**-0.5
         scores = (scores * (head_weights.float() * self.n_heads**-0.5).unsqueeze(-1)).sum(dim=1)  # [T, n]
-        visible_count = ((positions + 1) // self.rate).unsqueeze(-1)  # entries w < (t+1)//m are complete
-        entry = torch.arange(keys.shape[0], device=keys.device)
-        scores = scores.masked_fill(entry >= visible_count, float("-inf"))
-        picks = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        return torch.where(picks >= visible_count, torch.full_like(picks, -1), picks)
+        return self._top_visible(scores, (positions + 1) // self.rate)  # entries w < (t+1)//m are complete
 
     def select_decode(
         self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
         """`select` for B single-token rows: q [B, nI, dI], head_weights [B, nI], keys [B, n, dI] (row b's
         first counts[b] are its visible entries) -> [B, min(k, n)] picks, -1 where fewer are visible."""
-        scores = torch.bmm(q.float(), keys.float().transpose(1, 2)).relu() * self.head_dim**-0.5  # [B, nI, n]
-        scores = (scores * (head_weights.float() * self.n_heads**-0.5).unsqueeze(-1)).sum(dim=1)  # [B, n]
-        visible_count = counts.unsqueeze(-1)
-        entry = torch.arange(keys.shape[1], device=keys.device)
-        scores = scores.masked_fill(entry >= visible_count, float("-inf"))
-        picks = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
-        return torch.where(picks >= visible_count, torch.full_like(picks, -1), picks)
+        picks = self.select_batched(q.unsqueeze(1), head_weights.unsqueeze(1), keys, counts.unsqueeze(1))
+        return picks.squeeze(1)
 
     def select_batched(
         self, q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor
@@ -218,10 +209,15 @@ class Indexer(nn.Module):
         scores = torch.bmm(q.float().view(P, L * n_heads, dim), keys.float().transpose(1, 2))  # [P, L*nI, n]
         scores = scores.view(P, L, n_heads, -1).relu() * self.head_dim**-0.5
         scores = (scores * (head_weights.float() * self.n_heads**-0.5).unsqueeze(-1)).sum(dim=2)  # [P, L, n]
-        visible_count = counts.unsqueeze(-1)
-        entry = torch.arange(keys.shape[1], device=keys.device)
+        return self._top_visible(scores, counts)
+
+    def _top_visible(self, scores: torch.Tensor, visible_count: torch.Tensor) -> torch.Tensor:
+        """scores [..., n], visible_count [...] -> top-min(k, n) entries among the visible ones; picks past
+        the visible entries (fewer than k visible) become the -1 sentinel."""
+        visible_count = visible_count.unsqueeze(-1)
+        entry = torch.arange(scores.shape[-1], device=scores.device)
         scores = scores.masked_fill(entry >= visible_count, float("-inf"))
-        picks = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        picks = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
         return torch.where(picks >= visible_count, torch.full_like(picks, -1), picks)
 
 
