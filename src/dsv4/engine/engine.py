@@ -248,9 +248,7 @@ class Engine:
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         p = seq.params
-        if token in self.eos_token_ids and not p.ignore_eos:
-            self._finish(seq, STOP, token)
-        elif token in p.stop_token_ids:
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self._finish(seq, STOP, token)
         else:
             stop = seq.add_text(token)
