@@ -46,3 +46,8 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        """[B] index into the flat batch of each sequence's last token (whose logits predict the next)."""
+        return torch.tensor([s.end - 1 for s in self.segments], dtype=torch.long, device=self.token_ids.device)
