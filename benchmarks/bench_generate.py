@@ -9,8 +9,8 @@ Workloads (anchors.md §6 for the transformers side):
   roofline    dsv4's median decode step at batch 1 and at each --batch size against this machine's
               roofline, measured in the same run (roofline.py: bandwidth, matmul peaks, bytes, FLOPs)
 
-Writes <out>/bench_<config>[_bf16].json and .png (ratios dsv4 / transformers; roofline fractions).
-Usage: python benchmarks/bench_generate.py --config tiny --batch 16 64 [--threads 1] [--repeats 3] [--dtype bfloat16]
+Writes <out>/bench_<config>[_bf16][_compiled].json and .png (ratios dsv4 / transformers; roofline fractions).
+Usage: python benchmarks/bench_generate.py --config tiny --batch 16 64 [--threads 1] [--repeats 3] [--dtype bfloat16] [--compile]
 Needs the `test` extra (transformers) and the `bench` extra (matplotlib) installed.
 """
 
@@ -128,14 +128,14 @@ def run(args) -> dict:
     vocab = config["vocab_size"]
     hf_model = ref.build_reference_model(config, MODEL_SEED).to(DTYPES[args.dtype])
     results: dict = {
-        "config": args.config, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
+        "config": args.config, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "compile": args.compile,
         "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
         "backends": describe_backends(), "throughput": [], "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
     }
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_hf_checkpoint(hf_model, tmp)
         llm = LLM(tmp, dtype=args.dtype, max_num_seqs=max(args.batch), max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len) + 1,
-                  max_num_batched_tokens=max(args.batch) * args.prompt_len)
+                  max_num_batched_tokens=max(args.batch) * args.prompt_len, compile=args.compile)
         for batch in args.batch:
             prompts = _prompts(batch, args.prompt_len, vocab)
             generated = batch * args.new_tokens
@@ -194,7 +194,8 @@ def plot(results: dict, path: Path) -> None:
     ax.axhline(1.0, color="grey", linewidth=1)
     ax.bar_label(bars, labels=[f"x{r:.1f}" for r in ratios])
     ax.set_ylabel("dsv4 speed / transformers")
-    ax.set_title(f"{results['config']} config, {results['dtype']}, {results['threads']} thread(s)")
+    mode = ", compiled decode" if results.get("compile") else ""
+    ax.set_title(f"{results['config']} config, {results['dtype']}, {results['threads']} thread(s){mode}")
     ax.tick_params(axis="x", labelsize=8)
 
     steps = results["roofline"]["steps"]
@@ -220,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads for both engines")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="both engines' weights and activations")
+    parser.add_argument("--compile", action="store_true", help="dsv4 decode steps as one torch.compile'd graph (LLM(compile=True))")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_{args.config}{FILE_SUFFIX[args.dtype]}"
+    stem = args.out / f"bench_{args.config}{FILE_SUFFIX[args.dtype]}{'_compiled' if args.compile else ''}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot(results, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and {stem}.png")

@@ -136,20 +136,24 @@ def fused_kernels():
 
 
 # Token counts: below one Sinkhorn lane block (8 tokens), and two full blocks plus a partial one.
+# (hc, D): the released hc (the kernel's unrolled path) with D a multiple of the 16 partial sums and not
+# (their tail), and another hc (the run-time-hc path).
 @pytest.mark.parametrize("T", [7, 19])
 @pytest.mark.parametrize("broadcast", [False, True])
-def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T):
+@pytest.mark.parametrize("hc, D", [(HC, 48), (HC, 50), (3, 37)])
+def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T, hc, D):
     fused, _ = fused_kernels
-    g = torch.Generator().manual_seed(11 + broadcast + T)
-    D, iters, rms_eps, hc_eps = 48, 20, 1e-6, 1e-3
-    hc_in = 1 if broadcast else HC
+    g = torch.Generator().manual_seed(11 + broadcast + T + D)
+    iters, rms_eps, hc_eps = 20, 1e-6, 1e-3
+    mix = 2 * hc + hc * hc
+    hc_in = 1 if broadcast else hc
     streams = torch.randn(T, hc_in, D, generator=g)
-    fn = torch.randn(MIX, hc_in * D, generator=g) * 0.1
-    base, scale = torch.randn(MIX, generator=g), torch.rand(3, generator=g) * 2
+    fn = torch.randn(mix, hc_in * D, generator=g) * 0.1
+    base, scale = torch.randn(mix, generator=g), torch.rand(3, generator=g) * 2
     norm_w = 1 + 0.1 * torch.randn(D, generator=g)
     out = torch.randn(T, D, generator=g)
-    coef, y = fused.pre(streams, streams.view(T, -1) @ fn.t(), base, scale, HC, iters, rms_eps, hc_eps, norm_w, 1e-5)
-    got_streams = fused.post(streams, out, coef, HC)
+    coef, y = fused.pre(streams, streams.view(T, -1) @ fn.t(), base, scale, hc, iters, rms_eps, hc_eps, norm_w, 1e-5)
+    got_streams = fused.post(streams, out, coef, hc)
 
     from dsv4.model.norm import RMSNorm
 
@@ -157,17 +161,41 @@ def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T):
     norm.weight.data.copy_(norm_w)
     if broadcast:
         e = streams[:, 0]
-        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits_broadcast(e, fn, rms_eps), base, scale, HC, iters, hc_eps)
+        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits_broadcast(e, fn, rms_eps), base, scale, hc, iters, hc_eps)
         want_y = norm.forward_reference((pre.sum(dim=-1, keepdim=True) * e).to(e.dtype))
         want_streams = mhc.expand_broadcast(e, out, post, comb)
     else:
-        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits(streams, fn, rms_eps), base, scale, HC, iters, hc_eps)
+        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits(streams, fn, rms_eps), base, scale, hc, iters, hc_eps)
         want_y = norm.forward_reference(mhc.collapse(streams, pre))
         want_streams = mhc.expand(streams, out, post, comb)
-    for got, want in zip(coef.split([HC, HC, HC * HC], dim=-1), (pre, post, comb.flatten(1))):
+    for got, want in zip(coef.split([hc, hc, hc * hc], dim=-1), (pre, post, comb.flatten(1))):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_streams, want_streams, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", [None, "plain", "weighted"])
+def test_norm_rope_kernel_odd_head_dim_matches_reference(fused_kernels, norm):
+    """A head dim that is not a multiple of the kernel's 16 partial sums (their tail) and G > 1 heads."""
+    from dsv4.model.norm import rms_normalize
+    from dsv4.model.rope import RotaryTable, apply_rotary
+
+    _, kernel = fused_kernels
+    cfg = ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0])
+    table = RotaryTable(cfg.rope_main)
+    g = torch.Generator().manual_seed(13)
+    hd = 2 * table.inv_freq.numel() + 23  # 16 rotary channels and 23 others: 39
+    x = torch.randn(6, 5, hd, generator=g) * 2
+    positions = torch.randint(0, 500, (6,), generator=g)
+    weight = 1 + 0.1 * torch.randn(hd, generator=g)
+    want = x
+    if norm == "plain":
+        want = rms_normalize(want, 1e-6)
+    elif norm == "weighted":
+        want = weight * (want * torch.rsqrt(want.square().mean(-1, keepdim=True) + 1e-6))
+    want = apply_rotary(want, *table.cos_sin(positions))
+    got = kernel(x.clone(), None if norm is None else 1e-6, weight if norm == "weighted" else None, positions, table.inv_freq)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("norm, inverse", [(None, False), ("plain", False), ("weighted", False), (None, True)])

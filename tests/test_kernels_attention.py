@@ -135,13 +135,42 @@ PREFILL_STEPS = [
 def test_batched_prefill_equals_reference(cfg, layer_type, batched_ops, monkeypatch):
     """All chunks of a step at once (padded) vs one segment at a time; with the decode path off, the
     batched prefill path serves the single-token segments too."""
-    attn = _random_attention(cfg, layer_type, seed=3 + len(layer_type))
+    _check_prefill_steps(cfg, layer_type, batched_ops, PREFILL_STEPS, 3 + len(layer_type), monkeypatch)
+
+
+# Steps for the batched prefill's special layouts: only short chunks (at most topk = 8 CSA entries, so
+# every visible entry is picked without scoring), chunks longer than 2 windows (W=32: query blocks of
+# one window, with and without ring history), and equal-length chunks back to back (the padded layout
+# is a view of the flat batch) in ascending and in shuffled slots.
+SPECIAL_PREFILL_STEPS = [
+    [(0, 7, 0), (1, 20, 0), (2, 16, 0)],
+    [(0, 100, 7), (1, 70, 20), (2, 1, 16)],
+    [(0, 50, 107), (1, 3, 90), (2, 16, 17)],
+    [(3, 24, 0), (4, 24, 0), (5, 24, 0)],
+    [(4, 24, 24), (5, 24, 24), (3, 24, 24)],
+    [(3, 24, 48), (4, 24, 48), (5, 24, 48)],
+]
+
+
+@pytest.mark.parametrize("layer_type", [SLIDING, CSA, HCA])
+@torch.no_grad()
+def test_batched_prefill_tiles_blocks_and_views_equal_reference(cfg, layer_type, monkeypatch):
+    """The batched prefill with the smallest attention tiles (one segment each) and one-window query
+    blocks, over SPECIAL_PREFILL_STEPS, against the per-segment reference."""
+    monkeypatch.setattr(attention_module, "TILE_LOGITS", 1)
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK_WINDOWS", 1)
+    batched_ops = (DECODE_ATTENTION, PREFILL_ATTENTION)
+    _check_prefill_steps(cfg, layer_type, batched_ops, SPECIAL_PREFILL_STEPS, 5 + len(layer_type), monkeypatch)
+
+
+def _check_prefill_steps(cfg, layer_type, batched_ops, prefill_steps, seed, monkeypatch):
+    attn = _random_attention(cfg, layer_type, seed=seed)
     g = torch.Generator().manual_seed(11)
     ref_cache = allocate_layer_cache(cfg, layer_type, SLOTS, MAX_LEN, torch.float32, "cpu")
     for t in cache_tensors([ref_cache]):  # stale data from earlier sequences must never leak in
         t.copy_(torch.randn(t.shape, generator=g))
     fast_cache = copy.deepcopy(ref_cache)
-    for steps in PREFILL_STEPS:
+    for steps in prefill_steps:
         chunks = [(slot, [0] * length, start) for slot, length, start in steps]
         x = torch.randn(sum(length for _, length, _ in steps), cfg.hidden_size, generator=g)
         monkeypatch.setattr(attention_module, "default_registry", lambda: KernelRegistry(force_reference=True))

@@ -29,6 +29,7 @@ from dsv4.errors import ConfigError, RequestError
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import allocate_layer_cache, cache_tensors
 from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.model.static_decode import StaticDecode
 
 # Defaults when the user leaves a limit unset; each is then capped by the model and by memory.
 DEFAULT_MAX_NUM_SEQS = 64
@@ -101,8 +102,12 @@ def available_memory(device: str | torch.device) -> int:
 class Engine:
     def __init__(
         self, model: DeepseekV4, limits: EngineLimits, seed: int, eos_token_ids: tuple[int, ...], tokenizer=None,
+        compile_decode: bool = False,
     ):
+        """compile_decode: run pure-decode steps through `StaticDecode` compiled with torch.compile
+        (raises ValueError when the model cannot use it, e.g. FP8/FP4 routed experts)."""
         self.model = model
+        self.static_decode = StaticDecode(model, compile=True) if compile_decode else None
         self.limits = limits
         self.tokenizer = tokenizer
         self.cache = model.allocate_cache(limits.max_num_seqs, limits.max_model_len)
@@ -193,7 +198,11 @@ class Engine:
         if not work:
             return outputs
         batch = ForwardBatch.build([(seq.slot, chunk, seq.computed) for seq, chunk in work], device=self._device)
-        streams, _ = self.model(batch, self.cache)
+        logits = None  # [T, V], when the forward already computed every row's logits
+        if self.static_decode is not None and self.static_decode.serves(batch):
+            streams, logits = self.static_decode(batch, self.cache)
+        else:
+            streams, _ = self.model(batch, self.cache)
         sampling: list[Sequence] = []  # sequences whose last known token is in the step
         rows: list[int] = []  # the flat row of that token: its logits pick the next one
         for (seq, chunk), segment in zip(work, batch.segments):
@@ -206,9 +215,12 @@ class Engine:
         if not sampling:
             return outputs
         if len(rows) < batch.num_tokens:
-            streams = streams.index_select(0, torch.tensor(rows, device=self._device))
+            picked = torch.tensor(rows, device=self._device)
+            streams = streams.index_select(0, picked)
+            logits = None if logits is None else logits.index_select(0, picked)
         # else every row samples (a pure decode step): rows are 0..T-1 in order, no gather needed.
-        out = self.sampler.sample(self.model.logits(streams), [seq.state for seq in sampling])
+        logits = self.model.logits(streams) if logits is None else logits
+        out = self.sampler.sample(logits, [seq.state for seq in sampling])
         reported: dict[str, Request] = {}  # streamed requests that progressed, and finished ones
         for seq, token, lp in zip(sampling, out.token_ids.tolist(), out.logprobs):
             self._append(seq, token, lp)

@@ -49,6 +49,11 @@ class LLM:
         max_num_batched_tokens: tokens per forward step; prompt chunks fill what decodes leave.
         max_model_len: prompt + output tokens per sequence (None: the model's maximum, reduced
             until one sequence's cache fits the memory budget).
+        compile: run decode steps as one `torch.compile`d graph (`model/static_decode.py`): several
+            times fewer framework calls per step. Needs a C++ compiler and dense routed experts (bf16 /
+            fp32, e.g. `expert_dtype="dense"`); the first steps at new shapes compile (about a minute
+            on a small CPU, cached on disk by torch across processes). Refits stay in place: the compiled
+            graph reads the weights by address and sees the new values without recompiling.
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class LLM:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
+        compile: bool = False,
     ):
         path, load_format = resolve_model(model, load_format)
         cfg = ModelConfig.from_file(path)
@@ -79,7 +85,11 @@ class LLM:
         self.limits = EngineLimits.derive(
             cfg, self.dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len
         )
-        self.engine = Engine(self.loaded.target, self.limits, seed, cfg.eos_token_ids, self.tokenizer)
+        try:
+            self.engine = Engine(self.loaded.target, self.limits, seed, cfg.eos_token_ids, self.tokenizer,
+                                 compile_decode=compile)
+        except ValueError as exc:
+            raise ConfigError(f"{path}: compile=True: {exc}") from exc
         self._request_counter = itertools.count()
 
     # ---- generation ----

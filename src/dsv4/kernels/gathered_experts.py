@@ -1,10 +1,11 @@
-"""Routed experts for small batches: gather each (token, pick)'s expert weights and run one batched
-matmul chain, instead of the reference's Python loop over experts.
+"""Ways to compute routed experts (dense stacks; FP8/FP4 experts are dequantised per expert by the loop).
 
-The reference (`RoutedExperts.forward_reference`) costs ~8 ops per expert in use plus a host read of
-the expert counts; a batch-1 decode step pays that for every layer. Gathering copies T*k expert
-matrices per call, so it only pays off while that copy is small: `worth_it` caps the gathered
-elements. Dense (unquantized) experts only: FP8/FP4 experts are dequantised per expert by the reference.
+- `loop_experts`, the reference: a Python loop over the experts in use, ~8 ops each plus one host read of
+  the expert counts. Also the fast choice when most experts are idle (few picks).
+- `GatheredExperts`: gather each (token, pick)'s expert weights and run one batched matmul chain; it
+  copies T*k expert matrices, so it only pays off while that copy is small (`supports` caps it).
+- `GroupedExperts`: rows sorted by expert and one `torch._grouped_mm` per matrix, or one GEMM over all
+  experts while that wastes few FLOPs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,31 @@ MAX_GATHERED_ELEMENTS = 1 << 18
 # one plain GEMM over all experts is cheaper, as long as its wasted FLOPs (E/k times the routed ones) stay
 # small: up to 2^24 FLOPs per call (~0.1 ms at this CPU's ~150 GFLOP/s fp32, about one matrix's loop).
 MAX_ALL_EXPERTS_FLOPS = 1 << 24
+
+
+def loop_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_weight, num_experts: int, limit: float, swiglu,
+) -> torch.Tensor:
+    """x [T, D], ids/weights [T, k] -> sum_e w_e expert_e(x) [T, D], a Python loop over the experts in use
+    (the reference, and the fast choice when most experts are idle); expert_weight(name, e) gives expert
+    e's matrix "w1" | "w3" | "w2" in the compute dtype (dequantising when stored quantized)."""
+    out = torch.zeros_like(x)
+    flat_ids = ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    token_of = order // ids.shape[1]
+    weight_of = weights.flatten()[order]
+    offset = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[offset : offset + count]
+        xe = x.index_select(0, rows)
+        hidden = swiglu(xe @ expert_weight("w1", e).t(), xe @ expert_weight("w3", e).t(), limit)
+        ye = hidden @ expert_weight("w2", e).t()
+        out.index_add_(0, rows, (ye.float() * weight_of[offset : offset + count, None]).to(x.dtype))
+        offset += count
+    return out
 
 
 class GatheredExperts:
@@ -72,6 +98,13 @@ class GroupedExperts:
         E, inter, hidden = w1.shape
         return tokens * k >= E and 2 * 3 * tokens * E * inter * hidden <= MAX_ALL_EXPERTS_FLOPS
 
+    @staticmethod
+    def mostly_idle(picks: int, w1: torch.Tensor) -> bool:
+        """Fewer picks than experts: CPU `_grouped_mm` still visits every expert (a select, a slice and a
+        host read of its offset per expert and matrix, ~50 ops per layer for 16 experts), while a loop
+        over the few experts in use costs ~8 ops each."""
+        return picks < w1.shape[0]
+
     def __call__(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float, swiglu,
@@ -79,6 +112,9 @@ class GroupedExperts:
         """x [T, D], ids/weights [T, k], dense w1/w3 [E, I, D], w2 [E, D, I] -> sum_e w_e expert_e(x) [T, D]."""
         if self.uses_all_experts(ids.shape[0], ids.shape[1], w1):
             return self.all_experts(x, ids, weights, w1, w3, w2, limit, swiglu)
+        if self.mostly_idle(ids.numel(), w1):
+            stacks = {"w1": w1, "w3": w3, "w2": w2}
+            return loop_experts(x, ids, weights, lambda name, e: stacks[name][e], w1.shape[0], limit, swiglu)
         return self.grouped(x, ids, weights, w1, w3, w2, limit, swiglu)
 
     @staticmethod
@@ -108,7 +144,7 @@ class GroupedExperts:
         order = flat_ids.argsort(stable=True)
         offsets = torch.bincount(flat_ids, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
         token_of = order // ids.shape[1]
-        xs = x[token_of]  # [T*k, D], grouped by expert
+        xs = x.index_select(0, token_of)  # [T*k, D], grouped by expert (several times cheaper than x[token_of])
         hidden = swiglu(torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets),
                         torch._grouped_mm(xs, w3.transpose(1, 2), offs=offsets), limit)
         ys = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)  # [T*k, D]

@@ -25,6 +25,7 @@ MAX_HC = 16
 
 _SOURCE = r"""
 #include <math.h>
+#include <stddef.h>
 
 static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -85,10 +86,14 @@ void mhc_coefficients_f32(const float *logits, const float *base, const float *s
 /* Tokens per Sinkhorn batch: one vector lane each (8 fp32 = one AVX register, two SSE ones). */
 #define LANES 8
 
+/* The stream count of every released config: the hot loops are inlined with this constant hc (fully
+   unrolled, vectorised over tokens or channels), other hc run the same code with a run-time count. */
+#define COMMON_HC 4
+
 /* The Sinkhorn passes of mhc_coefficients_f32 for LANES tokens at once, c[i * LANES + lane] = comb
    entry i of that lane's token: the same operations in the same order per token (bit-identical), with
    every step one vector op across tokens (a lone 4x4 matrix leaves the divider mostly idle). */
-static void sinkhorn_lanes(float *c, int hc, int iters, float hc_eps) {
+static inline __attribute__((always_inline)) void sinkhorn_lanes(float *c, int hc, int iters, float hc_eps) {
     float denom[16 * LANES];
     for (int it = 0; it < 2 * iters - 1; ++it) { /* columns, then rows/columns alternately */
         if ((it % 2) == 0) {
@@ -116,79 +121,98 @@ static void sinkhorn_lanes(float *c, int hc, int iters, float hc_eps) {
     }
 }
 
+/* Partial sums per reduction: 16 independent accumulators fill four SSE / two AVX / one AVX-512 vector
+   and hide the add latency, so a sum over D runs at load speed instead of one dependent add per element.
+   (Sums over hc * D therefore round in a different order than the reference: fp32-rounding level.) */
+#define ACC 16
+
+static float sum_squares(const float *restrict x, long n) {
+    float acc[ACC] = {0.0f};
+    long i = 0;
+    for (; i + ACC <= n; i += ACC)
+        for (int l = 0; l < ACC; ++l) acc[l] += x[i + l] * x[i + l];
+    for (int l = 0; i < n; ++i, ++l) acc[l] += x[i] * x[i];
+    for (int w = ACC / 2; w > 0; w /= 2) /* pairwise: log2(ACC) vector adds */
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+/* dst[d] = scale_o * o[d] + sum_k w[k * w_stride] x[k * D + d] over k < n (o NULL: no o term), summed in
+   the reference's order. Inlined with a constant n (COMMON_HC) the k loop unrolls and the d loop
+   vectorises; with a run-time n it stays scalar. */
+static inline __attribute__((always_inline)) void weighted_sum(float *restrict dst, const float *restrict x,
+        const float *w, int w_stride, int n, long D, float scale_o, const float *restrict o) {
+    for (long d = 0; d < D; ++d) {
+        float acc = w[0] * x[d];
+        for (int k = 1; k < n; ++k) acc += w[k * w_stride] * x[k * D + d];
+        dst[d] = o ? scale_o * o[d] + acc : acc;
+    }
+}
+
 /* Fused mHC pre-step for T tokens. streams [T, hc_in, D] (hc_in = hc, or 1 when every stream is the
    same broadcast embedding), raw [T, mix] = flatten(streams) @ fn^T (the broadcast fn when hc_in = 1).
    rho = rsqrt(mean(flatten(streams)^2) + rms_eps); logits = raw * rho; coefficients as above into
    coef [T, mix]; y = sum_k pre_k R_k (fp32); then, if norm_w is not NULL, the weighted RMSNorm of y. */
-void mhc_pre_f32(const float *streams, const float *raw, const float *base, const float *scale, long T,
-                 int hc, int hc_in, long D, int iters, float rms_eps, float hc_eps, const float *norm_w,
-                 float norm_eps, float *coef, float *y) {
+void mhc_pre_f32(const float *restrict streams, const float *restrict raw, const float *base, const float *scale,
+                 long T, int hc, int hc_in, long D, int iters, float rms_eps, float hc_eps, const float *norm_w,
+                 float norm_eps, float *restrict coef, float *restrict y) {
     const int mix = 2 * hc + hc * hc;
     float lanes[16 * 16 * LANES];
-    for (long t0 = 0; t0 < T; t0 += LANES) { /* coefficients, LANES tokens at a time */
+    for (long t0 = 0; t0 < T; t0 += LANES) { /* LANES tokens at a time, for the Sinkhorn lanes */
         const int nb = T - t0 < LANES ? (int)(T - t0) : LANES;
         for (int l = 0; l < nb; ++l) {
             const long t = t0 + l;
             const float *x = streams + t * hc_in * D;
-            float ss = 0.0f;
-            for (long i = 0; i < hc_in * D; ++i) ss += x[i] * x[i];
-            const float rho = 1.0f / sqrtf(ss / (float)(hc_in * D) + rms_eps);
+            const float rho = 1.0f / sqrtf(sum_squares(x, hc_in * D) / (float)(hc_in * D) + rms_eps);
             float logits[2 * 16 + 16 * 16];
             for (int i = 0; i < mix; ++i) logits[i] = raw[t * mix + i] * rho;
+            const float *pre = coef + t * mix;
             coefficients_head(logits, base, scale, hc, hc_eps, coef + t * mix);
-            for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = coef[t * mix + 2 * hc + i];
+            for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = pre[2 * hc + i];
+            /* The block input needs only pre: collapse while this token's streams are still in cache. */
+            float *restrict yt = y + t * D;
+            if (hc_in == 1) {
+                float p = 0.0f;
+                for (int k = 0; k < hc; ++k) p += pre[k];
+                for (long d = 0; d < D; ++d) yt[d] = p * x[d];
+            } else if (hc == COMMON_HC) {
+                weighted_sum(yt, x, pre, 1, COMMON_HC, D, 0.0f, NULL);
+            } else {
+                weighted_sum(yt, x, pre, 1, hc, D, 0.0f, NULL);
+            }
+            if (norm_w) {
+                const float r = 1.0f / sqrtf(sum_squares(yt, D) / (float)D + norm_eps);
+                for (long d = 0; d < D; ++d) yt[d] = norm_w[d] * (yt[d] * r);
+            }
         }
         for (int l = nb; l < LANES; ++l) /* unused lanes: any finite values, never read back */
             for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = 1.0f;
-        sinkhorn_lanes(lanes, hc, iters, hc_eps);
+        if (hc == COMMON_HC) sinkhorn_lanes(lanes, COMMON_HC, iters, hc_eps);
+        else sinkhorn_lanes(lanes, hc, iters, hc_eps);
         for (int l = 0; l < nb; ++l)
             for (int i = 0; i < hc * hc; ++i) coef[(t0 + l) * mix + 2 * hc + i] = lanes[i * LANES + l];
-    }
-    for (long t = 0; t < T; ++t) {
-        const float *x = streams + t * hc_in * D;
-        const float *pre = coef + t * mix;
-        float *yt = y + t * D;
-        if (hc_in == 1) {
-            float p = 0.0f;
-            for (int k = 0; k < hc; ++k) p += pre[k];
-            for (long d = 0; d < D; ++d) yt[d] = p * x[d];
-        } else {
-            for (long d = 0; d < D; ++d) {
-                float acc = pre[0] * x[d];
-                for (int k = 1; k < hc; ++k) acc += pre[k] * x[k * D + d];
-                yt[d] = acc;
-            }
-        }
-        if (norm_w) {
-            float s2 = 0.0f;
-            for (long d = 0; d < D; ++d) s2 += yt[d] * yt[d];
-            const float r = 1.0f / sqrtf(s2 / (float)D + norm_eps);
-            for (long d = 0; d < D; ++d) yt[d] = norm_w[d] * (yt[d] * r);
-        }
     }
 }
 
 /* mHC post-step: out[t, j, :] = post_j o_t + sum_i comb[i, j] R_i (hc_in = 1: R_i = e for every i).
    coef [T, mix] as written by mhc_pre_f32. */
-void mhc_post_f32(const float *streams, const float *o, const float *coef, long T, int hc, int hc_in,
-                  long D, float *out) {
+void mhc_post_f32(const float *restrict streams, const float *restrict o, const float *restrict coef, long T, int hc,
+                  int hc_in, long D, float *restrict out) {
     const int mix = 2 * hc + hc * hc;
     for (long t = 0; t < T; ++t) {
         const float *post = coef + t * mix + hc, *c = coef + t * mix + 2 * hc;
-        const float *x = streams + t * hc_in * D, *ot = o + t * D;
+        const float *restrict x = streams + t * hc_in * D, *restrict ot = o + t * D;
         for (int j = 0; j < hc; ++j) {
-            float *dst = out + (t * hc + j) * D;
+            float *restrict dst = out + (t * hc + j) * D;
             const float pj = post[j];
             if (hc_in == 1) {
                 float cs = 0.0f;
                 for (int i = 0; i < hc; ++i) cs += c[i * hc + j];
                 for (long d = 0; d < D; ++d) dst[d] = pj * ot[d] + cs * x[d];
             } else {
-                for (long d = 0; d < D; ++d) {
-                    float acc = c[j] * x[d];
-                    for (int i = 1; i < hc; ++i) acc += c[i * hc + j] * x[i * D + d];
-                    dst[d] = pj * ot[d] + acc;
-                }
+                /* column j of comb: sum_i comb[i, j] R_i */
+                if (hc == COMMON_HC) weighted_sum(dst, x, c + j, COMMON_HC, COMMON_HC, D, pj, ot);
+                else weighted_sum(dst, x, c + j, hc, hc, D, pj, ot);
             }
         }
     }
@@ -197,29 +221,27 @@ void mhc_post_f32(const float *streams, const float *o, const float *coef, long 
 /* In place on x [T, G, hd]: optional RMSNorm over hd (weighted when w is not NULL; eps < 0: none), then
    RoPE on the trailing 2 * rh channels, interleaved pairs, angle = pos[t] * inv_freq[i] (negated when
    inverse). rh = 0: norm only. */
-void norm_rope_f32(float *x, long T, long G, long hd, float eps, const float *w, const long *pos,
+void norm_rope_f32(float *restrict x, long T, long G, long hd, float eps, const float *restrict w, const long *pos,
                    const float *inv_freq, long rh, int inverse) {
-    float cs[2 * 512];
+    float cs[512], sn[512]; /* this token's cos / sin per rotary pair */
     for (long t = 0; t < T; ++t) {
         for (long i = 0; i < rh; ++i) {
             const float a = (float)pos[t] * inv_freq[i];
-            cs[2 * i] = cosf(a);
-            cs[2 * i + 1] = inverse ? -sinf(a) : sinf(a);
+            cs[i] = cosf(a);
+            sn[i] = inverse ? -sinf(a) : sinf(a);
         }
         for (long g = 0; g < G; ++g) {
-            float *v = x + (t * G + g) * hd;
+            float *restrict v = x + (t * G + g) * hd;
             if (eps >= 0.0f) {
-                float ss = 0.0f;
-                for (long d = 0; d < hd; ++d) ss += v[d] * v[d];
-                const float r = 1.0f / sqrtf(ss / (float)hd + eps);
+                const float r = 1.0f / sqrtf(sum_squares(v, hd) / (float)hd + eps);
                 if (w) { for (long d = 0; d < hd; ++d) v[d] = w[d] * (v[d] * r); }
                 else { for (long d = 0; d < hd; ++d) v[d] = v[d] * r; }
             }
-            float *rp = v + hd - 2 * rh;
+            float *restrict rp = v + hd - 2 * rh;
             for (long i = 0; i < rh; ++i) {
-                const float a = rp[2 * i], b = rp[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
-                rp[2 * i] = a * c - b * s;
-                rp[2 * i + 1] = b * c + a * s;
+                const float a = rp[2 * i], b = rp[2 * i + 1];
+                rp[2 * i] = a * cs[i] - b * sn[i];
+                rp[2 * i + 1] = b * cs[i] + a * sn[i];
             }
         }
     }
@@ -296,7 +318,7 @@ def _f32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
-# The kernel keeps per-token cos/sin on the stack: at most this many rotary pairs.
+# The kernel keeps per-token cos/sin on the stack: at most this many rotary pairs (the C arrays' size).
 MAX_ROTARY_PAIRS = 512
 
 

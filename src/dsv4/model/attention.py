@@ -26,6 +26,16 @@ from dsv4.model.rope import RotaryTable, norm_rope_
 from dsv4.model.step_plan import DecodeMeta, PrefillMeta, decode_meta, mask_to_bias, prefill_meta
 
 
+# Logits one attention tile may hold ([segments, queries, H, keys] fp32): 2^18 floats = 1 MiB, within a
+# typical per-core L2, so a tile's bmm -> softmax -> bmm chain reads its logits from cache, not memory
+# (measured on 64 segments of 64 tokens, tiny config: the attention math ~20% faster than in one pass,
+# 2^16 and 2^20 slower than 2^18).
+TILE_LOGITS = 1 << 18
+# Query block of a chunk longer than twice this many windows: each block scores the ~(1 + this) windows
+# of keys it can see instead of the whole chunk.
+QUERY_BLOCK_WINDOWS = 2
+
+
 class Compressor(nn.Module):
     """Gated pooling of every m consecutive tokens into one entry [out_dim].
 
@@ -136,34 +146,33 @@ class Compressor(nn.Module):
     ) -> None:
         """`emit` for all of meta's segments at once: kv, gate [T, width] are the flat batch's raw
         projections. Equals `emit` on each segment (same ring rows, same entries)."""
-        m, ring_len = self.rate, cache.ring_kv.shape[1]
-        plan = meta.compressor(m, ring_len)
-        slots = meta.slots.unsqueeze(-1)  # [P, 1]
-        # Each segment's tokens from `plan.history` positions before its chunk on: [P, hist + L, width]
-        # (read before the ring is overwritten below; advanced indexing copies).
-        all_kv = torch.cat((cache.ring_kv[slots, plan.history_rows], kv[meta.gather_rows]), dim=1)
-        all_gate = torch.cat((cache.ring_gate[slots, plan.history_rows], gate[meta.gather_rows]), dim=1)
-        write_slots, write_rows, write_src = meta.ring_writes(ring_len)
-        cache.ring_kv[write_slots, write_rows] = kv[write_src]
-        cache.ring_gate[write_slots, write_rows] = gate[write_src]
-        if plan.window_ids.numel() == 0:
+        m, ring_len, width = self.rate, cache.ring_kv.shape[1], kv.shape[1]
+        plan = meta.compressor(m, ring_len, self.overlap)
+        ring_kv, ring_gate = cache.ring_kv.view(-1, width), cache.ring_gate.view(-1, width)  # [S * R, width]
+        # The windows' tokens: the flat batch, then (chunks continuing a sequence) the ring rows before
+        # each chunk, read before the ring is overwritten below.
+        source_kv, source_gate = kv, gate
+        if plan.needs_history:
+            source_kv = torch.cat((kv, ring_kv.index_select(0, plan.history_rows)))
+            source_gate = torch.cat((gate, ring_gate.index_select(0, plan.history_rows)))
+        ring_rows, src_rows = meta.ring_writes(ring_len)
+        ring_kv.index_copy_(0, ring_rows, kv.index_select(0, src_rows))
+        ring_gate.index_copy_(0, ring_rows, gate.index_select(0, src_rows))
+        E, d = plan.window_ids.numel(), self.out_dim
+        if E == 0:
             return
-        seg = plan.window_seg.unsqueeze(-1)  # [E, 1]: the segment of each completed window
-        cur_kv = all_kv[seg, plan.token_index].float()  # [E, m, width]
-        cur_gate = all_gate[seg, plan.token_index].float() + self.ape  # ape by slot in window
-        if self.overlap:
-            d = self.out_dim
-            first = (plan.window_ids == 0).view(-1, 1, 1)  # window 0 has no previous window: its Ca slots weigh nothing
-            prev_index = (plan.token_index - m).clamp(min=0)  # clamped rows belong to window 0 only (masked)
-            prev_kv = all_kv[seg, prev_index][..., :d].float().masked_fill(first, 0.0)
-            prev_gate = (all_gate[seg, prev_index][..., :d].float() + self.ape[:, :d]).masked_fill(first, float("-inf"))
-            slots_kv = torch.cat((prev_kv, cur_kv[..., d:]), dim=1)  # [E, 2m, d]
-            slots_gate = torch.cat((prev_gate, cur_gate[..., d:]), dim=1)
-        else:
-            slots_kv, slots_gate = cur_kv, cur_gate
+        # [E, S, d] slots of each window (S = 2m overlapping: Ca of window w-1's tokens, Cb of window w's)
+        slots_kv = source_kv.view(-1, d).index_select(0, plan.source_rows).view(E, -1, d).float()
+        slots_gate = source_gate.view(-1, d).index_select(0, plan.source_rows).view(E, -1, d).float()
+        ape = self.ape.view(m, 2, d).transpose(0, 1).reshape(2 * m, d) if self.overlap else self.ape  # [S, d] by slot
+        slots_gate.add_(ape)  # in place: a fresh tensor
+        if plan.first is not None:  # window 0's Ca slots (no previous window) weigh nothing
+            slots_kv[:, :m].index_fill_(0, plan.first, 0.0)
+            slots_gate[:, :m].index_fill_(0, plan.first, float("-inf"))
         pooled = (slots_kv * slots_gate.softmax(dim=1)).sum(dim=1)  # [E, d] fp32
         entries = norm_rope_(pooled.to(kv.dtype), self.norm.eps, self.norm.weight, plan.window_ids * m, rope)
-        cache.entries[plan.window_slots, plan.window_ids] = entries
+        flat_entries = cache.entries.view(-1, d)  # [S * E_max, d]
+        flat_entries.index_copy_(0, plan.window_slots * cache.entries.shape[1] + plan.window_ids, entries)
 
 
 class Indexer(nn.Module):
@@ -207,8 +216,9 @@ class Indexer(nn.Module):
         counts [P, L] visible entries per query -> [P, L, min(k, n)] picks, -1 where fewer are visible."""
         P, L, n_heads, dim = q.shape
         scores = torch.bmm(q.float().view(P, L * n_heads, dim), keys.float().transpose(1, 2))  # [P, L*nI, n]
-        scores = scores.view(P, L, n_heads, -1).relu() * self.head_dim**-0.5
-        scores = (scores * (head_weights.float() * self.n_heads**-0.5).unsqueeze(-1)).sum(dim=2)  # [P, L, n]
+        scores = scores.view(P, L, n_heads, -1).relu_().mul_(self.head_dim**-0.5)  # in place: a fresh tensor
+        weights = (head_weights.float() * self.n_heads**-0.5).unsqueeze(-1)  # [P, L, nI, 1]
+        scores = scores.mul_(weights).sum(dim=2)  # [P, L, n]
         return self._top_visible(scores, counts)
 
     def _top_visible(self, scores: torch.Tensor, visible_count: torch.Tensor) -> torch.Tensor:
@@ -283,7 +293,11 @@ class Attention(nn.Module):
         if segments and not registry.choose(PREFILL_ATTENTION).is_reference:
             pre = prefill_meta(batch, decode_served=meta is not None)
             side = _SideInputs(comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w)
-            out[pre.rows] = self._prefill(q, kv, pre, cache, side)[pre.valid]
+            padded = self._prefill(q, kv, pre, cache, side)  # [P, L, H, hd]
+            if pre.dense_rows is not None:  # no padding: the chunks are one run of flat rows
+                out[pre.dense_rows] = padded.flatten(0, 1)
+            else:
+                out[pre.rows] = padded[pre.valid]
             segments = []
         for seg in segments:
             rows = slice(seg.begin, seg.end)
@@ -342,40 +356,86 @@ class Attention(nn.Module):
         """Batched path for meta's P segments: q [T, H, hd], kv [T, hd] and side are the whole flat batch
         -> padded [P, L, H, hd] (rows past a segment's length are padding). Writes the same cache rows as
         `_segment` would for each segment."""
-        W, slots = self.window, meta.slots
-        history_rows, bias = meta.window(W)  # [P, hist], [P, L, hist + L]
-        # [earlier ring tokens | new tokens] per segment, read before the ring is overwritten below.
-        keys = torch.cat((cache.window[slots.unsqueeze(-1), history_rows], kv[meta.gather_rows]), dim=1)
-        write_slots, write_rows, write_src = meta.ring_writes(W)
-        cache.window[write_slots, write_rows] = kv[write_src]
+        W, (P, L), hd = self.window, meta.shape, self.head_dim
+        ring = cache.window.view(-1, hd)  # [S * W, hd]
+        history_rows = meta.window_history(W)  # [P * h]
+        h = history_rows.numel() // P
+        rate, n_max = None, 0
         if self.compressor is not None:
             rate = self.compressor.rate
-            self.compressor.emit_batched(side.comp_kv, side.comp_gate, meta, cache.compressor, self.rope)
             n_max, counts = meta.entry_counts(rate)  # counts [P, L]: complete entries each query sees
-            entries = cache.compressor.entries[slots, :n_max]  # [P, n_max, hd]; past a segment's own count: masked
+        # keys [P, h + L + n + 1, hd] = [earlier ring tokens | new tokens | entries | the sink's zero key],
+        # the ring tokens read before the ring is overwritten below.
+        keys = kv.new_empty(P, h + L + n_max + 1, hd)
+        keys[:, :h] = ring.index_select(0, history_rows).view(P, h, hd)
+        keys[:, h : h + L] = meta.padded(kv)
+        keys[:, -1] = 0.0
+        ring_rows, src_rows = meta.ring_writes(W)
+        ring.index_copy_(0, ring_rows, kv.index_select(0, src_rows))
+        bias = meta.attention_bias(W, rate, causal_entries=True)  # [P, L, h + L + n + 1]
+        if self.compressor is not None:
+            self.compressor.emit_batched(side.comp_kv, side.comp_gate, meta, cache.compressor, self.rope)
+            # Entries past a segment's own count are masked.
+            keys[:, h + L : h + L + n_max] = meta.read(cache.compressor.entries, n_max)
             if self.indexer is not None:
                 self.indexer.compressor.emit_batched(side.idx_kv, side.idx_gate, meta, cache.indexer, self.rope)
-                index_keys = cache.indexer.entries[slots, :n_max]
-                rows = meta.gather_rows
-                picks = self.indexer.select_batched(side.idx_q[rows], side.idx_w[rows], index_keys, counts)
-                visible = torch.zeros(*picks.shape[:2], n_max + 1, dtype=torch.bool, device=q.device)
-                visible.scatter_(-1, torch.where(picks < 0, n_max, picks), True)  # -1 picks select column n_max
-                entry_bias = mask_to_bias(visible[..., :n_max])
-            else:
-                entry_bias = mask_to_bias(torch.arange(n_max, device=q.device) < counts.unsqueeze(-1))
-            keys = torch.cat((keys, entries), dim=1)
-            bias = torch.cat((bias, entry_bias), dim=-1)
-        return self._attend_padded(q[meta.gather_rows], keys, bias)
+                # With at most topk entries every visible entry is picked: the causal bias is the picks'.
+                if n_max > self.indexer.topk:
+                    index_keys = meta.read(cache.indexer.entries, n_max)
+                    idx_q, idx_w = meta.padded(side.idx_q), meta.padded(side.idx_w)
+                    picks = self.indexer.select_batched(idx_q, idx_w, index_keys, counts)  # [P, L, k]
+                    bias = meta.attention_bias(W, rate, causal_entries=False).clone()  # entries hidden
+                    # Show the picks; -1 picks point one past the entries, at the sink column (already 0).
+                    bias[..., h + L :].scatter_(-1, torch.where(picks < 0, n_max, picks), 0.0)
+        return self._attend_padded(meta.padded(q), keys, bias, h)
 
-    def _attend_padded(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """`_attend` per segment: q [P, L, H, hd], keys (= values) [P, N, hd], bias [P, L, N] -> [P, L, H, hd].
-        Padding queries see no key, so only the sink takes their mass (no NaN)."""
+    def _attend_padded(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, h: int) -> torch.Tensor:
+        """`_attend` per segment: q [P, L, H, hd], keys (= values) [P, h + L + n + 1, hd] = the window keys
+        (h earlier ring tokens, the L chunk tokens), n entries and the sink's zero key; bias [P, L, N]
+        (N = h + L + n + 1, sink column 0) -> [P, L, H, hd].
+
+        Runs in tiles of whole segments and query blocks. A chunk much longer than the window is cut into
+        blocks of QUERY_BLOCK_WINDOWS windows, each scoring only the window keys it can see (the rest are
+        masked for all its queries), so the window part costs O(L W) instead of O(L^2); and each tile's
+        logits stay within TILE_LOGITS, so the bmm -> softmax -> bmm chain reads them from cache."""
         P, L, H, hd = q.shape
-        logits = torch.bmm(q.reshape(P, L * H, hd), keys.transpose(1, 2)).view(P, L, H, -1)  # [P, L, H, N]
-        logits = logits.float() * self.head_dim**-0.5 + bias.unsqueeze(2)
-        sink = self.attn_sink.view(1, 1, H, 1).expand(P, L, H, 1)
-        probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.bmm(probs.to(keys.dtype).reshape(P, L * H, -1), keys).view(P, L, H, hd)
+        W = self.window
+        block = QUERY_BLOCK_WINDOWS * W if L > 2 * QUERY_BLOCK_WINDOWS * W else L
+        out = q.new_empty(P, L, H, hd)
+        for r0 in range(0, L, block):
+            r1 = min(L, r0 + block)
+            lo, hi = max(0, h + r0 - W + 1), h + r1  # the window keys rows [r0, r1) can see
+            if lo == 0 and hi == h + L:
+                block_keys, block_bias = keys, bias[:, r0:r1]
+            else:
+                block_keys = torch.cat((keys[:, lo:hi], keys[:, h + L :]), dim=1)
+                block_bias = torch.cat((bias[:, r0:r1, lo:hi], bias[:, r0:r1, h + L :]), dim=-1)
+            per_tile = max(1, TILE_LOGITS // ((r1 - r0) * H * block_keys.shape[1]))  # segments per tile
+            for p0 in range(0, P, per_tile):
+                p1 = min(P, p0 + per_tile)
+                tile_out = out[p0:p1] if block == L else None  # whole segments: write in place
+                tile_out = self._attend_tile(q[p0:p1, r0:r1], block_keys[p0:p1], block_bias[p0:p1], tile_out)
+                if block != L:
+                    out[p0:p1, r0:r1] = tile_out
+        return out
+
+    def _attend_tile(
+        self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q [P, B, H, hd], keys (= values) [P, N, hd] whose last row is the sink's zero key, bias [P, B, N]
+        whose last column is 0 -> [P, B, H, hd] (written into `out`, a contiguous [P, B, H, hd], if given).
+        The sink's logit takes the last column of the softmax and its zero value adds nothing, so neither
+        logits nor probabilities are concatenated or sliced. Queries that see no key (padding) give the
+        sink all their mass."""
+        P, B, H, hd = q.shape
+        logits = torch.bmm(q.reshape(P, B * H, hd), keys.transpose(1, 2)).view(P, B, H, -1).float()  # [P, B, H, N]
+        torch.add(bias.unsqueeze(2), logits, alpha=self.head_dim**-0.5, out=logits)  # in place: bias + scale * q.k
+        logits[..., -1] = self.attn_sink  # [H]
+        probs = logits.softmax(dim=-1).to(keys.dtype)
+        if out is None:
+            return torch.bmm(probs.view(P, B * H, -1), keys).view(P, B, H, hd)
+        torch.bmm(probs.view(P, B * H, -1), keys, out=out.view(P, B * H, hd))
+        return out
 
     def _attend_decode(self, q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """`_attend` per row over score blocks: q [B, H, hd], blocks of (keys (= values) [B, N_i, hd],

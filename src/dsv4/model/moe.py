@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import HASH_MOE, ModelConfig, QuantConfig
-from dsv4.kernels.gathered_experts import GroupedExperts
+from dsv4.kernels.gathered_experts import GroupedExperts, loop_experts
 from dsv4.kernels.registry import MOE_EXPERTS, default_registry
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
 
@@ -130,23 +130,7 @@ class RoutedExperts(nn.Module):
 
     def forward_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One expert at a time, dequantising only the experts in use."""
-        out = torch.zeros_like(x)
-        flat_ids = ids.flatten()
-        order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        token_of = order // ids.shape[1]
-        weight_of = weights.flatten()[order]
-        offset = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[offset : offset + count]
-            xe = x[rows]
-            hidden = swiglu(xe @ self.expert_weight("w1", e).t(), xe @ self.expert_weight("w3", e).t(), self.limit)
-            ye = hidden @ self.expert_weight("w2", e).t()
-            out.index_add_(0, rows, (ye.float() * weight_of[offset : offset + count, None]).to(x.dtype))
-            offset += count
-        return out
+        return loop_experts(x, ids, weights, self.expert_weight, self.num_experts, self.limit, swiglu)
 
 
 class SharedExpert(nn.Module):

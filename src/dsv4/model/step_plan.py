@@ -80,24 +80,39 @@ class DecodeMeta:
 class PrefillMeta:
     """The index tensors of a step's batched segments, padded to the longest chunk L, built once per step
     and shared by every layer. Padded row t of segment p is flat row begin_p + min(t, len_p - 1)
-    (a duplicate of its last token, masked out everywhere)."""
+    (a duplicate of its last token, masked out everywhere).
+
+    Attention keys are laid out per segment as [h window-ring tokens before the chunk | the L chunk
+    tokens | n compressed entries | one zero key for the sink], n = 0 on sliding layers."""
 
     def __init__(self, batch: ForwardBatch, segments: list[Segment]):
         device = batch.positions.device
         self.batch = batch  # keeps the keyed batch alive, so its id is never reused while memoised
         self.device = device
+        self.num_rows = batch.positions.shape[0]  # T: rows of the flat batch every layer input has
         longest = max(seg.length for seg in segments)
+        self.shape = (len(segments), longest)  # (P, L)
         self.max_start = max(seg.start for seg in segments)
-        self.slots = torch.tensor([seg.slot for seg in segments], device=device)  # [P]
+        slot_ids = [seg.slot for seg in segments]
+        self.slots = torch.tensor(slot_ids, device=device)  # [P]
+        # Slots that are one ascending run (fresh prompts admitted together) read the caches as a view.
+        first = slot_ids[0]
+        ascending = slot_ids == list(range(first, first + len(slot_ids)))
+        self.slot_range = slice(first, first + len(slot_ids)) if ascending else None
         self.starts = torch.tensor([seg.start for seg in segments], device=device)  # [P]
         lengths = torch.tensor([seg.length for seg in segments], device=device)  # [P]
         self.ends = self.starts + lengths
         t = torch.arange(longest, device=device)
-        begins = torch.tensor([seg.begin for seg in segments], device=device)
+        self.begins = torch.tensor([seg.begin for seg in segments], device=device)  # [P] flat row of each first token
         self.valid = t < lengths.unsqueeze(-1)  # [P, L]
-        self.gather_rows = begins.unsqueeze(-1) + torch.minimum(t, lengths.unsqueeze(-1) - 1)  # [P, L] flat rows
+        self.gather_rows = self.begins.unsqueeze(-1) + torch.minimum(t, lengths.unsqueeze(-1) - 1)  # [P, L] flat rows
         self.rows = self.gather_rows[self.valid]  # [T'] flat rows of the valid padded rows, in padded order
         self.positions = self.starts.unsqueeze(-1) + t  # [P, L]
+        # Equal-length chunks back to back (a batch of same-length prompts, or one prompt): the padded
+        # layout is a slice of the flat batch, so padding is a view instead of a gather.
+        b0 = segments[0].begin
+        dense = all(seg.length == longest and seg.begin == b0 + p * longest for p, seg in enumerate(segments))
+        self.dense_rows = slice(b0, b0 + len(segments) * longest) if dense else None
         self._memo: dict = {}
 
     def _cached(self, key, build):
@@ -105,60 +120,108 @@ class PrefillMeta:
             self._memo[key] = build()
         return self._memo[key]
 
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ...] (a flat-batch tensor) -> [P, L, ...] padded chunks: a view when the chunks are dense,
+        else one index_select (several times cheaper than indexing with the [P, L] gather_rows)."""
+        if self.dense_rows is not None:
+            return x[self.dense_rows].unflatten(0, self.shape)
+        return x.index_select(0, self.gather_rows.view(-1)).unflatten(0, self.shape)
+
+    def read(self, cache_rows: torch.Tensor, count: int) -> torch.Tensor:
+        """cache_rows [S, N, ...] -> each segment's slot's first `count` rows [P, count, ...]: a view when the
+        slots are one ascending run, else a gather."""
+        if self.slot_range is not None:
+            return cache_rows[self.slot_range, :count]
+        return cache_rows[:, :count].index_select(0, self.slots)
+
     def _history(self, ring_len: int, wanted: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(h, [P, h] positions and [P, h] ring rows of the h positions before each chunk): h = wanted, trimmed when
-        no segment starts that late (positions < 0 do not exist: fresh prompts need no history)."""
+        """(h, [P, h] positions and [P * h] flat ring rows (slot * ring_len + position % ring_len) of the h
+        positions before each chunk): h = wanted, trimmed when no segment starts that late (positions < 0 do
+        not exist: fresh prompts need no history; their rows are stale and always masked)."""
         h = min(wanted, self.max_start)
         positions = self.starts.unsqueeze(-1) - h + torch.arange(h, device=self.device)
-        return h, positions, positions % ring_len
+        flat_rows = self.slots.unsqueeze(-1) * ring_len + positions % ring_len
+        return h, positions, flat_rows.view(-1)
 
-    def ring_writes(self, ring_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(slots, ring rows, flat source rows) of the tokens a ring of ring_len keeps: each segment's
-        last ring_len positions."""
+    def ring_writes(self, ring_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat ring rows slot * ring_len + position % ring_len, flat source rows) of the tokens a ring of
+        ring_len keeps: each segment's last ring_len positions (distinct rows, so index_copy_ is exact)."""
         def build():
             keep = self.valid & (self.positions >= (self.ends - ring_len).unsqueeze(-1))  # [P, L]
-            slots = self.slots.unsqueeze(-1).expand_as(keep)[keep]
-            return slots, self.positions[keep] % ring_len, self.gather_rows[keep]
+            dst = self.slots.unsqueeze(-1) * ring_len + self.positions % ring_len
+            return dst[keep], self.gather_rows[keep]
         return self._cached(("ring", ring_len), build)
 
-    def window(self, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([P, h] ring rows of the up to W-1 earlier positions, [P, L, h + L] bias over [history | chunk]):
-        key j is visible from query t iff it exists and t - W < j <= t."""
-        def build():
-            h, history_pos, history_rows = self._history(W, W - 1)
-            key_pos = torch.cat((history_pos, self.positions), dim=1)  # [P, h + L]
-            key_ok = torch.cat((history_pos >= 0, self.valid), dim=1)
-            q_pos, k_pos = self.positions.unsqueeze(-1), key_pos.unsqueeze(1)
-            visible = key_ok.unsqueeze(1) & (k_pos <= q_pos) & (k_pos > q_pos - W)  # [P, L, h + L]
-            return history_rows, mask_to_bias(visible)
-        return self._cached(("window", W), build)
+    def window_history(self, W: int) -> torch.Tensor:
+        """[P * h] flat rows of a [S * W, hd] window ring holding the h = min(W - 1, latest start) positions
+        before each chunk (the first h keys of every segment)."""
+        return self._cached(("window", W), lambda: self._history(W, W - 1)[2])
 
     def entry_counts(self, rate: int) -> tuple[int, torch.Tensor]:
         """(most entries of any segment after the step, [P, L] complete entries each query sees: w < (t+1)//m)."""
         return self._cached(("counts", rate), lambda: (int(self.ends.max()) // rate, (self.positions + 1) // rate))
 
-    def compressor(self, rate: int, ring_len: int) -> "_CompressorPlan":
-        return self._cached(("compressor", rate, ring_len), lambda: _CompressorPlan(self, rate, ring_len))
+    def _window_visible(self, W: int) -> torch.Tensor:
+        """[P, L, h + L] window keys visible from each query (shared by every layer's bias)."""
+        def build():
+            _, history_pos, _ = self._history(W, W - 1)
+            key_pos = torch.cat((history_pos, self.positions), dim=1)  # [P, h + L]
+            key_ok = torch.cat((history_pos >= 0, self.valid), dim=1)
+            q_pos, k_pos = self.positions.unsqueeze(-1), key_pos.unsqueeze(1)
+            return key_ok.unsqueeze(1) & (k_pos <= q_pos) & (k_pos > q_pos - W)
+        return self._cached(("visible", W), build)
+
+    def attention_bias(self, W: int, rate: int | None, causal_entries: bool) -> torch.Tensor:
+        """[P, L, h + L + n + 1] additive bias over the key layout (0 visible, -inf hidden; never modify:
+        shared by the step's layers). Window key j is visible from query t iff it exists and
+        t - W < j <= t. Entries (rate given; n = entry_counts(rate)[0]): entry w is visible iff complete
+        (w < (t+1)//m) when causal_entries, else all hidden (the caller shows its picks). Sink column: 0."""
+        def build():
+            visible = [self._window_visible(W)]  # [P, L, h + L]
+            if rate is not None:
+                n_max, counts = self.entry_counts(rate)
+                entry = torch.arange(n_max, device=self.device)
+                visible.append((entry < counts.unsqueeze(-1)) & causal_entries)  # [P, L, n]
+            visible.append(torch.ones(*self.shape, 1, dtype=torch.bool, device=self.device))  # the sink
+            return mask_to_bias(torch.cat(visible, dim=-1))
+        return self._cached(("bias", W, rate, causal_entries), build)
+
+    def compressor(self, rate: int, ring_len: int, overlap: bool) -> "_CompressorPlan":
+        def build():
+            return _CompressorPlan(self, rate, ring_len, overlap)
+        return self._cached(("compressor", rate, ring_len, overlap), build)
 
 
 class _CompressorPlan:
-    """Where the windows completed by a PrefillMeta's segments find their tokens. A compressor lays out
-    each segment's tokens as [h ring positions before the chunk | chunk] ([P, h + L]); position p of
-    segment s sits at index p - start_s + h. h <= the ring length, which holds the previous window too."""
+    """Where the windows completed by a PrefillMeta's segments find their tokens. A compressor reads them
+    from a flat source [T flat-batch rows | P * h ring rows] (h positions before each chunk, h <= the ring
+    length, which holds the previous window too) viewed as rows of out_dim channels: `source_rows` [E * S]
+    indexes that view. Overlapping (width 2 out_dim, so token r is half-rows 2r (Ca) and 2r + 1 (Cb)):
+    S = 2m slots, Ca of window w - 1's tokens then Cb of window w's. Otherwise S = m, window w's tokens."""
 
-    def __init__(self, meta: PrefillMeta, rate: int, ring_len: int):
+    def __init__(self, meta: PrefillMeta, rate: int, ring_len: int, overlap: bool):
         device = meta.device
-        history, _, self.history_rows = meta._history(ring_len, ring_len)  # [P, h]
+        history, _, self.history_rows = meta._history(ring_len, ring_len)  # h, [P * h] flat ring rows
         first_window, end_window = meta.starts // rate, meta.ends // rate  # windows [first, end) complete
         counts = end_window - first_window  # [P]
         segs = torch.arange(len(counts), device=device)
-        self.window_seg = torch.repeat_interleave(segs, counts)  # [E] segment of each completed window
+        window_seg = torch.repeat_interleave(segs, counts)  # [E] segment of each completed window
         offsets = torch.cumsum(counts, 0) - counts
-        within = torch.arange(self.window_seg.numel(), device=device) - offsets[self.window_seg]
-        self.window_ids = first_window[self.window_seg] + within  # [E]
-        self.window_slots = meta.slots[self.window_seg]  # [E]
-        token_pos = self.window_ids.unsqueeze(-1) * rate + torch.arange(rate, device=device)  # [E, m]
-        self.token_index = token_pos - meta.starts[self.window_seg].unsqueeze(-1) + history  # [E, m]
+        within = torch.arange(window_seg.numel(), device=device) - offsets[window_seg]
+        self.window_ids = first_window[window_seg] + within  # [E]
+        self.window_slots = meta.slots[window_seg]  # [E]
+        # [F] windows with id 0 (fresh sequences), whose previous-window (Ca) slots weigh nothing; None if none.
+        first = (self.window_ids == 0).nonzero().squeeze(1)
+        self.first = first if overlap and first.numel() > 0 else None
+        slot = torch.arange(-rate if overlap else 0, rate, device=device)  # [S]: offset from the window start
+        # [E, S] positions; window 0's previous-window slots (negative) are clamped to position 0 (masked).
+        token_pos = (self.window_ids.unsqueeze(-1) * rate + slot).clamp(min=0)
+        start = meta.starts[window_seg].unsqueeze(-1)
+        in_chunk = meta.begins[window_seg].unsqueeze(-1) + token_pos - start
+        in_ring = meta.num_rows + window_seg.unsqueeze(-1) * history + token_pos - (start - history)
+        rows = torch.where(token_pos >= start, in_chunk, in_ring)  # [E, S] source token rows
+        self.needs_history = bool((rows >= meta.num_rows).any())
+        self.source_rows = (rows * 2 + (slot >= 0) if overlap else rows).view(-1)  # [E * S]
 
 
 _LAST_META: list = [None]

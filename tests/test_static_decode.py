@@ -1,0 +1,106 @@
+"""The fixed-shape decode step (`model/static_decode.py`): eager, it equals the batched decode path row for
+row and cache row for cache row; compiled (`LLM(compile=True)`), generation equals the eager engine, and a
+refit is seen by the compiled graph in place: no recompilation, results bit-identical to a fresh compiled
+load of the new weights."""
+
+import pytest
+import torch
+
+import reference as ref
+from dsv4 import LLM, SamplingParams
+from dsv4.errors import ConfigError
+from dsv4.model.batch import ForwardBatch
+from dsv4.model.cache import cache_tensors
+from dsv4.model.static_decode import StaticDecode, entry_reads
+
+SEED, NEW_SEED = 5, 6
+LOGIT_TOL = 1e-4  # two fp32 paths: different op order, same values
+LOGPROB_TOL = 1e-4
+CONFIG = ref.tiny_config(num_hidden_layers=5, layer_types=["sliding_attention", "compressed_sparse_attention",
+                         "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                         mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"])
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("static_decode")
+    for name, seed in (("old", SEED), ("new", NEW_SEED)):
+        ref.save_hf_checkpoint(ref.build_reference_model(CONFIG, seed), root / name)
+    return root / "old", root / "new"
+
+
+def test_entry_reads_round_up_and_stay_within_capacity():
+    capacity = {4: 40, 16: 10}
+    assert entry_reads([0, 3], capacity, least=2) == {4: 2, 16: 2}  # one complete CSA entry; none for HCA
+    assert entry_reads([20, 35], capacity, least=2) == {4: 16, 16: 2}  # 9 CSA entries -> 16, 2 HCA entries
+    assert entry_reads([159], capacity, least=8) == {4: 40, 16: 10}  # capped by the cache
+
+
+def test_static_step_equals_batched_decode_rows_and_caches(hf_dirs):
+    """Rows at different positions in scattered slots, for 40 steps: every compressor window completes
+    at some step in some row (CSA m=4, HCA m=16); logits, greedy tokens and every cache tensor agree."""
+    llm = LLM(str(hf_dirs[0]), dtype="float32", max_num_seqs=4, max_model_len=128)
+    model = llm.loaded.target
+    g = torch.Generator().manual_seed(SEED)
+    prompts = {3: 7, 0: 30, 2: 16}  # slot -> prompt length: slots out of order, positions differ
+    caches = [model.allocate_cache(4, 128) for _ in range(2)]
+    tokens = {}
+    with torch.inference_mode():
+        prefill = ForwardBatch.build([(slot, torch.randint(2, 512, (n,), generator=g).tolist(), 0) for slot, n in prompts.items()])
+        for cache in caches:
+            streams, _ = model(prefill, cache)
+        last = model.logits(streams[[seg.end - 1 for seg in prefill.segments]]).argmax(-1)
+        tokens = dict(zip(prompts, last.tolist()))
+        positions = dict(prompts)
+        static = StaticDecode(model, compile=False)
+        for _ in range(40):
+            batch = ForwardBatch.build([(slot, [tokens[slot]], positions[slot]) for slot in prompts])
+            expected = model.logits(model(batch, caches[0])[0])
+            _, got = static(batch, caches[1])
+            assert (got - expected).abs().max().item() <= LOGIT_TOL
+            assert torch.equal(got.argmax(-1), expected.argmax(-1))
+            tokens = dict(zip(prompts, expected.argmax(-1).tolist()))
+            positions = {slot: p + 1 for slot, p in positions.items()}
+    for a, b in zip(cache_tensors(caches[0].layers), cache_tensors(caches[1].layers)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert caches[0].lengths == caches[1].lengths
+
+
+def test_compile_refuses_quantized_experts_naming_the_reason(tmp_path):
+    cfg = ref.tiny_config()
+    ref.write_native_checkpoint(tmp_path, cfg, ref.native_state_dict(ref.build_reference_model(cfg, SEED)),
+                                dense="fp8", expert_dtype="fp4")
+    with pytest.raises(ConfigError, match=r"compile=True.*fp4 routed experts"):
+        LLM(str(tmp_path), dtype="float32", compile=True)
+    # The same checkpoint with experts made dense at load compiles.
+    assert LLM(str(tmp_path), dtype="float32", expert_dtype="dense", compile=True).engine.static_decode is not None
+
+
+PROMPTS = [[5, 9, 31, 2, 77, 3, 8], list(range(40, 75)), [300, 12, 7, 7, 7, 41, 90, 16, 3, 3, 200, 18]]
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+
+
+def _completions(llm: LLM):
+    return [out.outputs[0] for out in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+def _close(a, b, tol):
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids
+        for lx, ly in zip(x.logprobs, y.logprobs):
+            assert lx.keys() == ly.keys()
+            assert all(abs(lx[t] - ly[t]) <= tol for t in lx)
+
+
+def test_compiled_engine_generates_like_eager_and_refits_in_place(hf_dirs):
+    old_dir, new_dir = hf_dirs
+    limits = {"dtype": "float32", "max_num_seqs": 4, "max_model_len": 96}
+    compiled = LLM(str(old_dir), compile=True, **limits)
+    _close(_completions(compiled), _completions(LLM(str(old_dir), **limits)), LOGPROB_TOL)
+
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled.update_weights(LLM(str(new_dir), **limits).iter_weights())
+    after_refit = _completions(compiled)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # the same graphs, new weights
+    _close(after_refit, _completions(LLM(str(new_dir), **limits)), LOGPROB_TOL)
+    _close(after_refit, _completions(LLM(str(new_dir), compile=True, **limits)), 0.0)  # == a fresh compiled load
