@@ -9,7 +9,7 @@ Workloads (anchors.md §6 for the transformers side):
   roofline    dsv4's median decode step at batch 1 and at each --batch size against this machine's
               roofline, measured in the same run (roofline.py: bandwidth, matmul peaks, bytes, FLOPs)
 
-Writes <out>/bench_<config>[_bf16][_compiled].json and .png (ratios dsv4 / transformers; roofline fractions).
+Writes <out>/bench_<config>[_bf16][_compiled][_t<threads>].json and .png (ratios dsv4 / transformers; roofline fractions).
 Usage: python benchmarks/bench_generate.py --config tiny --batch 16 64 [--threads 1] [--repeats 3] [--dtype bfloat16] [--compile]
 Needs the `test` extra (transformers) and the `bench` extra (matplotlib) installed.
 """
@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_{args.config}{FILE_SUFFIX[args.dtype]}{'_compiled' if args.compile else ''}"
+    threads = f"_t{args.threads}" if args.threads != 1 else ""
+    stem = args.out / f"bench_{args.config}{FILE_SUFFIX[args.dtype]}{'_compiled' if args.compile else ''}{threads}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
     plot(results, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and {stem}.png")

@@ -104,6 +104,17 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
     assert out.token_ids[2].item() == 7
 
 
+def test_greedy_ties_in_long_rows_resolve_to_the_lowest_id():
+    """Vocab-sized rows (vectorised reductions split them into chunks): the first max still wins."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 16384, generator=g)
+    tied = [torch.randperm(16384, generator=g)[:5] for _ in range(8)]
+    for row, cols in enumerate(tied):
+        logits[row, cols] = 100.0
+    out = Sampler().sample(logits, _states(*[SamplingParams()] * 8))
+    assert out.token_ids.tolist() == [int(cols.min()) for cols in tied]
+
+
 def test_greedy_rows_in_a_mixed_batch_stay_argmax():
     logits = torch.randn(BATCH, VOCAB, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams() if i % 2 == 0 else SamplingParams(temperature=5.0) for i in range(BATCH)]

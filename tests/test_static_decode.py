@@ -11,7 +11,9 @@ from dsv4 import LLM, SamplingParams
 from dsv4.errors import ConfigError
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import cache_tensors
-from dsv4.model.static_decode import StaticDecode, entry_reads
+from dsv4.kernels.gathered_experts import loop_experts
+from dsv4.model.moe import swiglu
+from dsv4.model.static_decode import StaticDecode, entry_reads, routed_experts
 
 SEED, NEW_SEED = 5, 6
 LOGIT_TOL = 1e-4  # two fp32 paths: different op order, same values
@@ -36,14 +38,19 @@ def test_entry_reads_round_up_and_stay_within_capacity():
     assert entry_reads([159], capacity, least=8) == {4: 40, 16: 10}  # capped by the cache
 
 
-def test_static_step_equals_batched_decode_rows_and_caches(hf_dirs):
+# slot -> prompt length: slots out of order, positions differ. 3 rows route through gathered expert
+# weights, 6 rows through every expert (GroupedExperts.uses_all_experts): both strategies of `_moe`'s graph.
+ROW_SETS = {"3 rows": {3: 7, 0: 30, 2: 16}, "6 rows": {5: 3, 1: 22, 7: 9, 0: 41, 4: 1, 2: 16}}
+
+
+@pytest.mark.parametrize("prompts", ROW_SETS.values(), ids=ROW_SETS.keys())
+def test_static_step_equals_batched_decode_rows_and_caches(hf_dirs, prompts):
     """Rows at different positions in scattered slots, for 40 steps: every compressor window completes
     at some step in some row (CSA m=4, HCA m=16); logits, greedy tokens and every cache tensor agree."""
-    llm = LLM(str(hf_dirs[0]), dtype="float32", max_num_seqs=4, max_model_len=128)
+    llm = LLM(str(hf_dirs[0]), dtype="float32", max_num_seqs=8, max_model_len=128)
     model = llm.loaded.target
     g = torch.Generator().manual_seed(SEED)
-    prompts = {3: 7, 0: 30, 2: 16}  # slot -> prompt length: slots out of order, positions differ
-    caches = [model.allocate_cache(4, 128) for _ in range(2)]
+    caches = [model.allocate_cache(8, 128) for _ in range(2)]
     tokens = {}
     with torch.inference_mode():
         prefill = ForwardBatch.build([(slot, torch.randint(2, 512, (n,), generator=g).tolist(), 0) for slot, n in prompts.items()])
@@ -64,6 +71,19 @@ def test_static_step_equals_batched_decode_rows_and_caches(hf_dirs):
     for a, b in zip(cache_tensors(caches[0].layers), cache_tensors(caches[1].layers)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert caches[0].lengths == caches[1].lengths
+
+
+def test_routed_experts_op_equals_the_reference_loop():
+    """The opaque op a compiled graph calls for large experts, against `loop_experts`."""
+    g = torch.Generator().manual_seed(SEED)
+    E, I, D, T, k = 8, 32, 64, 5, 2
+    w1, w3, w2 = torch.randn(E, I, D, generator=g), torch.randn(E, I, D, generator=g), torch.randn(E, D, I, generator=g)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    stacks = {"w1": w1, "w3": w3, "w2": w2}
+    expected = loop_experts(x, ids, weights, lambda name, e: stacks[name][e], E, 1.0, swiglu)
+    torch.testing.assert_close(routed_experts(x, ids, weights, w1, w3, w2, 1.0), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_compile_refuses_quantized_experts_naming_the_reason(tmp_path):

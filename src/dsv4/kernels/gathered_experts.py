@@ -56,8 +56,11 @@ class GatheredExperts:
         per_pick = 3 * inter * hidden
         return x.dtype == w1.dtype and per_pick <= MAX_ELEMENTS_PER_PICK and picks * per_pick <= MAX_GATHERED_ELEMENTS
 
+    def __call__(self, *args) -> torch.Tensor:
+        return self.gathered(*args)
+
     @staticmethod
-    def __call__(
+    def gathered(
         x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float, swiglu,
     ) -> torch.Tensor:

@@ -344,7 +344,7 @@ class Attention(nn.Module):
                     # CSA: attend to the k picked entries only (gathered), not to all n with a mask.
                     index_keys = meta.read(cache.indexer.entries, n_max)  # [B, n_max, dI]
                     picks = self.indexer.select_decode(side.idx_q, side.idx_w, index_keys, counts)  # [B, k]
-                    entries = _gather_entries(cache.compressor.entries, meta.slots, picks.clamp(min=0))  # [B, k, hd]
+                    entries = gather_entries(cache.compressor.entries, meta.slots, picks.clamp(min=0))  # [B, k, hd]
                     blocks.append((entries, mask_to_bias(picks >= 0)))
                 else:
                     blocks.append((meta.read(cache.compressor.entries, n_max), meta.entry_bias(rate)))  # [B, n_max, hd]
@@ -513,7 +513,7 @@ def _rows_of(rows, *tensors: torch.Tensor | None) -> _SideInputs:
     return _SideInputs(*(None if t is None else t[rows] for t in tensors))
 
 
-def _gather_entries(entries: torch.Tensor, slots: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+def gather_entries(entries: torch.Tensor, slots: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
     """entries [S, n, d] (a contiguous cache), slots [B], picks [B, k] -> entries[slots[b], picks[b, j]]
     [B, k, d]: one index_select over the flattened rows, several times cheaper than 2-D advanced indexing."""
     S, n, d = entries.shape

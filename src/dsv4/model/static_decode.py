@@ -11,7 +11,8 @@ computes the same step with neither:
 - each layer reads `entry_reads[rate]` compressed entries per row, masked by the row's own count: an
   int the host rounds up to a power of two, so a compiled graph sees few distinct values;
 - norms, RoPE and mHC are the readable torch formulas (`mhc.py`, `norm.py`, `rope.py`), which the
-  compiler fuses into a few loops; routed experts use `GroupedExperts` (one `_grouped_mm` per matrix).
+  compiler fuses into a few loops; routed experts pick a strategy of `kernels/gathered_experts.py` by
+  shape (see `_moe`).
 
 Eager, it is a second readable decode path, tested against the batched one. Compiled
 (`torch.compile(fullgraph=True)`), parameters and cache tensors are graph inputs read by address:
@@ -25,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.kernels.gathered_experts import GroupedExperts
+from dsv4.kernels.gathered_experts import GatheredExperts, GroupedExperts
 from dsv4.model import mhc
-from dsv4.model.attention import Attention, Compressor, _gather_entries
+from dsv4.model.attention import Attention, Compressor, gather_entries
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
 from dsv4.model.cache import CompressorCache, LayerCache, ModelCache
@@ -144,7 +145,7 @@ def _attention(attn: Attention, x, positions, slots, cache: LayerCache, reads: d
             _emit(indexer.compressor, x, positions, slots, cache.indexer, attn.rope)
             index_keys = cache.indexer.entries[slots, :n]  # [B, n, dI]
             picks = indexer.select_decode(idx_q, indexer.weights_proj(x), index_keys, counts)  # [B, k], -1: none
-            entries = _gather_entries(cache.compressor.entries, slots, picks.clamp(min=0))  # [B, k, hd]
+            entries = gather_entries(cache.compressor.entries, slots, picks.clamp(min=0))  # [B, k, hd]
             blocks.append((entries, mask_to_bias(picks >= 0)))
         else:
             visible = torch.arange(n, device=x.device) < counts.unsqueeze(-1)  # [B, n]
@@ -187,6 +188,7 @@ def _emit(comp: Compressor, x, positions, slots, cache: CompressorCache, rope: R
 
 # ---- MoE ----
 _GROUPED = GroupedExperts()
+_GATHERED = GatheredExperts()
 
 
 # The routed experts enter a compiled graph as one opaque op: which experts run, and on how many rows
@@ -207,18 +209,28 @@ def _routed_experts_shape(x, ids, weights, w1, w3, w2, limit):
 
 
 def _moe(moe: MoE, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """x [B, D] -> [B, D]: routed dense experts through GroupedExperts, plus the shared expert."""
+    """x [B, D] -> [B, D]: routed dense experts plus the shared expert. Shape tests pick the strategy, so
+    each is its own graph: every expert on every row (`uses_all_experts`) or gathered expert weights
+    (small experts, few rows) stay in the graph, where the compiler fuses the routing and activation
+    around the GEMMs; otherwise the opaque `routed_experts` op."""
     ids, weights = moe.gate(x, token_ids)  # [B, k]
-    experts = moe.experts
-    return routed_experts(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit) + moe.shared_experts(x)
+    e = moe.experts
+    if GroupedExperts.uses_all_experts(ids.shape[0], ids.shape[1], e.w1):
+        routed = GroupedExperts.all_experts(x, ids, weights, e.w1, e.w3, e.w2, e.limit, swiglu)
+    elif _GATHERED.supports(x, ids.numel(), e.w1):
+        routed = GatheredExperts.gathered(x, ids, weights, e.w1, e.w3, e.w2, e.limit, swiglu)
+    else:
+        routed = routed_experts(x, ids, weights, e.w1, e.w3, e.w2, e.limit)
+    return routed + moe.shared_experts(x)
 
 
 # ---- the engine's entry point ----
 class StaticDecode:
     """Runs pure-decode steps (every segment one token) through `decode_forward`, compiled with
-    `torch.compile` when `compile` is set. Shapes are symbolic (`dynamic=True`): one graph serves
-    every batch size >= 2 and entry count, one more batch size 1 (torch specialises sizes 0 and 1),
-    so a process compiles about twice (tens of seconds each on a small CPU; torch caches the
+    `torch.compile` when `compile` is set. Shapes are symbolic (`dynamic=True`): a graph serves a
+    range of batch sizes and every entry count. Batch size 1 gets its own graph (torch specialises
+    sizes 0 and 1), and so does each batch-size range with another expert strategy (`_moe`), so a
+    process compiles two to four graphs (a minute or more each on a 2-core CPU; torch caches the
     generated code on disk)."""
 
     def __init__(self, model: DeepseekV4, compile: bool):
