@@ -238,7 +238,6 @@ class StaticDecode:
         if reason is not None:
             raise ValueError(f"static decode step unavailable: {reason}")
         self.model = model
-        self.compiled = compile
         # Entry reads never drop below the indexer's k (nor 2): `min(k, n)` and size-1 specialisation
         # would otherwise split the graph by entry count.
         self._least_reads = max(2, model.cfg.index_topk)
