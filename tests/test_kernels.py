@@ -62,19 +62,27 @@ def test_registry_forced_reference_and_description():
         KernelRegistry().choose("no_such_op")
 
 
-@pytest.mark.parametrize("tokens, k", [(1, 2), (16, 2), (5, 4)])
-def test_gathered_experts_match_reference_loop(tokens, k):
-    from dsv4.kernels.gathered_experts import GatheredExperts
-    from dsv4.model.moe import RoutedExperts, swiglu
+def _random_routing(tokens: int, k: int, seed: int):
+    """Dense tiny-config experts with unit-scale random weights, and a random routing of `tokens` rows to
+    k distinct experts each: (experts, x [T, D], ids [T, k], weights [T, k])."""
+    from dsv4.model.moe import RoutedExperts
 
     cfg = ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0])
     experts = RoutedExperts(cfg, "dense", None, torch.float32)
-    g = torch.Generator().manual_seed(tokens + k)
+    g = torch.Generator().manual_seed(seed)
     for name in ("w1", "w2", "w3"):
         getattr(experts, name).data.copy_(torch.randn(getattr(experts, name).shape, generator=g))
     x = torch.randn(tokens, cfg.hidden_size, generator=g)
     ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:k] for _ in range(tokens)])
-    weights = torch.rand(tokens, k, generator=g)
+    return experts, x, ids, torch.rand(tokens, k, generator=g)
+
+
+@pytest.mark.parametrize("tokens, k", [(1, 2), (16, 2), (5, 4)])
+def test_gathered_experts_match_reference_loop(tokens, k):
+    from dsv4.kernels.gathered_experts import GatheredExperts
+    from dsv4.model.moe import swiglu
+
+    experts, x, ids, weights = _random_routing(tokens, k, seed=tokens + k)
     kernel = GatheredExperts()
     assert kernel.supports(x, ids.numel(), experts.w1)
     got = kernel(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
@@ -96,16 +104,9 @@ def test_gathered_experts_decline_large_batches_and_large_experts():
 @pytest.mark.parametrize("tokens, k", [(1, 2), (16, 2), (37, 4)])
 def test_grouped_experts_match_reference_loop(tokens, k):
     from dsv4.kernels.gathered_experts import build_grouped_experts
-    from dsv4.model.moe import RoutedExperts, swiglu
+    from dsv4.model.moe import swiglu
 
-    cfg = ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0])
-    experts = RoutedExperts(cfg, "dense", None, torch.float32)
-    g = torch.Generator().manual_seed(tokens * 3 + k)
-    for name in ("w1", "w2", "w3"):
-        getattr(experts, name).data.copy_(torch.randn(getattr(experts, name).shape, generator=g))
-    x = torch.randn(tokens, cfg.hidden_size, generator=g)
-    ids = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:k] for _ in range(tokens)])
-    weights = torch.rand(tokens, k, generator=g)
+    experts, x, ids, weights = _random_routing(tokens, k, seed=tokens * 3 + k)
     kernel = build_grouped_experts()
     assert kernel.supports(x, experts.w1)
     want = experts.forward_reference(x, ids, weights)
