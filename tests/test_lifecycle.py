@@ -16,6 +16,8 @@ from safetensors.torch import load_file, save_file
 from dsv4 import LLM, SamplingParams
 from dsv4.errors import WeightsNotReadyError
 from dsv4.model.batch import ForwardBatch
+from dsv4.model.linear import Linear
+from dsv4.model.moe import DENSE, RoutedExperts
 from dsv4.weights.loader import build_models
 from reference import (
     build_reference_model,
@@ -116,6 +118,21 @@ def _pointers(llm: LLM) -> dict[str, int]:
     return {name: t["data_ptr"] for name, t in llm.weight_report()["tensors"].items()}
 
 
+def _dense_weights_not_input_major(llm: LLM) -> list[str]:
+    """Dense projection weights (Linear modules, dense routed-expert stacks) whose storage is not the
+    input-major layout model/linear.py builds: a load or refit that rebinds a parameter would show here."""
+    bad = []
+    for role, model in llm.loaded.models.items():
+        for name, module in model.named_modules():
+            weights = []
+            if isinstance(module, Linear):
+                weights = [("weight", module.weight)]
+            elif isinstance(module, RoutedExperts) and module.format == DENSE:
+                weights = [(w, getattr(module, w)) for w in ("w1", "w3", "w2")]
+            bad += [f"{role}:{name}.{w}" for w, t in weights if not t.transpose(-1, -2).is_contiguous()]
+    return bad
+
+
 def _drafter_logits(llm: LLM, role: str) -> torch.Tensor:
     target = llm.loaded.target
     drafter = llm.loaded.models[role]
@@ -137,6 +154,7 @@ def test_conformance(checkpoints, role, fmt):
     llm = _load(checkpoints, role, fmt)
     report = llm.weight_report()
     assert report["ready"]
+    assert _dense_weights_not_input_major(llm) == []
     roles_in_report = {t["model"] for t in report["tensors"].values()}
     assert roles_in_report == ({"target"} if role == "target" else {"target", role})
 
@@ -168,7 +186,7 @@ def test_conformance(checkpoints, role, fmt):
     assert _checksums(other) != _checksums(fresh)
     other.update_weights(llm.iter_weights())
     assert _checksums(other) == _checksums(fresh)
-    assert _pointers(other) == other_ptrs
+    assert _pointers(other) == other_ptrs and _dense_weights_not_input_major(other) == []
     # same weights, same answers
     prompt = [[7, 8, 9, 10, 11, 12]]
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -71,8 +71,10 @@ class GatheredExperts:
         weights = weights.gather(1, order)
         flat = ids.flatten()  # [T*k]
         xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [T*k, 1, D]
-        hidden = swiglu(torch.bmm(xs, w1[flat].transpose(1, 2)), torch.bmm(xs, w3[flat].transpose(1, 2)), limit)
-        ys = torch.bmm(hidden, w2[flat].transpose(1, 2)).view(T, k, -1)  # [T, k, D]
+        # Gather [in, out] matrices: a plain row copy for input-major stacks (model/linear.py).
+        w1_in, w3_in, w2_in = (w.transpose(1, 2).index_select(0, flat) for w in (w1, w3, w2))
+        hidden = swiglu(torch.bmm(xs, w1_in), torch.bmm(xs, w3_in), limit)
+        ys = torch.bmm(hidden, w2_in).view(T, k, -1)  # [T, k, D]
         contrib = (ys.float() * weights.unsqueeze(-1)).to(x.dtype)
         out = torch.zeros_like(x)
         for j in range(k):  # k is 2..8: accumulate like the reference's index_add, pick by pick

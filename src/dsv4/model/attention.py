@@ -21,6 +21,7 @@ from dsv4.config import CSA, SLIDING, ModelConfig
 from dsv4.kernels.registry import DECODE_ATTENTION, PREFILL_ATTENTION, default_registry
 from dsv4.model.batch import ForwardBatch, Segment
 from dsv4.model.cache import CompressorCache, LayerCache
+from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import RotaryTable, norm_rope_
 from dsv4.model.step_plan import DecodeMeta, PrefillMeta, decode_meta, mask_to_bias, prefill_meta
@@ -51,8 +52,8 @@ class Compressor(nn.Module):
         self.out_dim = out_dim
         self.overlap = overlap
         width = 2 * out_dim if overlap else out_dim
-        self.wkv = nn.Linear(cfg.hidden_size, width, bias=False, dtype=dtype)
-        self.wgate = nn.Linear(cfg.hidden_size, width, bias=False, dtype=dtype)
+        self.wkv = Linear(cfg.hidden_size, width, dtype)
+        self.wgate = Linear(cfg.hidden_size, width, dtype)
         self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNorm(out_dim, cfg.rms_norm_eps)
 
@@ -188,8 +189,8 @@ class Indexer(nn.Module):
         self.head_dim = cfg.index_head_dim
         self.topk = cfg.index_topk
         self.rate = cfg.compress_rate_csa
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
-        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype)
         self.compressor = Compressor(cfg, self.rate, self.head_dim, overlap=True, dtype=dtype)
 
     def select(
@@ -240,14 +241,14 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
         self.o_groups = cfg.o_groups
         self.o_lora_rank = cfg.o_lora_rank
-        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False, dtype=dtype)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wkv = nn.Linear(cfg.hidden_size, self.head_dim, bias=False, dtype=dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.wkv = Linear(cfg.hidden_size, self.head_dim, dtype)
         self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         group_in = self.n_heads * self.head_dim // self.o_groups
-        self.wo_a = nn.Linear(group_in, self.o_groups * self.o_lora_rank, bias=False, dtype=dtype)
-        self.wo_b = nn.Linear(self.o_groups * self.o_lora_rank, cfg.hidden_size, bias=False, dtype=dtype)
+        self.wo_a = Linear(group_in, self.o_groups * self.o_lora_rank, dtype)
+        self.wo_b = Linear(self.o_groups * self.o_lora_rank, cfg.hidden_size, dtype)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32), requires_grad=False)
         self.eps = cfg.rms_norm_eps
         # Sliding layers rotate with the main table; CSA/HCA layers use the compress table for everything.

@@ -16,6 +16,7 @@ from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
 from dsv4.model.cache import ModelCache, allocate_layer_cache
 from dsv4.model.derived import DerivedTensor, TopLevelModel
+from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
 
 FIRST_LAYER_BROADCAST = "hc_attn_fn_broadcast"
@@ -68,7 +69,7 @@ class DeepseekV4(TopLevelModel):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         add_hyper_head(self, cfg)
         register_first_layer_broadcast(self, cfg)
         self.requires_grad_(False)

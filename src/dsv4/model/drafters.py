@@ -37,6 +37,7 @@ from dsv4.model.deepseek_v4 import (
     register_first_layer_broadcast,
 )
 from dsv4.model.derived import DerivedTensor, TopLevelModel
+from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
 
 
@@ -58,8 +59,8 @@ class MTPLayer(Block):
         super().__init__(cfg, SLIDING, MOE, expert_format, dtype)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.e_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False, dtype=dtype)
-        self.h_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.e_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype)
+        self.h_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         add_hyper_head(self, cfg)
 
@@ -132,7 +133,7 @@ class DSparkDrafter(TopLevelModel):
         self.target_layer_ids = spec.target_layer_ids
         self.shared = _SharedWithTarget(target)
         D = cfg.hidden_size
-        self.main_proj = nn.Linear(D * len(spec.target_layer_ids), D, bias=False, dtype=dtype)
+        self.main_proj = Linear(D * len(spec.target_layer_ids), D, dtype)
         self.main_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(Block(cfg, SLIDING, MOE, expert_format, dtype) for _ in range(spec.num_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)

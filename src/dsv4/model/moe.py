@@ -11,6 +11,7 @@ from torch import nn
 from dsv4.config import HASH_MOE, ModelConfig, QuantConfig
 from dsv4.kernels.gathered_experts import GroupedExperts, loop_experts
 from dsv4.kernels.registry import MOE_EXPERTS, default_registry
+from dsv4.model.linear import Linear, input_major
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
 
 # Keeps the normalisation well-defined when every selected score underflows to zero.
@@ -38,7 +39,7 @@ class Router(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.scoring_func = cfg.scoring_func
         self.scaling = cfg.routed_scaling_factor
-        self.weight = _frozen(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
+        self.weight = input_major(cfg.n_routed_experts, cfg.hidden_size, dtype)
         if hashed:
             # Static selection table, int32 as on disk; rows hold k distinct expert ids.
             self.tid2eid = _frozen(torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.int32))
@@ -70,7 +71,7 @@ class RoutedExperts(nn.Module):
     """E SwiGLU experts, stacked: w1 (gate) and w3 (up) [E, I, D], w2 (down) [E, D, I].
 
     Layouts (one resident copy, dequantised per used expert inside forward):
-      dense  model dtype
+      dense  model dtype, stored input-major (linear.py): the grouped GEMMs read [E, in, out]
       fp8    float8_e4m3fn weights + fp32 block scales [E, ceil(out/b0), ceil(in/b1)]
       fp4    int8 [E, out, in/2] (two e2m1 codes per byte, low nibble = even input) + ue8m0 bytes
              (uint8) [E, out, in/group]
@@ -95,7 +96,7 @@ class RoutedExperts(nn.Module):
 
     def _allocate(self, E: int, out_dim: int, in_dim: int) -> tuple[nn.Parameter, nn.Parameter | None]:
         if self.format == DENSE:
-            return _frozen(torch.zeros(E, out_dim, in_dim, dtype=self.dtype)), None
+            return input_major(out_dim, in_dim, self.dtype, stack=(E,)), None
         if self.format == FP8:
             b0, b1 = self.block
             weight = torch.zeros(E, out_dim, in_dim, dtype=torch.float8_e4m3fn)
@@ -137,9 +138,9 @@ class SharedExpert(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.limit = cfg.swiglu_limit
-        self.w1 = nn.Linear(cfg.hidden_size, cfg.moe_intermediate_size, bias=False, dtype=dtype)
-        self.w3 = nn.Linear(cfg.hidden_size, cfg.moe_intermediate_size, bias=False, dtype=dtype)
-        self.w2 = nn.Linear(cfg.moe_intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.w1 = Linear(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+        self.w3 = Linear(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+        self.w2 = Linear(cfg.moe_intermediate_size, cfg.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))

@@ -152,7 +152,7 @@ def quantize_fp4(w: torch.Tensor, group: int = FP4_GROUP_SIZE) -> tuple[torch.Te
     out_features, in_features = w.shape
     if in_features % group or in_features % 2:
         raise ValueError(f"quantize_fp4: input dim {in_features} must be even and a multiple of group={group}")
-    wf = w.to(torch.float32)
+    wf = w.to(torch.float32).contiguous()  # row-major groups (resident weights are input-major views)
     if not bool(torch.isfinite(wf).all()):
         raise ValueError("quantize_fp4: weight contains NaN or inf")
 

@@ -1,0 +1,30 @@
+"""Dense projection weights stored input-major.
+
+A weight keeps the checkpoint's logical shape [out, in] (names, loading, refit and export see nothing
+different), but its storage is [in, out]: the parameter is the transposed view. `x @ W.t()` then reads
+a contiguous [in, out] matrix, which CPU GEMMs run without a transposed operand: measured on the small
+config in fp32, decode steps 17-27% faster at 16-64 rows, equal at one row and in bf16
+(benchmarks/README.md). Loading and refits copy into the view (`copy_` handles any strides), so
+addresses stay put; export clones to the contiguous checkpoint layout.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def input_major(out_features: int, in_features: int, dtype: torch.dtype, stack: tuple[int, ...] = ()) -> nn.Parameter:
+    """A frozen zero weight of logical shape [*stack, out, in] stored as [*stack, in, out]."""
+    storage = torch.zeros(*stack, in_features, out_features, dtype=dtype)
+    return nn.Parameter(storage.transpose(-1, -2), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T, no bias; W [out, in] stored input-major."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = input_major(out_features, in_features, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
