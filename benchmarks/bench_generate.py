@@ -6,6 +6,9 @@ Workloads (anchors.md §6 for the transformers side):
   decode      batch-1 decode step latency after a --prompt-len prompt (median over --new-tokens steps)
   prefill     one forward over --prefill-len tokens, logits at every position: tok/s
 
+  Each workload alternates the engines --repeats times (after one warm-up each); a ratio is the median
+  of the back-to-back pairs' ratios (ratio_min / ratio_max: their spread).
+
   roofline    dsv4's median decode step at batch 1 and at each --batch size against this machine's
               roofline, measured in the same run (roofline.py: bandwidth, matmul peaks, bytes, FLOPs)
 
@@ -23,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,14 +54,34 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(2, vocab, (batch, length), generator=g).tolist()
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up (kernel build, allocator, lazy init)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class Paired:
+    hf_s: float  # median transformers seconds
+    ds_s: float  # median dsv4 seconds
+    ratios: tuple[float, ...]  # hf / dsv4 of each back-to-back pair
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    def fields(self) -> dict:
+        return {"ratio": self.ratio, "ratio_min": min(self.ratios), "ratio_max": max(self.ratios)}
+
+
+def _paired(hf_seconds, ds_seconds, repeats: int) -> Paired:
+    """Alternate the two engines `repeats` times, after one untimed warm-up each. Neighbours on a
+    shared machine slow both runs of a pair alike, so the median per-pair ratio is steadier than a
+    ratio of medians taken minutes apart."""
+    hf_seconds(), ds_seconds()  # warm-up (kernel build, compilation, allocator, lazy init)
+    pairs = [(hf_seconds(), ds_seconds()) for _ in range(repeats)]
+    return Paired(statistics.median(h for h, _ in pairs), statistics.median(d for _, d in pairs),
+                  tuple(h / d for h, d in pairs))
 
 
 # ---- transformers ----
@@ -139,25 +163,26 @@ def run(args) -> dict:
         for batch in args.batch:
             prompts = _prompts(batch, args.prompt_len, vocab)
             generated = batch * args.new_tokens
-            hf_s = _median_time(lambda: hf_generate(hf_model, prompts, args.new_tokens), args.repeats)
-            ds_s = _median_time(lambda: dsv4_generate(llm, prompts, args.new_tokens), args.repeats)
-            row = {"batch": batch, "hf_tok_s": generated / hf_s, "dsv4_tok_s": generated / ds_s, "ratio": hf_s / ds_s}
+            t = _paired(lambda: _timed(lambda: hf_generate(hf_model, prompts, args.new_tokens)),
+                        lambda: _timed(lambda: dsv4_generate(llm, prompts, args.new_tokens)), args.repeats)
+            row = {"batch": batch, "hf_tok_s": generated / t.hf_s, "dsv4_tok_s": generated / t.ds_s, **t.fields()}
             results["throughput"].append(row)
             print(f"throughput b={batch}: transformers {row['hf_tok_s']:.0f} tok/s, dsv4 {row['dsv4_tok_s']:.0f} tok/s, x{row['ratio']:.2f}", flush=True)
 
         prompt = _prompts(1, args.prompt_len, vocab)[0]
-        hf_step = statistics.median(hf_decode_step(hf_model, prompt, args.new_tokens) for _ in range(args.repeats))
-        ds_step = statistics.median(dsv4_decode_step(llm, [prompt], args.new_tokens) for _ in range(args.repeats))
-        results["decode_b1"] = {"hf_ms": hf_step * 1e3, "dsv4_ms": ds_step * 1e3, "ratio": hf_step / ds_step}
-        print(f"decode b=1 step: transformers {hf_step * 1e3:.2f} ms, dsv4 {ds_step * 1e3:.2f} ms, x{hf_step / ds_step:.2f}", flush=True)
+        t = _paired(lambda: hf_decode_step(hf_model, prompt, args.new_tokens),
+                    lambda: dsv4_decode_step(llm, [prompt], args.new_tokens), args.repeats)
+        ds_step = t.ds_s
+        results["decode_b1"] = {"hf_ms": t.hf_s * 1e3, "dsv4_ms": t.ds_s * 1e3, **t.fields()}
+        print(f"decode b=1 step: transformers {t.hf_s * 1e3:.2f} ms, dsv4 {t.ds_s * 1e3:.2f} ms, x{t.ratio:.2f}", flush=True)
 
         long_prompt = _prompts(1, args.prefill_len, vocab)[0]
         scratch = llm.loaded.target.allocate_cache(1, args.prefill_len + 1)
-        hf_s = _median_time(lambda: hf_prefill(hf_model, long_prompt), args.repeats)
-        ds_s = _median_time(lambda: dsv4_prefill(llm, long_prompt, scratch), args.repeats)
-        results["prefill"] = {"tokens": args.prefill_len, "hf_tok_s": args.prefill_len / hf_s,
-                              "dsv4_tok_s": args.prefill_len / ds_s, "ratio": hf_s / ds_s}
-        print(f"prefill {args.prefill_len}: transformers {args.prefill_len / hf_s:.0f} tok/s, dsv4 {args.prefill_len / ds_s:.0f} tok/s, x{hf_s / ds_s:.2f}", flush=True)
+        t = _paired(lambda: _timed(lambda: hf_prefill(hf_model, long_prompt)),
+                    lambda: _timed(lambda: dsv4_prefill(llm, long_prompt, scratch)), args.repeats)
+        results["prefill"] = {"tokens": args.prefill_len, "hf_tok_s": args.prefill_len / t.hf_s,
+                              "dsv4_tok_s": args.prefill_len / t.ds_s, **t.fields()}
+        print(f"prefill {args.prefill_len}: transformers {args.prefill_len / t.hf_s:.0f} tok/s, dsv4 {args.prefill_len / t.ds_s:.0f} tok/s, x{t.ratio:.2f}", flush=True)
 
         results["roofline"] = measure_roofline(args, llm, vocab, ds_step)
     return results
