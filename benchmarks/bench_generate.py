@@ -213,12 +213,14 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"throughput b={r['batch']}" for r in results["throughput"]] + ["decode step b=1", "prefill"]
-    ratios = [r["ratio"] for r in results["throughput"]] + [results["decode_b1"]["ratio"], results["prefill"]["ratio"]]
+    rows = [*results["throughput"], results["decode_b1"], results["prefill"]]
+    ratios = [r["ratio"] for r in rows]
+    spread = [[r["ratio"] - r["ratio_min"] for r in rows], [r["ratio_max"] - r["ratio"] for r in rows]]  # pair range
     fig, (ax, ax_roof) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 2]})
-    bars = ax.bar(labels, ratios, color="tab:blue")
+    bars = ax.bar(labels, ratios, yerr=spread, capsize=4, color="tab:blue")
     ax.axhline(1.0, color="grey", linewidth=1)
     ax.bar_label(bars, labels=[f"x{r:.1f}" for r in ratios])
-    ax.set_ylabel("dsv4 speed / transformers")
+    ax.set_ylabel("dsv4 speed / transformers\n(median pair, bars: range)")
     mode = ", compiled decode" if results.get("compile") else ""
     ax.set_title(f"{results['config']} config, {results['dtype']}, {results['threads']} thread(s){mode}")
     ax.tick_params(axis="x", labelsize=8)
