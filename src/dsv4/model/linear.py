@@ -3,8 +3,8 @@
 A weight keeps the checkpoint's logical shape [out, in] (names, loading, refit and export see nothing
 different), but its storage is [in, out]: the parameter is the transposed view. `x @ W.t()` then reads
 a contiguous [in, out] matrix, which CPU GEMMs run without a transposed operand: measured on the small
-config in fp32, decode steps 17-27% faster at 16-64 rows, equal at one row and in bf16
-(benchmarks/README.md). Loading and refits copy into the view (`copy_` handles any strides), so
+config in fp32 (both layouts alternated in one process), decode steps 17-27% faster at 16-64 rows, equal
+at one row and in bf16. Loading and refits copy into the view (`copy_` handles any strides), so
 addresses stay put; export clones to the contiguous checkpoint layout.
 """
 
