@@ -4,7 +4,7 @@
   the expert counts. Also the fast choice when most experts are idle (few picks).
 - `GatheredExperts`: gather each (token, pick)'s expert weights and run one batched matmul chain; it
   copies T*k expert matrices, so it only pays off while that copy is small (`supports` caps it).
-- `GroupedExperts`: rows sorted by expert and one `torch._grouped_mm` per matrix, or one GEMM over all
+- `GroupedExperts`: rows sorted by expert and one `torch._grouped_mm` per matrix, or one batched matmul over all
   experts while that wastes few FLOPs.
 """
 
@@ -20,7 +20,7 @@ MAX_ELEMENTS_PER_PICK = 1 << 16
 MAX_GATHERED_ELEMENTS = 1 << 18
 # GroupedExperts' all-experts path: on CPU `_grouped_mm` loops over the experts (a few small GEMMs each,
 # ~125 us per matrix for the tiny config's 8 experts at 64 tokens), so while every expert is in use anyway
-# one plain GEMM over all experts is cheaper, as long as its wasted FLOPs (E/k times the routed ones) stay
+# one batched matmul over all experts is cheaper, as long as its wasted FLOPs (E/k times the routed ones) stay
 # small: up to 2^24 FLOPs per call (~0.1 ms at this CPU's ~150 GFLOP/s fp32, about one matrix's loop).
 MAX_ALL_EXPERTS_FLOPS = 1 << 24
 
@@ -127,17 +127,15 @@ class GroupedExperts:
         x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float, swiglu,
     ) -> torch.Tensor:
-        """Every expert on every token, unpicked ones weighted 0: three plain GEMMs, no sort or scatter.
-        The down projection sums the experts inside its GEMM (fp32 rounding differs from the reference's
-        pick-by-pick adds, values do not)."""
+        """Every expert on every token, unpicked ones weighted 0: one batched matmul per matrix over the
+        input-major stacks (no weight copies), no sort or scatter. The experts' contributions are summed after
+        the down projection (fp32 rounding differs from the reference's pick-by-pick adds, values do not)."""
         T = x.shape[0]
-        E, inter, hidden = w1.shape
         # [T, E] routing weight of each expert (0 where not picked)
-        dense_weights = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, ids, weights.float())
-        hidden_all = swiglu(x @ w1.reshape(E * inter, hidden).t(), x @ w3.reshape(E * inter, hidden).t(), limit)
-        scaled = (hidden_all.view(T, E, inter).float() * dense_weights.unsqueeze(-1)).to(x.dtype)  # [T, E, I]
-        # w2 [E, D, I] -> [E*I, D]: one small copy (E*D*I elements) instead of a loop over experts.
-        return scaled.view(T, E * inter) @ w2.transpose(1, 2).reshape(E * inter, -1)
+        dense_weights = torch.zeros(T, w1.shape[0], dtype=torch.float32, device=x.device).scatter_(1, ids, weights.float())
+        hidden_all = swiglu(torch.matmul(x, w1.transpose(1, 2)), torch.matmul(x, w3.transpose(1, 2)), limit)  # [E, T, I]
+        scaled = (hidden_all.float() * dense_weights.t().unsqueeze(-1)).to(x.dtype)  # [E, T, I]
+        return torch.bmm(scaled, w2.transpose(1, 2)).sum(dim=0)  # [T, D]
 
     @staticmethod
     def grouped(
