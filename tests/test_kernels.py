@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from dsv4.config import ModelConfig
+from dsv4.engine.llm import LLM
 from dsv4.kernels.mhc_cpu import MhcCpuKernel, build_library
-from dsv4.kernels.registry import MHC_COEFFICIENTS, REFERENCE, KernelRegistry, describe_backends
+from dsv4.kernels.registry import MHC_COEFFICIENTS, REFERENCE, KernelRegistry, default_registry, describe_backends
 from dsv4.model import mhc
+from dsv4.model.batch import ForwardBatch
 from dsv4.models import EMBEDDED_MODELS
 
 HC = 4
@@ -277,8 +279,9 @@ def test_rms_norm_bf16_fast_path_matches_reference(fused_kernels):
 
 @pytest.mark.parametrize("broadcast", [False, True])
 def test_fused_mhc_bf16_matches_reference(fused_kernels, broadcast):
-    """bf16 streams go through the fp32 kernel once per call: same coefficients as the fp32 reference on
-    the same bf16 values, block input and new streams within bf16 rounding."""
+    """bf16 streams are read and written as bf16 with fp32 arithmetic: bit for bit what widening them,
+    running the fp32 kernel and rounding with torch's `.to(torch.bfloat16)` gives, and within bf16 rounding
+    of the fp32 reference on the same values."""
     fused, _ = fused_kernels
     g = torch.Generator().manual_seed(29 + broadcast)
     T, D, iters, rms_eps, hc_eps = 11, 48, 20, 1e-6, 1e-3
@@ -286,12 +289,21 @@ def test_fused_mhc_bf16_matches_reference(fused_kernels, broadcast):
     streams = torch.randn(T, hc_in, D, generator=g).to(torch.bfloat16)
     fn = torch.randn(MIX, hc_in * D, generator=g) * 0.1
     base, scale = torch.randn(MIX, generator=g), torch.rand(3, generator=g) * 2
+    norm_w = 1 + 0.1 * torch.randn(D, generator=g)
     out = torch.randn(T, D, generator=g).to(torch.bfloat16)
     assert fused.supports(streams, HC, iters)
-    coef, y = fused.pre(streams, streams.view(T, -1).float() @ fn.t(), base, scale, HC, iters, rms_eps, hc_eps, None, 1e-5)
+    raw = streams.view(T, -1).float() @ fn.t()
+    coef, y = fused.pre(streams, raw, base, scale, HC, iters, rms_eps, hc_eps, None, 1e-5)
     got_streams = fused.post(streams, out, coef, HC)
     assert y.dtype == torch.bfloat16 and got_streams.dtype == torch.bfloat16
     s32 = streams.float()
+    coef32, y32 = fused.pre(s32, raw, base, scale, HC, iters, rms_eps, hc_eps, None, 1e-5)
+    assert torch.equal(coef, coef32)
+    assert torch.equal(y, y32.to(torch.bfloat16))
+    assert torch.equal(got_streams, fused.post(s32, out.float(), coef32, HC).to(torch.bfloat16))
+    _, y_normed = fused.pre(streams, raw, base, scale, HC, iters, rms_eps, hc_eps, norm_w, 1e-5)
+    _, y32_normed = fused.pre(s32, raw, base, scale, HC, iters, rms_eps, hc_eps, norm_w, 1e-5)
+    assert torch.equal(y_normed, y32_normed.to(torch.bfloat16))
     if broadcast:
         e = s32[:, 0]
         pre, post, comb = mhc.coefficients_reference(mhc.mix_logits_broadcast(e, fn, rms_eps), base, scale, HC, iters, hc_eps)
@@ -306,3 +318,69 @@ def test_fused_mhc_bf16_matches_reference(fused_kernels, broadcast):
     bf16_tol = dict(rtol=1.6e-2, atol=2e-2)
     torch.testing.assert_close(y.float(), want_y, **bf16_tol)
     torch.testing.assert_close(got_streams.float(), want_streams, **bf16_tol)
+
+
+def test_bf16_rounding_matches_torch(fused_kernels):
+    """The kernel's fp32 -> bf16 store rounds like torch's `.to(torch.bfloat16)`: ties to even (both ways),
+    a tie at the largest finite value to inf, subnormals, inf and NaN."""
+    fused, _ = fused_kernels
+    bf16_max = torch.finfo(torch.bfloat16).max
+    # New stream j = R_0 + R_1 (comb rows 0 and 1 are 1, post is 0): sums of two bf16 values, exact in fp32,
+    # that land on or near a bf16 rounding boundary.
+    r0 = [1.0, 1.0, -1.0, 1.0, bf16_max, bf16_max, 1e-40, float("inf"), float("nan"), 2.5, 0.1, 7.0]
+    r1 = [2**-8, 3 * 2**-8, -(2**-8), 2**-9, 2.0**119, 2.0**118, 3e-41, 1.0, 1.0, 2**-7 + 2**-8, 1e-3, -(2**-6)]
+    D = len(r0)
+    streams = torch.zeros(1, HC, D, dtype=torch.bfloat16)
+    streams[0, 0], streams[0, 1] = torch.tensor(r0).bfloat16(), torch.tensor(r1).bfloat16()
+    coef = torch.zeros(1, MIX)
+    comb = coef[0, 2 * HC :].view(HC, HC)
+    comb[0], comb[1] = 1.0, 1.0
+    got = fused.post(streams, torch.zeros(1, D, dtype=torch.bfloat16), coef, HC)[0, 0]
+    want = (streams[0, 0].float() + streams[0, 1].float()).to(torch.bfloat16)
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any() and want.isinf().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mhc_post_in_place(fused_kernels, dtype):
+    """in_place writes the new streams over the old ones (same storage), bit-identical to a fresh result."""
+    fused, _ = fused_kernels
+    g = torch.Generator().manual_seed(41)
+    T, D = 13, 48
+    streams = torch.randn(T, HC, D, generator=g).to(dtype)
+    out = torch.randn(T, D, generator=g).to(dtype)
+    coef, _ = fused.pre(streams, streams.view(T, -1).float() @ (torch.randn(MIX, HC * D, generator=g) * 0.1).t(),
+                        torch.randn(MIX, generator=g), torch.rand(3, generator=g), HC, 20, 1e-6, 1e-3, None, 1e-5)
+    want = fused.post(streams, out, coef, HC)
+    buffer = streams.clone()
+    got = fused.post(buffer, out, coef, HC, in_place=True)
+    assert got.data_ptr() == buffer.data_ptr()
+    assert torch.equal(got, want) and not torch.equal(got, streams)
+    with pytest.raises(ValueError, match="in-place mHC post"):
+        fused.post(streams[:, :1].contiguous(), out, coef, HC, in_place=True)
+
+
+def test_in_place_streams_leave_captured_layers_intact():
+    """The fused mHC path overwrites a layer's input streams unless the caller keeps them: the layers a
+    drafter captures (0 and 2 here, of 4) must come out as the reference path computes them, in their own
+    buffers, while the uncaptured layer 1 is updated in place by layer 2."""
+    llm = LLM("dsv4-tiny-dummy", load_format="dummy", dtype="float32", seed=8)
+    target = llm.loaded.target
+    assert not default_registry().choose("mhc_fused").is_reference
+    batch = ForwardBatch.build([(0, list(range(3, 40)), 0), (1, list(range(50, 61)), 0)])
+
+    def forward(capture):
+        return target(batch, target.allocate_cache(2, 64), capture_layers=capture)
+
+    streams, captured = forward((0, 2))
+    _, layer1 = forward((1,))
+    with default_registry().reference_only():
+        want_streams, want = forward((0, 1, 2))
+    # The paths round differently (streams grow to ~40 over the layers): compare at 1e-4 of the scale.
+    close = dict(rtol=1e-4, atol=1e-4 * want_streams.abs().max().item())
+    for i in (0, 2):
+        torch.testing.assert_close(captured[i], want[i], **close)
+    torch.testing.assert_close(layer1[1], want[1], **close)
+    torch.testing.assert_close(streams, want_streams, **close)
+    assert len({captured[0].data_ptr(), captured[2].data_ptr(), streams.data_ptr()}) == 3

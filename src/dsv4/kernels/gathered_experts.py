@@ -50,6 +50,27 @@ def loop_experts(
     return out
 
 
+# bf16 rows are weighted in fp32 this many elements at a time: a prefill of thousands of tokens would
+# otherwise widen all its (token, pick) rows at once, fresh fp32 temporaries of tens of MiB that cost more
+# in page faults than the arithmetic.
+WIDEN_CHUNK_ELEMENTS = 1 << 18
+
+
+def _weighted(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """rows [..., n], weights [..., 1] -> (rows.float() * weights).to(rows.dtype): the reference's one
+    rounding of an fp32 product, for bf16 rows computed a chunk of rows at a time."""
+    if rows.dtype == torch.float32:
+        return rows * weights.float()
+    n = rows.shape[-1]
+    flat_rows, flat_weights = rows.reshape(-1, n), weights.float().reshape(-1, 1)
+    out = torch.empty_like(flat_rows)
+    step = max(1, WIDEN_CHUNK_ELEMENTS // n)
+    for start in range(0, flat_rows.shape[0], step):
+        chunk = slice(start, start + step)
+        out[chunk] = flat_rows[chunk].float() * flat_weights[chunk]
+    return out.view(rows.shape)
+
+
 class GatheredExperts:
     def supports(self, x: torch.Tensor, picks: int, w1: torch.Tensor) -> bool:
         _, inter, hidden = w1.shape
@@ -75,7 +96,7 @@ class GatheredExperts:
         w1_in, w3_in, w2_in = (w.transpose(1, 2).index_select(0, flat) for w in (w1, w3, w2))
         hidden = swiglu(torch.bmm(xs, w1_in), torch.bmm(xs, w3_in), limit)
         ys = torch.bmm(hidden, w2_in).view(T, k, -1)  # [T, k, D]
-        contrib = (ys.float() * weights.unsqueeze(-1)).to(x.dtype)
+        contrib = _weighted(ys, weights.unsqueeze(-1))
         out = torch.zeros_like(x)
         for j in range(k):  # k is 2..8: accumulate like the reference's index_add, pick by pick
             out = out + contrib[:, j]
@@ -134,7 +155,7 @@ class GroupedExperts:
         # [T, E] routing weight of each expert (0 where not picked)
         dense_weights = torch.zeros(T, w1.shape[0], dtype=torch.float32, device=x.device).scatter_(1, ids, weights.float())
         hidden_all = swiglu(torch.matmul(x, w1.transpose(1, 2)), torch.matmul(x, w3.transpose(1, 2)), limit)  # [E, T, I]
-        scaled = (hidden_all.float() * dense_weights.t().unsqueeze(-1)).to(x.dtype)  # [E, T, I]
+        scaled = _weighted(hidden_all, dense_weights.t().unsqueeze(-1))  # [E, T, I]
         return torch.bmm(scaled, w2.transpose(1, 2)).sum(dim=0)  # [T, D]
 
     @staticmethod
@@ -151,8 +172,8 @@ class GroupedExperts:
         hidden = swiglu(torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets),
                         torch._grouped_mm(xs, w3.transpose(1, 2), offs=offsets), limit)
         ys = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)  # [T*k, D]
-        contrib = ys.float() * weights.flatten()[order].unsqueeze(-1)
-        return torch.zeros_like(x).index_add_(0, token_of, contrib.to(x.dtype))
+        contrib = _weighted(ys, weights.flatten()[order].unsqueeze(-1))
+        return torch.zeros_like(x).index_add_(0, token_of, contrib)
 
 
 def build_grouped_experts() -> GroupedExperts:

@@ -26,6 +26,9 @@ MAX_HC = 16
 _SOURCE = r"""
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -149,20 +152,59 @@ static inline __attribute__((always_inline)) void weighted_sum(float *restrict d
     }
 }
 
+/* Stream tensors (streams, block input y, block output o, new streams) are fp32 or bf16 (`bf16` flag);
+   the arithmetic is fp32 either way. bf16 rows are widened exactly into a per-token fp32 buffer and
+   results rounded once on store, to nearest even as torch's `.to(torch.bfloat16)` does (NaN -> 0x7FC0),
+   so a bf16 call is bit-identical to widening the tensors, running the fp32 kernel and rounding the
+   results, without the three full-size fp32 copies that costs. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    if (f != f) return 0x7FC0;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Elements [offset, offset + n) of a stream tensor as fp32: in place for fp32, widened into buf for bf16. */
+static const float *load_row(const void *base, int bf16, long offset, long n, float *restrict buf) {
+    if (!bf16) return (const float *)base + offset;
+    const uint16_t *restrict h = (const uint16_t *)base + offset;
+    for (long i = 0; i < n; ++i) buf[i] = bf16_to_f32(h[i]);
+    return buf;
+}
+
+static void store_row(void *base, int bf16, long offset, const float *restrict src, long n) {
+    if (!bf16) {
+        memcpy((float *)base + offset, src, n * sizeof(float));
+        return;
+    }
+    uint16_t *restrict h = (uint16_t *)base + offset;
+    for (long i = 0; i < n; ++i) h[i] = f32_to_bf16(src[i]);
+}
+
 /* Fused mHC pre-step for T tokens. streams [T, hc_in, D] (hc_in = hc, or 1 when every stream is the
-   same broadcast embedding), raw [T, mix] = flatten(streams) @ fn^T (the broadcast fn when hc_in = 1).
+   same broadcast embedding), raw [T, mix] fp32 = flatten(streams) @ fn^T (the broadcast fn when hc_in = 1).
    rho = rsqrt(mean(flatten(streams)^2) + rms_eps); logits = raw * rho; coefficients as above into
-   coef [T, mix]; y = sum_k pre_k R_k (fp32); then, if norm_w is not NULL, the weighted RMSNorm of y. */
-void mhc_pre_f32(const float *restrict streams, const float *restrict raw, const float *base, const float *scale,
-                 long T, int hc, int hc_in, long D, int iters, float rms_eps, float hc_eps, const float *norm_w,
-                 float norm_eps, float *restrict coef, float *restrict y) {
+   coef [T, mix] fp32; y [T, D] (streams' dtype) = sum_k pre_k R_k; then, if norm_w is not NULL, the
+   weighted RMSNorm of y. Returns 0, or 1 when its scratch buffers cannot be allocated. */
+int mhc_pre(const void *streams, int bf16, const float *restrict raw, const float *base, const float *scale,
+            long T, int hc, int hc_in, long D, int iters, float rms_eps, float hc_eps, const float *norm_w,
+            float norm_eps, float *restrict coef, void *y) {
     const int mix = 2 * hc + hc * hc;
     float lanes[16 * 16 * LANES];
+    float *scratch = malloc((size_t)(hc_in * D + D) * sizeof(float)); /* bf16 rows: streams, then y */
+    if (!scratch) return 1;
     for (long t0 = 0; t0 < T; t0 += LANES) { /* LANES tokens at a time, for the Sinkhorn lanes */
         const int nb = T - t0 < LANES ? (int)(T - t0) : LANES;
         for (int l = 0; l < nb; ++l) {
             const long t = t0 + l;
-            const float *x = streams + t * hc_in * D;
+            const float *restrict x = load_row(streams, bf16, t * hc_in * D, hc_in * D, scratch);
             const float rho = 1.0f / sqrtf(sum_squares(x, hc_in * D) / (float)(hc_in * D) + rms_eps);
             float logits[2 * 16 + 16 * 16];
             for (int i = 0; i < mix; ++i) logits[i] = raw[t * mix + i] * rho;
@@ -170,7 +212,7 @@ void mhc_pre_f32(const float *restrict streams, const float *restrict raw, const
             coefficients_head(logits, base, scale, hc, hc_eps, coef + t * mix);
             for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = pre[2 * hc + i];
             /* The block input needs only pre: collapse while this token's streams are still in cache. */
-            float *restrict yt = y + t * D;
+            float *restrict yt = bf16 ? scratch + hc_in * D : (float *)y + t * D;
             if (hc_in == 1) {
                 float p = 0.0f;
                 for (int k = 0; k < hc; ++k) p += pre[k];
@@ -184,6 +226,7 @@ void mhc_pre_f32(const float *restrict streams, const float *restrict raw, const
                 const float r = 1.0f / sqrtf(sum_squares(yt, D) / (float)D + norm_eps);
                 for (long d = 0; d < D; ++d) yt[d] = norm_w[d] * (yt[d] * r);
             }
+            if (bf16) store_row(y, 1, t * D, yt, D);
         }
         for (int l = nb; l < LANES; ++l) /* unused lanes: any finite values, never read back */
             for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = 1.0f;
@@ -192,18 +235,27 @@ void mhc_pre_f32(const float *restrict streams, const float *restrict raw, const
         for (int l = 0; l < nb; ++l)
             for (int i = 0; i < hc * hc; ++i) coef[(t0 + l) * mix + 2 * hc + i] = lanes[i * LANES + l];
     }
+    free(scratch);
+    return 0;
 }
 
-/* mHC post-step: out[t, j, :] = post_j o_t + sum_i comb[i, j] R_i (hc_in = 1: R_i = e for every i).
-   coef [T, mix] as written by mhc_pre_f32. */
-void mhc_post_f32(const float *restrict streams, const float *restrict o, const float *restrict coef, long T, int hc,
-                  int hc_in, long D, float *restrict out) {
+/* mHC post-step: out[t, j, :] = post_j o_t + sum_i comb[i, j] R_i (hc_in = 1: R_i = e for every i), with
+   streams, o [T, D] and out in one dtype, coef [T, mix] as written by mhc_pre. Each token's new streams
+   are built in a scratch row and stored after its old streams are read, so out may be streams itself
+   (hc_in = hc): the update in place. Returns 0, or 1 when its scratch buffers cannot be allocated. */
+int mhc_post(const void *streams, int bf16, const void *o, const float *restrict coef, long T, int hc, int hc_in,
+             long D, void *out) {
     const int mix = 2 * hc + hc * hc;
+    float *scratch = malloc((size_t)(hc_in * D + D + hc * D) * sizeof(float)); /* streams, o, new streams */
+    if (!scratch) return 1;
+    float *restrict rows = scratch + hc_in * D + D;
     for (long t = 0; t < T; ++t) {
         const float *post = coef + t * mix + hc, *c = coef + t * mix + 2 * hc;
-        const float *restrict x = streams + t * hc_in * D, *restrict ot = o + t * D;
+        /* not restrict: x may be the very row store_row overwrites below */
+        const float *x = load_row(streams, bf16, t * hc_in * D, hc_in * D, scratch);
+        const float *ot = load_row(o, bf16, t * D, D, scratch + hc_in * D);
         for (int j = 0; j < hc; ++j) {
-            float *restrict dst = out + (t * hc + j) * D;
+            float *restrict dst = rows + j * D;
             const float pj = post[j];
             if (hc_in == 1) {
                 float cs = 0.0f;
@@ -215,7 +267,10 @@ void mhc_post_f32(const float *restrict streams, const float *restrict o, const 
                 else weighted_sum(dst, x, c + j, hc, hc, D, pj, ot);
             }
         }
+        store_row(out, bf16, t * hc * D, rows, hc * D);
     }
+    free(scratch);
+    return 0;
 }
 
 /* In place on x [T, G, hd]: optional RMSNorm over hd (weighted when w is not NULL; eps < 0: none), then
@@ -281,10 +336,10 @@ def build_library() -> ctypes.CDLL:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
     P, L, I, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-    lib.mhc_pre_f32.restype = None
-    lib.mhc_pre_f32.argtypes = [P, P, P, P, L, I, I, L, I, F, F, P, F, P, P]
-    lib.mhc_post_f32.restype = None
-    lib.mhc_post_f32.argtypes = [P, P, P, L, I, I, L, P]
+    lib.mhc_pre.restype = I
+    lib.mhc_pre.argtypes = [P, I, P, P, P, L, I, I, L, I, F, F, P, F, P, P]
+    lib.mhc_post.restype = I
+    lib.mhc_post.argtypes = [P, I, P, P, L, I, I, L, P]
     lib.norm_rope_f32.restype = None
     lib.norm_rope_f32.argtypes = [P, L, L, L, F, P, P, P, L, I]
     return lib
@@ -322,24 +377,25 @@ def _f32_cpu(*tensors: torch.Tensor) -> bool:
 MAX_ROTARY_PAIRS = 512
 
 
-# Stream dtypes the fused mHC kernel accepts (bf16 through one fp32 round trip per call).
+# Stream dtypes the fused mHC kernel reads and writes (bf16 widened per token, arithmetic in fp32).
 MHC_STREAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class MhcFusedKernel:
     """The whole mHC pre-step (RMS, coefficients + Sinkhorn, stream collapse, the sublayer's weighted
-    RMSNorm) and the post-step (stream expansion) as one C call each, fp32 CPU. The mix GEMM stays a
-    torch matmul (the caller passes its result), so this is `mhc.mix_logits` + `coefficients` +
-    `collapse` + the norm, and `mhc.expand`, in 3 dispatches instead of ~40."""
+    RMSNorm) and the post-step (stream expansion) as one C call each on CPU, fp32 arithmetic on fp32 or
+    bf16 streams. The mix GEMM stays a torch matmul (the caller passes its result), so this is
+    `mhc.mix_logits` + `coefficients` + `collapse` + the norm, and `mhc.expand`, in 3 dispatches instead of
+    ~40. `post(..., in_place=True)` writes the new streams over the old ones: a prefill of thousands of
+    tokens then reuses one [T, hc, D] buffer instead of allocating (and page-faulting in) a fresh one per
+    sublayer."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._pre = lib.mhc_pre_f32
-        self._post = lib.mhc_post_f32
+        self._pre = lib.mhc_pre
+        self._post = lib.mhc_post
 
     @staticmethod
     def supports(streams: torch.Tensor, hc: int, sinkhorn_iters: int) -> bool:
-        # bf16 streams run as fp32 in the kernel: one conversion in and one out per call is still far
-        # fewer dispatches than the reference path, and mHC's coefficients are fp32 anyway.
         dtype_ok = streams.dtype in MHC_STREAM_DTYPES and streams.device.type == "cpu" and streams.is_contiguous()
         return dtype_ok and hc <= MAX_HC and sinkhorn_iters >= 1
 
@@ -348,25 +404,38 @@ class MhcFusedKernel:
         sinkhorn_iters: int, rms_eps: float, hc_eps: float, norm_weight: torch.Tensor | None, norm_eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """streams [T, hc_in, D] (hc_in = hc, or 1 for a broadcast embedding), raw [T, mix] = the
-        un-normalised mix GEMM -> (coef [T, mix] = pre | post | comb, block input [T, D])."""
+        un-normalised mix GEMM -> (coef [T, mix] fp32 = pre | post | comb, block input [T, D] in streams' dtype)."""
         T, hc_in, D = streams.shape
-        work = streams.float().contiguous()  # no copy for fp32
         raw = raw.float().contiguous()
         coef = torch.empty_like(raw)
-        y = work.new_empty(T, D)
-        self._pre(work.data_ptr(), raw.data_ptr(), base.data_ptr(), scale.data_ptr(), T, hc, hc_in, D,
-                  sinkhorn_iters, rms_eps, hc_eps, None if norm_weight is None else norm_weight.data_ptr(),
-                  norm_eps, coef.data_ptr(), y.data_ptr())
-        return coef, y.to(streams.dtype)
+        y = streams.new_empty(T, D)
+        status = self._pre(streams.data_ptr(), _is_bf16(streams), raw.data_ptr(), base.data_ptr(), scale.data_ptr(),
+                           T, hc, hc_in, D, sinkhorn_iters, rms_eps, hc_eps,
+                           None if norm_weight is None else norm_weight.data_ptr(), norm_eps, coef.data_ptr(), y.data_ptr())
+        _check(status, "mhc_pre", T)
+        return coef, y
 
-    def post(self, streams: torch.Tensor, out: torch.Tensor, coef: torch.Tensor, hc: int) -> torch.Tensor:
-        """R'_j = post_j * out + sum_i comb[i, j] R_i -> [T, hc, D]."""
+    def post(self, streams: torch.Tensor, out: torch.Tensor, coef: torch.Tensor, hc: int, in_place: bool = False) -> torch.Tensor:
+        """R'_j = post_j * out + sum_i comb[i, j] R_i -> [T, hc, D] in streams' dtype; in_place (streams
+        [T, hc, D], not a broadcast [T, 1, D]): written over streams, which is returned."""
         T, hc_in, D = streams.shape
-        work = streams.float().contiguous()
-        out = out.float().contiguous()
-        result = work.new_empty(T, hc, D)
-        self._post(work.data_ptr(), out.data_ptr(), coef.data_ptr(), T, hc, hc_in, D, result.data_ptr())
-        return result.to(streams.dtype)
+        out = out.to(streams.dtype).contiguous()
+        if in_place and hc_in != hc:
+            raise ValueError(f"in-place mHC post needs [T, {hc}, D] streams, got {tuple(streams.shape)}")
+        result = streams if in_place else streams.new_empty(T, hc, D)
+        status = self._post(streams.data_ptr(), _is_bf16(streams), out.data_ptr(), coef.data_ptr(), T, hc, hc_in, D,
+                            result.data_ptr())
+        _check(status, "mhc_post", T)
+        return result
+
+
+def _is_bf16(streams: torch.Tensor) -> int:
+    return int(streams.dtype == torch.bfloat16)
+
+
+def _check(status: int, kernel: str, tokens: int) -> None:
+    if status != 0:
+        raise MemoryError(f"{kernel}: could not allocate its per-token scratch rows ({tokens} tokens)")
 
 
 # Activation dtypes the norm/RoPE kernel accepts. bf16 runs as fp32 in the kernel: one conversion in and

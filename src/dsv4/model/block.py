@@ -12,9 +12,31 @@ from dsv4.model.cache import LayerCache
 from dsv4.model.moe import MoE
 from dsv4.model.norm import RMSNorm
 
+# The fused path widens bf16 streams for the fp32 mix GEMM this many bytes of fp32 rows at a time: a
+# 4096-token prefill would otherwise allocate (and page-fault in) a fresh [T, hc*D] fp32 copy per
+# sublayer, 32 MiB for hc*D = 2048, slower than the GEMM itself.
+MIX_WIDEN_CHUNK_BYTES = 1 << 20
+
+
+def mix_gemm(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """streams [T, hc, D] (fp32 or bf16), fn [mix, hc*D] fp32 -> flatten(streams) @ fn^T in fp32 [T, mix]:
+    the GEMM of `mhc.mix_logits`, before its RMS scaling."""
+    flat = streams.view(streams.shape[0], -1)
+    fn_t = fn.float().t()
+    if flat.dtype == torch.float32:
+        return flat @ fn_t
+    raw = flat.new_empty(flat.shape[0], fn.shape[0], dtype=torch.float32)
+    rows = max(1, MIX_WIDEN_CHUNK_BYTES // (4 * flat.shape[1]))
+    for start in range(0, flat.shape[0], rows):
+        torch.mm(flat[start : start + rows].float(), fn_t, out=raw[start : start + rows])
+    return raw
+
 
 class Block(nn.Module):
-    """Streams [T, hc, D] in and out. Parameter names follow DeepSeek's native checkpoint names."""
+    """Streams [T, hc, D] in and out. Parameter names follow DeepSeek's native checkpoint names.
+
+    With the fused mHC kernel the streams are updated in place wherever nobody else holds them: always
+    between the two sublayers, and the block's input too when the caller says it may be overwritten."""
 
     def __init__(self, cfg: ModelConfig, layer_type: str, mlp_type: str, expert_format: str, dtype: torch.dtype):
         super().__init__()
@@ -45,17 +67,20 @@ class Block(nn.Module):
     def _fused_pre(self, kernel, streams: torch.Tensor, fn: torch.Tensor, sub: str, norm: RMSNorm):
         """Fast path of mix_logits + coefficients + collapse + norm: (coef, normed block input)."""
         cfg = self.cfg
-        raw = streams.view(streams.shape[0], -1).float() @ fn.float().t()  # fp32 like mhc.mix_logits
         return kernel.pre(
-            streams, raw, getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"), cfg.hc_mult,
+            streams, mix_gemm(streams, fn), getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"), cfg.hc_mult,
             cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps, norm.weight, norm.eps,
         )
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+    def forward(
+        self, streams: torch.Tensor, batch: ForwardBatch, cache: LayerCache, overwrite_input: bool = False
+    ) -> torch.Tensor:
+        """overwrite_input: the caller no longer needs `streams`, so the fused path may write the new
+        streams into it (the result is then that same tensor)."""
         kernel = self._fused(streams)
         if kernel is not None:
             coef, block_in = self._fused_pre(kernel, streams, self.hc_attn_fn, "attn", self.attn_norm)
-            streams = kernel.post(streams, self.attn(block_in, batch, cache), coef, self.cfg.hc_mult)
+            streams = kernel.post(streams, self.attn(block_in, batch, cache), coef, self.cfg.hc_mult, in_place=overwrite_input)
             return self._ffn(streams, batch)
         pre, post, comb = self._coefficients(mhc.mix_logits(streams, self.hc_attn_fn, self.cfg.rms_norm_eps), "attn")
         attn_out = self.attn(self.attn_norm(mhc.collapse(streams, pre)), batch, cache)
@@ -81,10 +106,11 @@ class Block(nn.Module):
         return self._ffn(streams, batch)
 
     def _ffn(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """streams: the block's own (the attention sublayer's output), so the fused path updates them in place."""
         kernel = self._fused(streams)
         if kernel is not None:
             coef, block_in = self._fused_pre(kernel, streams, self.hc_ffn_fn, "ffn", self.ffn_norm)
-            return kernel.post(streams, self.ffn(block_in, batch.token_ids), coef, self.cfg.hc_mult)
+            return kernel.post(streams, self.ffn(block_in, batch.token_ids), coef, self.cfg.hc_mult, in_place=True)
         pre, post, comb = self._coefficients(mhc.mix_logits(streams, self.hc_ffn_fn, self.cfg.rms_norm_eps), "ffn")
         ffn_out = self.ffn(self.ffn_norm(mhc.collapse(streams, pre)), batch.token_ids)
         return mhc.expand(streams, ffn_out, post, comb)

@@ -93,7 +93,8 @@ class DeepseekV4(TopLevelModel):
         streams = self.layers[0].forward_broadcast(embeds, self.get_buffer(FIRST_LAYER_BROADCAST), batch, cache[0])
         captured = {0: streams} if 0 in capture_layers else {}
         for i in range(1, len(self.layers)):
-            streams = self.layers[i](streams, batch, cache[i])
+            # A captured layer output must survive the next layers; any other is dead once read.
+            streams = self.layers[i](streams, batch, cache[i], overwrite_input=i - 1 not in capture_layers)
             if i in capture_layers:
                 captured[i] = streams
         return streams, captured

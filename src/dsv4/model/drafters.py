@@ -96,7 +96,7 @@ class MTPDrafter(TopLevelModel):
         target = self.shared.target
         embeds = target.embed(batch.token_ids)
         streams = layer.h_proj(layer.hnorm(target_streams)) + layer.e_proj(layer.enorm(embeds)).unsqueeze(-2)
-        streams = layer(streams, batch, cache[min(depth, len(cache) - 1)])
+        streams = layer(streams, batch, cache[min(depth, len(cache) - 1)], overwrite_input=True)  # streams: ours
         logits = target.head(layer.norm(hyper_head(layer, streams, self.cfg))).float()
         return streams, logits
 
@@ -173,7 +173,7 @@ class DSparkDrafter(TopLevelModel):
         embeds = target.embed(batch.token_ids) + self.main_norm(self.main_proj(features))
         streams = self.layers[0].forward_broadcast(embeds, self.get_buffer(FIRST_LAYER_BROADCAST), batch, cache[0])
         for i in range(1, len(self.layers)):
-            streams = self.layers[i](streams, batch, cache[i])
+            streams = self.layers[i](streams, batch, cache[i], overwrite_input=True)  # only this loop holds them
         logits = target.head(self.norm(hyper_head(self, streams, self.cfg))).float()
         return logits + self.markov_head(batch.token_ids)
 
