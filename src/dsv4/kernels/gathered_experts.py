@@ -50,23 +50,26 @@ def loop_experts(
     return out
 
 
-# bf16 rows are weighted in fp32 this many elements at a time: a prefill of thousands of tokens would
-# otherwise widen all its (token, pick) rows at once, fresh fp32 temporaries of tens of MiB that cost more
-# in page faults than the arithmetic.
-WIDEN_CHUNK_ELEMENTS = 1 << 18
+# Elementwise work on the [T*k, n] rows of a large batch runs this many elements at a time: a prefill of
+# thousands of tokens would otherwise allocate fresh temporaries of tens of MiB per op (fp32 widenings of
+# bf16 rows, the SwiGLU's clamps), which cost more in page faults than the arithmetic.
+ROW_CHUNK_ELEMENTS = 1 << 18
 
 
-def _weighted(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """rows [..., n], weights [..., 1] -> (rows.float() * weights).to(rows.dtype): the reference's one
-    rounding of an fp32 product, for bf16 rows computed a chunk of rows at a time."""
-    if rows.dtype == torch.float32:
-        return rows * weights.float()
+def _row_chunks(rows: torch.Tensor) -> list[slice]:
+    step = max(1, ROW_CHUNK_ELEMENTS // rows.shape[-1])
+    return [slice(start, start + step) for start in range(0, rows.shape[0], step)]
+
+
+def _weighted(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [..., n], weights [..., 1] -> (rows.float() * weights).to(rows.dtype), the reference's one
+    rounding of an fp32 product, computed a chunk of rows at a time into out (may be rows itself)."""
+    if out is None and rows.dtype == torch.float32:
+        return rows * weights.float()  # one op, no widening (and the form the compiled decode step fuses)
     n = rows.shape[-1]
     flat_rows, flat_weights = rows.reshape(-1, n), weights.float().reshape(-1, 1)
-    out = torch.empty_like(flat_rows)
-    step = max(1, WIDEN_CHUNK_ELEMENTS // n)
-    for start in range(0, flat_rows.shape[0], step):
-        chunk = slice(start, start + step)
+    out = torch.empty_like(flat_rows) if out is None else out.view(-1, n)
+    for chunk in _row_chunks(flat_rows):
         out[chunk] = flat_rows[chunk].float() * flat_weights[chunk]
     return out.view(rows.shape)
 
@@ -169,10 +172,12 @@ class GroupedExperts:
         offsets = torch.bincount(flat_ids, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
         token_of = order // ids.shape[1]
         xs = x.index_select(0, token_of)  # [T*k, D], grouped by expert (several times cheaper than x[token_of])
-        hidden = swiglu(torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets),
-                        torch._grouped_mm(xs, w3.transpose(1, 2), offs=offsets), limit)
+        hidden = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)  # [T*k, I], the gate until overwritten
+        up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offsets)
+        for chunk in _row_chunks(hidden):
+            hidden[chunk] = swiglu(hidden[chunk], up[chunk], limit)
         ys = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)  # [T*k, D]
-        contrib = _weighted(ys, weights.flatten()[order].unsqueeze(-1))
+        contrib = _weighted(ys, weights.flatten()[order].unsqueeze(-1), out=ys)
         return torch.zeros_like(x).index_add_(0, token_of, contrib)
 
 
