@@ -119,6 +119,39 @@ def test_grouped_experts_match_reference_loop(tokens, k):
     assert not kernel.supports(x, torch.zeros(4, 30, 64))  # unaligned expert width: not for _grouped_mm
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_chunked_paths_equal_unchunked(monkeypatch, dtype):
+    """With chunks of a few rows (a ragged last one included), the grouped experts' in-place SwiGLU and
+    weighting, the bf16 expert weighting and the mix GEMM give what one pass over all rows gives."""
+    from dsv4.kernels import row_chunks as row_chunks_module
+    from dsv4.kernels.gathered_experts import _weighted, build_grouped_experts
+    from dsv4.model.block import mix_gemm
+    from dsv4.model.moe import swiglu
+
+    experts, x, ids, weights = _random_routing(37, 2, seed=5)
+    experts.to(dtype)
+    x = x.to(dtype)
+    g = torch.Generator().manual_seed(6)
+    streams = torch.randn(29, HC, 48, generator=g).to(dtype)
+    fn = torch.randn(MIX, HC * 48, generator=g)
+    rows = torch.randn(3, 29, 40, generator=g).to(dtype)
+    row_weights = torch.rand(3, 29, 1, generator=g)
+    kernel = build_grouped_experts()
+
+    def run():
+        grouped = kernel.grouped(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
+        return grouped, mix_gemm(streams, fn), _weighted(rows, row_weights), _weighted(rows.clone(), row_weights, out=rows.clone())
+
+    whole = run()
+    monkeypatch.setattr(row_chunks_module, "ROW_CHUNK_ELEMENTS", 7 * 48)
+    assert len(row_chunks_module.row_chunks(74, 48)) == 11  # 10 chunks of 7 rows and one of 4
+    chunked = run()
+    assert torch.equal(chunked[0], whole[0])
+    torch.testing.assert_close(chunked[1], whole[1], rtol=1e-5, atol=1e-4)  # |logits| ~ 15; GEMM blocking may differ
+    assert torch.equal(chunked[2], (rows.float() * row_weights).to(dtype))
+    assert torch.equal(chunked[3], chunked[2])
+
+
 def test_grouped_experts_use_all_experts_only_for_small_experts_at_covering_batches():
     from dsv4.kernels.gathered_experts import MAX_ALL_EXPERTS_FLOPS, GroupedExperts
 
@@ -258,6 +291,8 @@ def test_norm_rope_kernel_bf16_matches_reference(fused_kernels, norm, inverse, m
     got = kernel(x.clone(), eps, w, positions, table.inv_freq, inverse)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, **BF16_TOL)
+    # bf16 rows are widened and rounded once: bit for bit the fp32 kernel on the widened values.
+    assert torch.equal(got, kernel(x.float(), eps, w, positions, table.inv_freq, inverse).bfloat16())
     # The rotation-free part of each head (norm off) passes through the fp32 round trip bit-exactly.
     if norm is None:
         nope = cfg.head_dim - 2 * table.inv_freq.numel()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.kernels.row_chunks import row_chunks
+
 # Copying one expert's three matrices costs about as much as the ~8 ops the loop spends per expert
 # while they hold up to ~64k elements (256 KiB fp32): larger experts are looped, never copied.
 MAX_ELEMENTS_PER_PICK = 1 << 16
@@ -50,26 +52,16 @@ def loop_experts(
     return out
 
 
-# Elementwise work on the [T*k, n] rows of a large batch runs this many elements at a time: a prefill of
-# thousands of tokens would otherwise allocate fresh temporaries of tens of MiB per op (fp32 widenings of
-# bf16 rows, the SwiGLU's clamps), which cost more in page faults than the arithmetic.
-ROW_CHUNK_ELEMENTS = 1 << 18
-
-
-def _row_chunks(rows: torch.Tensor) -> list[slice]:
-    step = max(1, ROW_CHUNK_ELEMENTS // rows.shape[-1])
-    return [slice(start, start + step) for start in range(0, rows.shape[0], step)]
-
-
 def _weighted(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """rows [..., n], weights [..., 1] -> (rows.float() * weights).to(rows.dtype), the reference's one
-    rounding of an fp32 product, computed a chunk of rows at a time into out (may be rows itself)."""
+    rounding of an fp32 product, computed a chunk of rows at a time (`row_chunks`) into out (may be rows
+    itself)."""
     if out is None and rows.dtype == torch.float32:
         return rows * weights.float()  # one op, no widening (and the form the compiled decode step fuses)
     n = rows.shape[-1]
     flat_rows, flat_weights = rows.reshape(-1, n), weights.float().reshape(-1, 1)
     out = torch.empty_like(flat_rows) if out is None else out.view(-1, n)
-    for chunk in _row_chunks(flat_rows):
+    for chunk in row_chunks(*flat_rows.shape):
         out[chunk] = flat_rows[chunk].float() * flat_weights[chunk]
     return out.view(rows.shape)
 
@@ -174,7 +166,7 @@ class GroupedExperts:
         xs = x.index_select(0, token_of)  # [T*k, D], grouped by expert (several times cheaper than x[token_of])
         hidden = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)  # [T*k, I], the gate until overwritten
         up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offsets)
-        for chunk in _row_chunks(hidden):
+        for chunk in row_chunks(*hidden.shape):
             hidden[chunk] = swiglu(hidden[chunk], up[chunk], limit)
         ys = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)  # [T*k, D]
         contrib = _weighted(ys, weights.flatten()[order].unsqueeze(-1), out=ys)

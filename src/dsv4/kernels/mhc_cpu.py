@@ -1,7 +1,10 @@
-"""mHC coefficients + Sinkhorn as one C call on CPU (fp32).
+"""mHC on CPU as C loops: the coefficients + Sinkhorn, the fused pre/post steps, RMSNorm + RoPE.
 
-Eager PyTorch spends ~120 tiny ops per sublayer on this (sigmoids, a softmax and 39 Sinkhorn
-normalisations on [T, hc, hc]); decode is dispatch-bound, so one compiled loop per call replaces them.
+Eager PyTorch spends ~120 tiny ops per sublayer on the coefficients alone (sigmoids, a softmax and 39
+Sinkhorn normalisations on [T, hc, hc]); decode is dispatch-bound, so one compiled loop per call replaces
+them. The arithmetic is fp32; the fused steps read and write fp32 or bf16 streams (bf16 widened per token,
+rounded once on store) and can update the streams in place, so a long prefill neither copies its
+[T, hc, D] streams to fp32 nor allocates a fresh copy of them per sublayer.
 The C source is compiled with the system C compiler at first use into a per-user cache directory
 (no torch headers, so it builds in well under a second) and called through ctypes on the tensors'
 storage. The arithmetic order follows `dsv4.model.mhc.coefficients_reference` step by step (the
@@ -273,12 +276,15 @@ int mhc_post(const void *streams, int bf16, const void *o, const float *restrict
     return 0;
 }
 
-/* In place on x [T, G, hd]: optional RMSNorm over hd (weighted when w is not NULL; eps < 0: none), then
-   RoPE on the trailing 2 * rh channels, interleaved pairs, angle = pos[t] * inv_freq[i] (negated when
-   inverse). rh = 0: norm only. */
-void norm_rope_f32(float *restrict x, long T, long G, long hd, float eps, const float *restrict w, const long *pos,
-                   const float *inv_freq, long rh, int inverse) {
+/* In place on x [T, G, hd] (fp32, or bf16: each row widened, then rounded once on store): optional
+   RMSNorm over hd (weighted when w is not NULL; eps < 0: none), then RoPE on the trailing 2 * rh channels,
+   interleaved pairs, angle = pos[t] * inv_freq[i] (negated when inverse). rh = 0: norm only. Returns 0,
+   or 1 when the bf16 scratch row cannot be allocated. */
+int norm_rope(void *x, int bf16, long T, long G, long hd, float eps, const float *restrict w, const long *pos,
+              const float *inv_freq, long rh, int inverse) {
     float cs[512], sn[512]; /* this token's cos / sin per rotary pair */
+    float *scratch = bf16 ? malloc((size_t)hd * sizeof(float)) : NULL;
+    if (bf16 && !scratch) return 1;
     for (long t = 0; t < T; ++t) {
         for (long i = 0; i < rh; ++i) {
             const float a = (float)pos[t] * inv_freq[i];
@@ -286,7 +292,9 @@ void norm_rope_f32(float *restrict x, long T, long G, long hd, float eps, const 
             sn[i] = inverse ? -sinf(a) : sinf(a);
         }
         for (long g = 0; g < G; ++g) {
-            float *restrict v = x + (t * G + g) * hd;
+            const long offset = (t * G + g) * hd;
+            float *restrict v = bf16 ? scratch : (float *)x + offset;
+            if (bf16) load_row(x, 1, offset, hd, scratch);
             if (eps >= 0.0f) {
                 const float r = 1.0f / sqrtf(sum_squares(v, hd) / (float)hd + eps);
                 if (w) { for (long d = 0; d < hd; ++d) v[d] = w[d] * (v[d] * r); }
@@ -298,8 +306,11 @@ void norm_rope_f32(float *restrict x, long T, long G, long hd, float eps, const 
                 rp[2 * i] = a * cs[i] - b * sn[i];
                 rp[2 * i + 1] = b * cs[i] + a * sn[i];
             }
+            if (bf16) store_row(x, 1, offset, v, hd);
         }
     }
+    free(scratch);
+    return 0;
 }
 """
 _FLAGS = ("-O3", "-shared", "-fPIC", "-fno-fast-math")
@@ -340,8 +351,8 @@ def build_library() -> ctypes.CDLL:
     lib.mhc_pre.argtypes = [P, I, P, P, P, L, I, I, L, I, F, F, P, F, P, P]
     lib.mhc_post.restype = I
     lib.mhc_post.argtypes = [P, I, P, P, L, I, I, L, P]
-    lib.norm_rope_f32.restype = None
-    lib.norm_rope_f32.argtypes = [P, L, L, L, F, P, P, P, L, I]
+    lib.norm_rope.restype = I
+    lib.norm_rope.argtypes = [P, I, L, L, L, F, P, P, P, L, I]
     return lib
 
 
@@ -438,9 +449,9 @@ def _check(status: int, kernel: str, tokens: int) -> None:
         raise MemoryError(f"{kernel}: could not allocate its per-token scratch rows ({tokens} tokens)")
 
 
-# Activation dtypes the norm/RoPE kernel accepts. bf16 runs as fp32 in the kernel: one conversion in and
-# one copy back per call, still far fewer ops than the reference (whose norm and rotation each upcast,
-# compute and round); the result differs from it only by bf16 rounding.
+# Activation dtypes the norm/RoPE kernel accepts. bf16 rows are widened, computed in fp32 and rounded once
+# (the reference's norm and rotation each upcast, compute and round): the result differs from it only by
+# bf16 rounding.
 NORM_ROPE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -450,7 +461,7 @@ class NormRopeKernel:
     The arithmetic is fp32 throughout (bf16 x: converted once, rounded once at the end)."""
 
     def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.norm_rope_f32
+        self._fn = lib.norm_rope
 
     @staticmethod
     def supports(x: torch.Tensor, inv_freq: torch.Tensor | None = None) -> bool:
@@ -469,11 +480,9 @@ class NormRopeKernel:
             positions = positions.long()
         if weight is not None and weight.dtype != torch.float32:
             weight = weight.float()  # the model keeps norm weights fp32; the kernel reads float*
-        work = x if x.dtype == torch.float32 else x.float()  # the kernel's fp32 buffer
-        self._fn(work.data_ptr(), T, G, hd, -1.0 if eps is None else eps,
-                 None if weight is None else weight.data_ptr(),
-                 None if positions is None else positions.contiguous().data_ptr(),
-                 None if inv_freq is None else inv_freq.data_ptr(), rh, int(inverse))
-        if work is not x:
-            x.copy_(work)  # in place, as for fp32: one rounding to x's dtype
+        status = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), T, G, hd, -1.0 if eps is None else eps,
+                          None if weight is None else weight.data_ptr(),
+                          None if positions is None else positions.contiguous().data_ptr(),
+                          None if inv_freq is None else inv_freq.data_ptr(), rh, int(inverse))
+        _check(status, "norm_rope", T)
         return x

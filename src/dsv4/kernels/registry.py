@@ -86,10 +86,10 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
         Backend("cpu_c", _build_mhc_cpu, "one C loop per call (ctypes; fp32 CPU), replaces ~120 torch ops"),
     ),
     MHC_FUSED: (
-        Backend("cpu_c", _build_mhc_fused, "mHC pre (RMS, coefficients, collapse, norm) and post as one C call each"),
+        Backend("cpu_c", _build_mhc_fused, "mHC pre (RMS, coefficients, collapse, norm) and post as one C call each; fp32 or bf16 streams, updated in place"),
     ),
     NORM_ROPE: (
-        Backend("cpu_c", _build_norm_rope, "RMSNorm and/or interleaved RoPE in place, one C call (fp32 CPU; bf16 via one fp32 round trip)"),
+        Backend("cpu_c", _build_norm_rope, "RMSNorm and/or interleaved RoPE in place, one C call (fp32 or bf16 CPU, fp32 arithmetic)"),
     ),
     DECODE_ATTENTION: (
         Backend("batched", _available, "all single-token rows in one gather + masked softmax, no per-sequence loop"),

@@ -5,17 +5,13 @@ from torch import nn
 
 from dsv4.config import ModelConfig
 from dsv4.kernels.registry import MHC_FUSED, default_registry
+from dsv4.kernels.row_chunks import row_chunks
 from dsv4.model import mhc
 from dsv4.model.attention import Attention
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import LayerCache
 from dsv4.model.moe import MoE
 from dsv4.model.norm import RMSNorm
-
-# The fused path widens bf16 streams for the fp32 mix GEMM this many bytes of fp32 rows at a time: a
-# 4096-token prefill would otherwise allocate (and page-fault in) a fresh [T, hc*D] fp32 copy per
-# sublayer, 32 MiB for hc*D = 2048, slower than the GEMM itself.
-MIX_WIDEN_CHUNK_BYTES = 1 << 20
 
 
 def mix_gemm(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
@@ -26,9 +22,8 @@ def mix_gemm(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     if flat.dtype == torch.float32:
         return flat @ fn_t
     raw = flat.new_empty(flat.shape[0], fn.shape[0], dtype=torch.float32)
-    rows = max(1, MIX_WIDEN_CHUNK_BYTES // (4 * flat.shape[1]))
-    for start in range(0, flat.shape[0], rows):
-        torch.mm(flat[start : start + rows].float(), fn_t, out=raw[start : start + rows])
+    for chunk in row_chunks(*flat.shape):  # bf16 rows widened a chunk at a time, not all [T, hc*D] at once
+        torch.mm(flat[chunk].float(), fn_t, out=raw[chunk])
     return raw
 
 
