@@ -44,7 +44,8 @@ def unsupported_reason(model: DeepseekV4) -> str | None:
     for i, layer in enumerate(model.layers):
         experts = layer.ffn.experts
         if experts.format != DENSE:
-            return f"layer {i}: {experts.format} routed experts (the static step needs dense experts)"
+            return (f"layer {i}: {experts.format} routed experts (the static step needs dense experts: "
+                    f"load with expert_dtype=\"dense\" to compile)")
         if not GroupedExperts.supports(torch.empty(0, dtype=model.dtype), experts.w1):
             return f"layer {i}: expert shapes {tuple(experts.w1.shape)} are not 16-byte aligned for _grouped_mm"
     return None
