@@ -12,8 +12,10 @@ Workloads (anchors.md §6 for the transformers side):
   roofline    dsv4's median decode step at batch 1 and at each --batch size against this machine's
               roofline, measured in the same run (roofline.py: bandwidth, matmul peaks, bytes, FLOPs)
 
-Writes <out>/bench_<config>[_bf16][_compiled][_t<threads>].json and .png (ratios dsv4 / transformers; roofline fractions).
-Usage: python benchmarks/bench_generate.py --config tiny --batch 16 64 [--threads 1] [--repeats 3] [--dtype bfloat16] [--compile]
+Writes <out>/bench_<config>[_bf16][_compiled][_t<threads>].json and .png
+(ratios dsv4 / transformers; roofline fractions).
+Usage: python benchmarks/bench_generate.py --config tiny --batch 16 64 [--threads 1] [--repeats 3]
+                                           [--dtype bfloat16] [--compile]
 Needs the `test` extra (transformers) and the `bench` extra (matplotlib) installed.
 """
 
@@ -37,7 +39,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import reference as ref  # noqa: E402
 import roofline  # noqa: E402
-
 from dsv4 import LLM, SamplingParams  # noqa: E402
 from dsv4.kernels import describe_backends  # noqa: E402
 from dsv4.model.batch import ForwardBatch  # noqa: E402
@@ -152,29 +153,34 @@ def run(args) -> dict:
     vocab = config["vocab_size"]
     hf_model = ref.build_reference_model(config, MODEL_SEED).to(DTYPES[args.dtype])
     results: dict = {
-        "config": args.config, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats, "compile": args.compile,
+        "config": args.config, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
+        "compile": args.compile,
         "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
         "backends": describe_backends(), "throughput": [], "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
     }
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_hf_checkpoint(hf_model, tmp)
-        llm = LLM(tmp, dtype=args.dtype, max_num_seqs=max(args.batch), max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len) + 1,
+        llm = LLM(tmp, dtype=args.dtype, max_num_seqs=max(args.batch),
+                  max_model_len=max(args.prompt_len + args.new_tokens, args.prefill_len) + 1,
                   max_num_batched_tokens=max(args.batch) * args.prompt_len, compile=args.compile)
         for batch in args.batch:
             prompts = _prompts(batch, args.prompt_len, vocab)
             generated = batch * args.new_tokens
-            t = _paired(lambda: _timed(lambda: hf_generate(hf_model, prompts, args.new_tokens)),
-                        lambda: _timed(lambda: dsv4_generate(llm, prompts, args.new_tokens)), args.repeats)
+            # bind this batch's prompts (a default argument) rather than closing over the loop variable
+            t = _paired(lambda p=prompts: _timed(lambda: hf_generate(hf_model, p, args.new_tokens)),
+                        lambda p=prompts: _timed(lambda: dsv4_generate(llm, p, args.new_tokens)), args.repeats)
             row = {"batch": batch, "hf_tok_s": generated / t.hf_s, "dsv4_tok_s": generated / t.ds_s, **t.fields()}
             results["throughput"].append(row)
-            print(f"throughput b={batch}: transformers {row['hf_tok_s']:.0f} tok/s, dsv4 {row['dsv4_tok_s']:.0f} tok/s, x{row['ratio']:.2f}", flush=True)
+            print(f"throughput b={batch}: transformers {row['hf_tok_s']:.0f} tok/s, "
+                  f"dsv4 {row['dsv4_tok_s']:.0f} tok/s, x{row['ratio']:.2f}", flush=True)
 
         prompt = _prompts(1, args.prompt_len, vocab)[0]
         t = _paired(lambda: hf_decode_step(hf_model, prompt, args.new_tokens),
                     lambda: dsv4_decode_step(llm, [prompt], args.new_tokens), args.repeats)
         ds_step = t.ds_s
         results["decode_b1"] = {"hf_ms": t.hf_s * 1e3, "dsv4_ms": t.ds_s * 1e3, **t.fields()}
-        print(f"decode b=1 step: transformers {t.hf_s * 1e3:.2f} ms, dsv4 {t.ds_s * 1e3:.2f} ms, x{t.ratio:.2f}", flush=True)
+        print(f"decode b=1 step: transformers {t.hf_s * 1e3:.2f} ms, dsv4 {t.ds_s * 1e3:.2f} ms, x{t.ratio:.2f}",
+              flush=True)
 
         long_prompt = _prompts(1, args.prefill_len, vocab)[0]
         scratch = llm.loaded.target.allocate_cache(1, args.prefill_len + 1)
@@ -182,7 +188,8 @@ def run(args) -> dict:
                     lambda: _timed(lambda: dsv4_prefill(llm, long_prompt, scratch)), args.repeats)
         results["prefill"] = {"tokens": args.prefill_len, "hf_tok_s": args.prefill_len / t.hf_s,
                               "dsv4_tok_s": args.prefill_len / t.ds_s, **t.fields()}
-        print(f"prefill {args.prefill_len}: transformers {args.prefill_len / t.hf_s:.0f} tok/s, dsv4 {args.prefill_len / t.ds_s:.0f} tok/s, x{t.ratio:.2f}", flush=True)
+        print(f"prefill {args.prefill_len}: transformers {args.prefill_len / t.hf_s:.0f} tok/s, "
+              f"dsv4 {args.prefill_len / t.ds_s:.0f} tok/s, x{t.ratio:.2f}", flush=True)
 
         results["roofline"] = measure_roofline(args, llm, vocab, ds_step)
     return results
@@ -197,13 +204,18 @@ def measure_roofline(args, llm: LLM, vocab: int, b1_step_s: float) -> dict:
     mean_pos = args.prompt_len + args.new_tokens // 2
     rows = []
     for batch in [1, *args.batch]:
-        step_s = b1_step_s if batch == 1 else dsv4_decode_step(llm, _prompts(batch, args.prompt_len, vocab), args.new_tokens)
+        if batch == 1:
+            step_s = b1_step_s
+        else:
+            step_s = dsv4_decode_step(llm, _prompts(batch, args.prompt_len, vocab), args.new_tokens)
         cost = roofline.decode_step_cost(model, cfg, batch, mean_pos)
         row = {"batch": batch, **cost, **roofline.roofline_fraction(cost, peaks, args.dtype, step_s)}
         rows.append(row)
-        print(f"roofline b={batch}: {cost['bytes'] / 1e6:.2f} MB, {cost['flops'] / 1e9:.3f} GFLOP, {row['bound']}-bound "
-              f"{row['roofline_ms']:.3f} ms vs measured {row['measured_ms']:.2f} ms: {100 * row['fraction']:.1f}%", flush=True)
-    return {"peaks": peaks, "position": mean_pos, "experts": "expected distinct under uniform routing", "steps": rows}
+        print(f"roofline b={batch}: {cost['bytes'] / 1e6:.2f} MB, {cost['flops'] / 1e9:.3f} GFLOP, "
+              f"{row['bound']}-bound {row['roofline_ms']:.3f} ms vs measured {row['measured_ms']:.2f} ms: "
+              f"{100 * row['fraction']:.1f}%", flush=True)
+    return {"peaks": peaks, "position": mean_pos, "experts": "expected distinct under uniform routing",
+            "steps": rows}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -231,8 +243,8 @@ def plot(results: dict, path: Path) -> None:
     ax_roof.bar_label(bars, labels=[f"{f:.1f}%\n{r['bound'][:3]}" for f, r in zip(fractions, steps)])
     ax_roof.set_ylabel("dsv4 decode step, % of roofline")
     peaks = results["roofline"]["peaks"]
-    ax_roof.set_title(f"roofline: {peaks['read_bw_gb_s']:.0f} GB/s, {peaks['matmul_' + results['dtype'] + '_gflop_s']:.0f} GFLOP/s",
-                      fontsize=10)
+    matmul_peak = peaks["matmul_" + results["dtype"] + "_gflop_s"]
+    ax_roof.set_title(f"roofline: {peaks['read_bw_gb_s']:.0f} GB/s, {matmul_peak:.0f} GFLOP/s", fontsize=10)
     ax_roof.set_ylim(0, max(100.0, 1.2 * max(fractions)))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -247,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads for both engines")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="both engines' weights and activations")
-    parser.add_argument("--compile", action="store_true", help="dsv4 decode steps as one torch.compile'd graph (LLM(compile=True))")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="both engines' weights and activations")
+    parser.add_argument("--compile", action="store_true",
+                        help="dsv4 decode steps as one torch.compile'd graph (LLM(compile=True))")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     results = run(args)

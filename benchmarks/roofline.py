@@ -50,7 +50,7 @@ def measure_peaks(repeats: int = PEAK_REPEATS) -> dict:
     n = MATMUL_SIZE
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        peaks[f"matmul_{name}_gflop_s"] = 2 * n**3 / _best_seconds(lambda: a @ b, repeats) / 1e9
+        peaks[f"matmul_{name}_gflop_s"] = 2 * n**3 / _best_seconds(lambda a=a, b=b: a @ b, repeats) / 1e9
     return peaks
 
 
@@ -106,5 +106,6 @@ def roofline_fraction(cost: dict, peaks: dict, dtype_name: str, step_s: float) -
     memory_s = cost["bytes"] / (peaks["read_bw_gb_s"] * 1e9)
     compute_s = cost["flops"] / (peaks[f"matmul_{dtype_name}_gflop_s"] * 1e9)
     roofline_s = max(memory_s, compute_s)
-    return {"memory_ms": memory_s * 1e3, "compute_ms": compute_s * 1e3, "bound": "memory" if memory_s >= compute_s else "compute",
+    return {"memory_ms": memory_s * 1e3, "compute_ms": compute_s * 1e3,
+            "bound": "memory" if memory_s >= compute_s else "compute",
             "roofline_ms": roofline_s * 1e3, "measured_ms": step_s * 1e3, "fraction": roofline_s / step_s}

@@ -110,7 +110,7 @@ def init_weights(models: dict, cfg: ModelConfig, seed: int) -> None:
                     rows, k = p.shape
                     ids = torch.rand(rows, cfg.n_routed_experts, generator=gen).argsort(dim=-1)[:, :k]
                     p.copy_(ids.to(torch.int32))
-                elif name.endswith("norm.weight") or "hc_" in name and name.endswith("_scale"):
+                elif name.endswith("norm.weight") or ("hc_" in name and name.endswith("_scale")):
                     p.fill_(1.0)  # RMSNorm weights; mHC coefficient scales
                 elif name.endswith(("_base", "attn_sink", ".ape", "gate.bias")):
                     p.zero_()
@@ -161,7 +161,7 @@ def make_batch(examples: list[task.Example]):
         for t in range(max(answer_start - 2, 0), len(ids) - 2):
             mtp_rows.append(mseg.begin + t)
             mtp_labels.append(ids[t + 2])
-    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    as_long = lambda xs: torch.tensor(xs, dtype=torch.long)
     return batch, mtp_batch, as_long(rows), as_long(labels), as_long(mtp_src), as_long(mtp_rows), as_long(mtp_labels)
 
 
@@ -180,7 +180,7 @@ def train_step(target: DeepseekV4, mtp: MTPDrafter, examples: list[task.Example]
 # ---------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def quick_accuracy(target: DeepseekV4, examples: list[task.Example]) -> float:
-    ids = [[task.BOS_ID] + task.encode(ex.prompt) for ex in examples]
+    ids = [[task.BOS_ID, *task.encode(ex.prompt)] for ex in examples]
     out = [[] for _ in examples]
     done = [False] * len(examples)
     for _ in range(task.MAX_DIGITS + 1):
@@ -265,7 +265,8 @@ def write_hf_bf16(tensors: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: P
             experts.setdefault(prefix, {}).setdefault(int(parts[4]), {})[parts[5]] = t
             continue
         stored = t if t.dtype == torch.int32 else _stored_float(name, t)
-        files[to_hf_name(name) if name.startswith(("layers.", "embed.", "head.", "norm.", "hc_head")) else name] = stored
+        hf_named = name.startswith(("layers.", "embed.", "head.", "norm.", "hc_head"))
+        files[to_hf_name(name) if hf_named else name] = stored
     for prefix, by_expert in experts.items():
         order = sorted(by_expert)
         gate_up = torch.stack([torch.cat((by_expert[e]["w1"], by_expert[e]["w3"])) for e in order])

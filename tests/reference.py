@@ -39,28 +39,28 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 __all__ = [
-    "tiny_config",
-    "small_config",
     "build_reference_model",
     "check_fully_randomised",
-    "save_hf_checkpoint",
-    "native_state_dict",
-    "hf_state_from_native",
-    "model_from_native_state",
-    "random_mtp_tensors",
-    "native_config",
-    "quantize_native_tensors",
+    "dequantize_fp4",
+    "dequantize_fp8_block",
     "dequantize_native_tensors",
     "dequantized_native_state",
-    "write_native_checkpoint",
-    "read_safetensors_dir",
+    "hf_state_from_native",
     "load_reference",
-    "reference_logprobs",
-    "reference_greedy",
-    "quantize_fp8_block",
-    "dequantize_fp8_block",
+    "model_from_native_state",
+    "native_config",
+    "native_state_dict",
     "quantize_fp4",
-    "dequantize_fp4",
+    "quantize_fp8_block",
+    "quantize_native_tensors",
+    "random_mtp_tensors",
+    "read_safetensors_dir",
+    "reference_greedy",
+    "reference_logprobs",
+    "save_hf_checkpoint",
+    "small_config",
+    "tiny_config",
+    "write_native_checkpoint",
 ]
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -592,7 +592,7 @@ def native_config(config: dict, quantization: dict | None = None, expert_dtype_t
     native["compress_rate_csa"] = rates.get(CSA, 4)
     native["compress_rate_hca"] = rates.get(HCA, 128)
     native["num_hash_layers"] = n_hash
-    native["qk_rope_head_dim"] = int(round(config["head_dim"] * config["partial_rotary_factor"]))
+    native["qk_rope_head_dim"] = round(config["head_dim"] * config["partial_rotary_factor"])
     rope = config.get("rope_parameters") or {}
     rope = rope.get("compress", rope)
     if rope.get("rope_type", rope.get("type", "default")) == "yarn":

@@ -90,7 +90,9 @@ def _write(path: Path, config: dict, tensors: dict[str, torch.Tensor], file: str
     return path / file
 
 
-def _fails_cleanly(path: Path, error: type[Exception], needles: list[str], live_models, good_dir, good_logprobs, prompt):
+def _fails_cleanly(
+    path: Path, error: type[Exception], needles: list[str], live_models, good_dir, good_logprobs, prompt
+):
     """Both entry points raise `error` naming every needle; nothing survives; a good load right after is correct."""
     for load in (lambda: LLM(str(path), dtype="float32"), lambda: load_models(path, dtype=torch.float32)):
         result = "not assigned"

@@ -222,10 +222,10 @@ def test_round_trips():
 
 
 def test_from_file_errors_name_the_file(tmp_path):
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         ModelConfig.from_file(tmp_path)  # no config.json
     (tmp_path / "config.json").write_text(json.dumps([1, 2]))
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ConfigError, match=r"config\.json"):
         ModelConfig.from_file(tmp_path)
 
 

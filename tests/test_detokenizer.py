@@ -158,7 +158,7 @@ def test_prompt_is_context_only(tokenizer):
 
 def test_special_tokens_are_skipped(tokenizer):
     eos = tokenizer.token_to_id(EOS)
-    ids = tokenizer.encode("日本").ids + [eos]
+    ids = [*tokenizer.encode("日本").ids, eos]
     assert "".join(_stream(IncrementalDetokenizer(tokenizer), ids)) == "日本"
     kept = "".join(_stream(IncrementalDetokenizer(tokenizer, skip_special_tokens=False), ids))
     assert kept == "日本" + EOS

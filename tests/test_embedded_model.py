@@ -76,7 +76,7 @@ def test_shipped_size_under_10_mb():
 def test_tokenizer_is_character_level(shipped: LLM):
     enc = shipped.tokenizer.encode("sort 31402=")
     assert enc.ids[0] == task.BOS_ID and enc.tokens[1:] == list("sort 31402=")
-    assert shipped.tokenizer.decode(task.encode("01234") + [task.EOS_ID]) == "01234"
+    assert shipped.tokenizer.decode([*task.encode("01234"), task.EOS_ID]) == "01234"
 
 
 def test_shipped_model_answers_held_out_prompts(shipped: LLM):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import reference as ref
 from dsv4 import LLM, SamplingParams
@@ -66,11 +66,13 @@ def test_too_long_prompt_fails_alone(llm):
 
 def test_admission_control_queues_beyond_slots(llm):
     prompts = [_ids(3 + i, seed=i) for i in range(9)]  # 9 requests x n=2 for 4 slots
-    outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True, n=2, temperature=1.0, seed=3), use_tqdm=False)
+    sampled = SamplingParams(max_tokens=5, ignore_eos=True, n=2, temperature=1.0, seed=3)
+    outs = llm.generate(prompts, sampled, use_tqdm=False)
     assert [len(o.outputs) for o in outs] == [2] * 9
     assert all(len(c.token_ids) == 5 for o in outs for c in o.outputs)
     assert outs[0].outputs[0].token_ids != outs[0].outputs[1].token_ids  # seed + index: distinct samples
-    again = llm.generate(prompts[0], SamplingParams(max_tokens=5, ignore_eos=True, n=2, temperature=1.0, seed=3), use_tqdm=False)
+    again = llm.generate(prompts[0], SamplingParams(max_tokens=5, ignore_eos=True, n=2, temperature=1.0, seed=3),
+                         use_tqdm=False)
     assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in outs[0].outputs]
     assert len(llm.engine.free_slots) == llm.limits.max_num_seqs and not llm.engine.requests
 
@@ -78,7 +80,8 @@ def test_admission_control_queues_beyond_slots(llm):
 def test_stop_token_ids_and_eos(llm):
     base = llm.generate([_ids(6)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop_at = base[4]
-    out = llm.generate([_ids(6)], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at])
+    out = llm.generate([_ids(6)], params, use_tqdm=False)[0].outputs[0]
     cut = base.index(stop_at) + 1
     assert out.token_ids == base[:cut] and out.finish_reason == "stop" and out.stop_reason == stop_at
     eos = llm.config.eos_token_ids[0]
@@ -97,7 +100,8 @@ def test_stop_strings_truncate_text(llm):
     # Decoded after the prompt's context, so the continuation starts with the separating space.
     assert base.text == "".join(" " + _word(t) for t in base.token_ids)
     stop = f" {_word(base.token_ids[5])} "  # spaces make it match only at that token
-    out = llm.generate([_ids(6)], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = llm.generate([_ids(6)], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == base.text[: base.text.index(stop)]
     assert out.token_ids == base.token_ids[: len(out.token_ids)] and len(out.token_ids) <= 7
@@ -116,7 +120,8 @@ def test_logprobs_raw_match_forward_and_processed_differ(llm):
         assert set(top2) <= set(lp)
         for t, v in lp.items():
             assert abs(v - row[t].item()) <= TOL
-    processed = llm.generate([prompt], SamplingParams(**{**params.__dict__, "logprobs_mode": "processed"}), use_tqdm=False)[0].outputs[0]
+    processed_params = SamplingParams(**{**params.__dict__, "logprobs_mode": "processed"})
+    processed = llm.generate([prompt], processed_params, use_tqdm=False)[0].outputs[0]
     assert processed.token_ids == out.token_ids  # same seed, same draws
     assert abs(processed.logprobs[0][out.token_ids[0]] - out.logprobs[0][out.token_ids[0]]) > 1e-3
 
@@ -163,7 +168,8 @@ def test_unstreamed_requests_are_reported_once_when_finished(llm):
     """stream=False: step() reports nothing while the request runs, then one output with everything;
     a streamed request in the same steps still gets a delta every step."""
     engine = llm.engine
-    quiet = engine.add_request("quiet", _ids(6, seed=4), SamplingParams(max_tokens=5, ignore_eos=True, n=2), stream=False)
+    quiet = engine.add_request("quiet", _ids(6, seed=4), SamplingParams(max_tokens=5, ignore_eos=True, n=2),
+                               stream=False)
     loud = engine.add_request("loud", _ids(9, seed=5), SamplingParams(max_tokens=7, ignore_eos=True))
     reported: dict[str, list] = {"quiet": [], "loud": []}
     while engine.has_work():
@@ -174,7 +180,8 @@ def test_unstreamed_requests_are_reported_once_when_finished(llm):
     assert [c.token_ids for c in reported["quiet"][0].outputs] == [c.token_ids for c in final.outputs]
     assert all(len(c.token_ids) == 5 and c.text for c in final.outputs)
     assert len(reported["loud"]) == 7 and [o.finished for o in reported["loud"]] == [False] * 6 + [True]
-    assert sum((o.outputs[0].token_ids for o in reported["loud"]), []) == loud.output(delta=False).outputs[0].token_ids
+    streamed = [t for o in reported["loud"] for t in o.outputs[0].token_ids]
+    assert streamed == loud.output(delta=False).outputs[0].token_ids
     assert len(engine.free_slots) == llm.limits.max_num_seqs
 
 
@@ -182,7 +189,8 @@ def test_chat_uses_checkpoint_template(llm):
     messages = [{"role": "user", "content": "w7 w9"}]
     out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
     assert out.prompt_token_ids == [0, 7, 9, 3]
-    assert out.outputs[0].token_ids == llm.generate([out.prompt_token_ids], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    direct = llm.generate([out.prompt_token_ids], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert out.outputs[0].token_ids == direct.token_ids
     with pytest.raises(RequestError, match="unknown role system"):
         llm.chat([{"role": "system", "content": "w1"}], GREEDY, use_tqdm=False)
 
@@ -197,8 +205,10 @@ def test_default_limits_follow_model_and_memory(llm):
     tiny = EngineLimits.derive(cfg, torch.float32, "cpu", memory_bytes=per_seq)  # less than one full-length sequence
     assert tiny.max_model_len < cfg.max_position_embeddings
     assert cache_bytes_per_sequence(cfg, tiny.max_model_len, torch.float32) <= per_seq * 0.25
-    assert EngineLimits.derive(cfg, torch.float32, "cpu", max_model_len=10**9).max_model_len == cfg.max_position_embeddings
-    assert EngineLimits.derive(cfg, torch.float32, "cpu", max_num_batched_tokens=8, memory_bytes=1 << 40).max_num_seqs == 8
+    huge = EngineLimits.derive(cfg, torch.float32, "cpu", max_model_len=10**9)
+    assert huge.max_model_len == cfg.max_position_embeddings
+    assert EngineLimits.derive(cfg, torch.float32, "cpu", max_num_batched_tokens=8,
+                               memory_bytes=1 << 40).max_num_seqs == 8
     with pytest.raises(ConfigError, match="max_num_seqs=9 > max_num_batched_tokens=8"):
         EngineLimits.derive(cfg, torch.float32, "cpu", max_num_seqs=9, max_num_batched_tokens=8)
     with pytest.raises(ConfigError, match="max_model_len must be a positive int"):

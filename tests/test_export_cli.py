@@ -89,7 +89,8 @@ def test_convert_native_fp8_dense_keeps_every_value(tmp_path, source, original):
     args = ["convert", str(source["fp4"]), str(out), "--layout", "native", "--dense", "fp8", "--dtype", "float32"]
     assert main(args) == EXIT_OK
     dtypes = _stored_dtypes(out)
-    assert dtypes["layers.1.attn.indexer.wq_b.weight"] == "F8_E4M3" and dtypes["layers.1.attn.indexer.wq_b.scale"] == "F8_E8M0"
+    assert dtypes["layers.1.attn.indexer.wq_b.weight"] == "F8_E4M3"
+    assert dtypes["layers.1.attn.indexer.wq_b.scale"] == "F8_E8M0"
     assert dtypes["layers.1.attn.compressor.wkv.weight"] == "F32"  # outside the FP8 set
     assert _checksums(_llm(out)) == _checksums(original)
 
@@ -106,16 +107,19 @@ def test_native_hf_native_round_trip_gives_the_same_logits(tmp_path, source, ori
 
     # transformers reads dsv4's HF layout as its own
     reference = ref.load_reference(hf_dir)
-    torch.testing.assert_close(ref.reference_logprobs(reference, PROMPT), original_logprobs, rtol=0, atol=HF_AGREEMENT)
+    torch.testing.assert_close(ref.reference_logprobs(reference, PROMPT), original_logprobs, rtol=0,
+                               atol=HF_AGREEMENT)
 
-    assert main(["convert", str(hf_dir), str(back), "--layout", "native", "--experts", "fp4", "--dense", "fp8"]) == EXIT_OK
+    args = ["convert", str(hf_dir), str(back), "--layout", "native", "--experts", "fp4", "--dense", "fp8"]
+    assert main(args) == EXIT_OK
     again = _llm(back)
     assert again.loaded.expert_format == "fp4"
     assert torch.equal(again.forward_logprobs([PROMPT])[0], original_logprobs)  # the same FP4 values again
 
 
 def test_export_rejects_what_the_layout_cannot_hold(tmp_path, source, original, capsys):
-    assert main(["convert", str(source["fp4"]), str(tmp_path / "x"), "--layout", "hf", "--experts", "fp4"]) == EXIT_ERROR
+    args = ["convert", str(source["fp4"]), str(tmp_path / "x"), "--layout", "hf", "--experts", "fp4"]
+    assert main(args) == EXIT_ERROR
     assert "HF layout stores every tensor in float" in capsys.readouterr().err
     original.save_checkpoint(tmp_path / "taken")
     with pytest.raises(ConfigError, match="already holds a checkpoint"):

@@ -140,7 +140,8 @@ def test_row_chunked_paths_equal_unchunked(monkeypatch, dtype):
 
     def run():
         grouped = kernel.grouped(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
-        return grouped, mix_gemm(streams, fn), _weighted(rows, row_weights), _weighted(rows.clone(), row_weights, out=rows.clone())
+        return (grouped, mix_gemm(streams, fn), _weighted(rows, row_weights),
+                _weighted(rows.clone(), row_weights, out=rows.clone()))
 
     whole = run()
     monkeypatch.setattr(row_chunks_module, "ROW_CHUNK_ELEMENTS", 7 * 48)
@@ -197,11 +198,15 @@ def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T, hc, D):
     norm.weight.data.copy_(norm_w)
     if broadcast:
         e = streams[:, 0]
-        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits_broadcast(e, fn, rms_eps), base, scale, hc, iters, hc_eps)
+        pre, post, comb = mhc.coefficients_reference(
+            mhc.mix_logits_broadcast(e, fn, rms_eps), base, scale, hc, iters, hc_eps
+        )
         want_y = norm.forward_reference((pre.sum(dim=-1, keepdim=True) * e).to(e.dtype))
         want_streams = mhc.expand_broadcast(e, out, post, comb)
     else:
-        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits(streams, fn, rms_eps), base, scale, hc, iters, hc_eps)
+        pre, post, comb = mhc.coefficients_reference(
+            mhc.mix_logits(streams, fn, rms_eps), base, scale, hc, iters, hc_eps
+        )
         want_y = norm.forward_reference(mhc.collapse(streams, pre))
         want_streams = mhc.expand(streams, out, post, comb)
     for got, want in zip(coef.split([hc, hc, hc * hc], dim=-1), (pre, post, comb.flatten(1))):
@@ -230,7 +235,8 @@ def test_norm_rope_kernel_odd_head_dim_matches_reference(fused_kernels, norm):
     elif norm == "weighted":
         want = weight * (want * torch.rsqrt(want.square().mean(-1, keepdim=True) + 1e-6))
     want = apply_rotary(want, *table.cos_sin(positions))
-    got = kernel(x.clone(), None if norm is None else 1e-6, weight if norm == "weighted" else None, positions, table.inv_freq)
+    got = kernel(x.clone(), None if norm is None else 1e-6, weight if norm == "weighted" else None,
+                 positions, table.inv_freq)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -341,7 +347,9 @@ def test_fused_mhc_bf16_matches_reference(fused_kernels, broadcast):
     assert torch.equal(y_normed, y32_normed.to(torch.bfloat16))
     if broadcast:
         e = s32[:, 0]
-        pre, post, comb = mhc.coefficients_reference(mhc.mix_logits_broadcast(e, fn, rms_eps), base, scale, HC, iters, hc_eps)
+        pre, post, comb = mhc.coefficients_reference(
+            mhc.mix_logits_broadcast(e, fn, rms_eps), base, scale, HC, iters, hc_eps
+        )
         want_y = pre.sum(dim=-1, keepdim=True) * e
         want_streams = mhc.expand_broadcast(e, out.float(), post, comb)
     else:

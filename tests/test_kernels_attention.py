@@ -16,9 +16,9 @@ from dsv4.config import CSA, HCA, SLIDING, ModelConfig
 from dsv4.kernels.registry import DECODE_ATTENTION, PREFILL_ATTENTION, REFERENCE, Choice, KernelRegistry
 from dsv4.model import attention as attention_module
 from dsv4.model.attention import Attention
-from dsv4.model.step_plan import DecodeMeta
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import allocate_layer_cache, cache_tensors
+from dsv4.model.step_plan import DecodeMeta
 from dsv4.models import EMBEDDED_MODELS
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -70,7 +70,9 @@ def test_decode_meta_reads_contiguous_slots_as_views():
     shuffled = DecodeMeta(ForwardBatch.build([(slot, [0], 4) for slot in (3, 2, 4)]))
     assert ascending.slot_range == slice(2, 5) and shuffled.slot_range is None
     view = ascending.read(cache)
-    assert view.data_ptr() == cache[2].data_ptr() and view.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()  # a view: no copy
+    # a view: no copy
+    assert view.data_ptr() == cache[2].data_ptr()
+    assert view.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
     torch.testing.assert_close(ascending.read(cache, 2), cache[2:5, :2], rtol=0, atol=0)
     torch.testing.assert_close(shuffled.read(cache, 2), cache[[3, 2, 4], :2], rtol=0, atol=0)
 

@@ -31,7 +31,9 @@ from reference import (
 DUMMY_MODEL = "dsv4-tiny-dummy"
 ROLES = ("target", "mtp", "dspark")
 FORMATS = ("dummy", "hf", "native_fp4", "native_fp8", "refit")
-DSPARK_FIELDS = {"dspark_block_size": 5, "dspark_target_layer_ids": [1, 3], "dspark_markov_rank": 8, "dspark_num_layers": 2}
+DSPARK_FIELDS = {
+    "dspark_block_size": 5, "dspark_target_layer_ids": [1, 3], "dspark_markov_rank": 8, "dspark_num_layers": 2,
+}
 # expert format each checkpoint format loads into
 EXPERTS = {"dummy": "fp4", "hf": "dense", "native_fp4": "fp4", "native_fp8": "fp8", "refit": "fp4"}
 
@@ -76,7 +78,8 @@ def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
 
     source = LLM(_dspark_config_dir(root / "dspark_src", cfg, None), load_format="dummy", draft="dspark", seed=13,
                  expert_dtype="dense", dtype="float32")
-    for fmt, (layout, experts) in {"hf": ("hf", "dense"), "native_fp4": ("native", "fp4"), "native_fp8": ("native", "fp8")}.items():
+    layouts = {"hf": ("hf", "dense"), "native_fp4": ("native", "fp4"), "native_fp8": ("native", "fp8")}
+    for fmt, (layout, experts) in layouts.items():
         out = root / f"dspark_{fmt}"
         source.save_checkpoint(out, layout=layout, dense="fp8" if layout == "native" else "model", experts=experts)
         dirs["dspark", fmt] = out
@@ -190,7 +193,8 @@ def test_conformance(checkpoints, role, fmt):
     # same weights, same answers
     prompt = [[7, 8, 9, 10, 11, 12]]
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
-    assert other.generate(prompt, greedy)[0].outputs[0].token_ids == fresh.generate(prompt, greedy)[0].outputs[0].token_ids
+    assert (other.generate(prompt, greedy)[0].outputs[0].token_ids
+            == fresh.generate(prompt, greedy)[0].outputs[0].token_ids)
 
 
 @pytest.mark.parametrize("role", ("mtp", "dspark"))

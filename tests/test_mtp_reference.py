@@ -19,9 +19,9 @@ Compared in fp32: dsv4's S vs transformers' (<= 1e-4), dsv4's MTP log-softmax an
 (<= 1e-4), the drafter fed token by token (and in uneven chunks) with its own cache vs its full forward, and a second
 draft step (depth 1, fed R) vs the oracle applied to the oracle's R; and, dsv4 alone, that a fresh cache slot refuses
 a start past position 0 (dsv4 runs the draft at the positions t of S; attention is relative, so the oracle's t+1
-gives the same values). The oracle's way of calling decoder layers is itself checked against transformers' full forward on the target. The
-sequence (60 tokens) is longer than the sliding window (32), and controls show that both the window and h_proj change
-the logits by far more than the tolerance (so the comparisons have teeth).
+gives the same values). The oracle's way of calling decoder layers is itself checked against transformers' full
+forward on the target. The sequence (60 tokens) is longer than the sliding window (32), and controls show that both
+the window and h_proj change the logits by far more than the tolerance (so the comparisons have teeth).
 """
 
 from __future__ import annotations

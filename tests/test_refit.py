@@ -47,7 +47,8 @@ def ckpts(tmp_path_factory) -> Checkpoints:
     new = ref.native_state_dict(ref.build_reference_model(cfg, NEW_SEED))
     ref.write_native_checkpoint(root / "old", cfg, old, dense="fp8", expert_dtype="fp4")
     stored = ref.write_native_checkpoint(root / "new", cfg, new, dense="fp8", expert_dtype="fp4")
-    hf = {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in ref.hf_state_from_native(new, cfg).items()}
+    hf = {n: t.to(torch.bfloat16) if t.is_floating_point() else t
+          for n, t in ref.hf_state_from_native(new, cfg).items()}
     hf_dir = root / "new_hf"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(json.dumps(cfg))

@@ -9,9 +9,9 @@ import torch
 import reference as ref
 from dsv4 import LLM, SamplingParams
 from dsv4.errors import ConfigError
+from dsv4.kernels.gathered_experts import loop_experts
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import cache_tensors
-from dsv4.kernels.gathered_experts import loop_experts
 from dsv4.model.moe import swiglu
 from dsv4.model.static_decode import StaticDecode, entry_reads, routed_experts
 
@@ -53,7 +53,8 @@ def test_static_step_equals_batched_decode_rows_and_caches(hf_dirs, prompts):
     caches = [model.allocate_cache(8, 128) for _ in range(2)]
     tokens = {}
     with torch.inference_mode():
-        prefill = ForwardBatch.build([(slot, torch.randint(2, 512, (n,), generator=g).tolist(), 0) for slot, n in prompts.items()])
+        prefill = ForwardBatch.build([(slot, torch.randint(2, 512, (n,), generator=g).tolist(), 0)
+                                      for slot, n in prompts.items()])
         for cache in caches:
             streams, _ = model(prefill, cache)
         last = model.logits(streams[[seg.end - 1 for seg in prefill.segments]]).argmax(-1)
@@ -76,8 +77,9 @@ def test_static_step_equals_batched_decode_rows_and_caches(hf_dirs, prompts):
 def test_routed_experts_op_equals_the_reference_loop():
     """The opaque op a compiled graph calls for large experts, against `loop_experts`."""
     g = torch.Generator().manual_seed(SEED)
-    E, I, D, T, k = 8, 32, 64, 5, 2
-    w1, w3, w2 = torch.randn(E, I, D, generator=g), torch.randn(E, I, D, generator=g), torch.randn(E, D, I, generator=g)
+    E, inter, D, T, k = 8, 32, 64, 5, 2
+    w1, w3 = torch.randn(E, inter, D, generator=g), torch.randn(E, inter, D, generator=g)
+    w2 = torch.randn(E, D, inter, generator=g)
     x = torch.randn(T, D, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g)

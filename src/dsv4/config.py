@@ -125,7 +125,7 @@ class ModelConfig:
 
     # ---- parsing ----
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -140,7 +140,7 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> ModelConfig:
         return _ConfigParser(raw, source).parse()
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -196,7 +196,7 @@ class ModelConfig:
             out["num_hash_layers"] = hash_layers
         return out
 
-    def with_quant(self, quant: QuantConfig | None) -> "ModelConfig":
+    def with_quant(self, quant: QuantConfig | None) -> ModelConfig:
         return _replace(self, quant=quant)
 
 
@@ -459,7 +459,8 @@ class _ConfigParser:
         if method not in QUANT_METHODS:
             raise self.fail("quantization_config.quant_method", f"expected one of {QUANT_METHODS}, got {method!r}")
         block = q.get("weight_block_size", [128, 128])
-        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        if not (isinstance(block, (list, tuple)) and len(block) == 2
+                and all(isinstance(b, int) and b > 0 for b in block)):
             raise self.fail("quantization_config.weight_block_size", f"expected [rows, cols], got {block!r}")
         scale_fmt = q.get("scale_fmt") or "float"
         if scale_fmt not in SCALE_FMTS:
@@ -467,7 +468,8 @@ class _ConfigParser:
         # Resolved once the whole config is known: the in-dict value wins, then the top-level one.
         expert_dtype = q.get("expert_dtype") or self.raw.get("expert_dtype") or "fp4"
         if expert_dtype not in EXPERT_DTYPES:
-            raise self.fail("quantization_config.expert_dtype", f"expected one of {EXPERT_DTYPES}, got {expert_dtype!r}")
+            raise self.fail("quantization_config.expert_dtype",
+                            f"expected one of {EXPERT_DTYPES}, got {expert_dtype!r}")
         return QuantConfig(weight_block_size=tuple(block), scale_fmt=scale_fmt, expert_dtype=expert_dtype)
 
     def _dspark(self, n_layers: int) -> DSparkConfig | None:
@@ -475,7 +477,8 @@ class _ConfigParser:
             return None
         for key in ("dspark_block_size", "dspark_target_layer_ids", "dspark_markov_rank"):
             if key not in self.raw:
-                raise self.fail(key, "missing (a DSpark config needs dspark_block_size, dspark_target_layer_ids, dspark_markov_rank)")
+                raise self.fail(key, "missing (a DSpark config needs dspark_block_size, dspark_target_layer_ids, "
+                                     "dspark_markov_rank)")
         ids = self.raw["dspark_target_layer_ids"]
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 <= i < n_layers for i in ids):
             raise self.fail("dspark_target_layer_ids", f"expected layer indices in [0, {n_layers}), got {ids!r}")

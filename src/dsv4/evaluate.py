@@ -131,7 +131,8 @@ def format_table(result: EvalResult) -> str:
              f"{'variant':<8}  {'model':<{width}}  {'accuracy':>8}  {'time':>6}"]
     for variant, acc in result.accuracy.items():
         lines.append(f"{variant:<8}  {_DESCRIPTIONS[variant]:<{width}}  {acc:>8.4f}  {result.seconds[variant]:>5.1f}s")
-    lines.append(f"MTP draft top-1 agreement with the target's next-next token (shipped): {result.mtp_top1_agreement:.4f}")
+    lines.append("MTP draft top-1 agreement with the target's next-next token (shipped): "
+                 f"{result.mtp_top1_agreement:.4f}")
     return "\n".join(lines)
 
 

@@ -30,7 +30,7 @@ class ChatTemplate:
         self._special_tokens = special_tokens
 
     @classmethod
-    def from_checkpoint(cls, path: Path) -> "ChatTemplate | None":
+    def from_checkpoint(cls, path: Path) -> ChatTemplate | None:
         """The template of checkpoint dir `path`, or None when it has none."""
         file = Path(path) / TOKENIZER_CONFIG
         if not file.exists():

@@ -11,7 +11,8 @@ Two independent pieces a request's output path chains together:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from tokenizers import Tokenizer
 

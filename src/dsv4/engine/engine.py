@@ -50,20 +50,23 @@ class EngineLimits:
         cls, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
         max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
         memory_bytes: int | None = None,
-    ) -> "EngineLimits":
+    ) -> EngineLimits:
         """Fill unset limits from the model (max positions) and memory (available bytes * fraction):
         max_model_len defaults to the model's maximum, reduced until one sequence's cache fits the
         budget; max_num_seqs defaults to as many such sequences as fit, at most DEFAULT_MAX_NUM_SEQS.
         Explicit values are honoured (max_model_len is still capped by the model); max_num_seqs never
         exceeds max_num_batched_tokens."""
         budget = int((memory_bytes if memory_bytes is not None else available_memory(device)) * CACHE_MEMORY_FRACTION)
-        model_len = cfg.max_position_embeddings if max_model_len is None else min(max_model_len, cfg.max_position_embeddings)
+        model_len = cfg.max_position_embeddings
+        if max_model_len is not None:
+            model_len = min(max_model_len, model_len)
         if max_model_len is None:
             while model_len > 1 and cache_bytes_per_sequence(cfg, model_len, dtype) > budget:
                 model_len //= 2
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens), ("max_model_len", model_len)):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", model_len)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if max_num_seqs is None:

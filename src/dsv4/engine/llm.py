@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Iterator
-from typing import Sequence as Seq
 
 import torch
 

@@ -20,8 +20,8 @@ division plus ``argmax`` run batched over all random rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -56,7 +56,7 @@ class SamplingState:
     _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
-    def from_params(cls, params: SamplingParams, sample_index: int = 0) -> "SamplingState":
+    def from_params(cls, params: SamplingParams, sample_index: int = 0) -> SamplingState:
         """State for completion number ``sample_index`` (``0 <= i < params.n``).
 
         With ``params.n > 1`` and a seed, completion ``i`` is seeded with
@@ -142,7 +142,7 @@ def process_logits(
     Every operation is row-independent, so a row's result does not depend on
     the other rows of the batch.
     """
-    batch, vocab = logits.shape
+    _batch, vocab = logits.shape
     scaled = logits / temperature.unsqueeze(1)
 
     use_top_k = (top_k > 0) & (top_k < vocab)

@@ -7,8 +7,8 @@ re-checking it on the hot path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 #: Largest number of top logprobs a request may ask for (per generated or
 #: prompt token). Bounded because every requested entry costs a host transfer.

@@ -148,8 +148,10 @@ class GroupedExperts:
         the down projection (fp32 rounding differs from the reference's pick-by-pick adds, values do not)."""
         T = x.shape[0]
         # [T, E] routing weight of each expert (0 where not picked)
-        dense_weights = torch.zeros(T, w1.shape[0], dtype=torch.float32, device=x.device).scatter_(1, ids, weights.float())
-        hidden_all = swiglu(torch.matmul(x, w1.transpose(1, 2)), torch.matmul(x, w3.transpose(1, 2)), limit)  # [E, T, I]
+        dense_weights = torch.zeros(T, w1.shape[0], dtype=torch.float32, device=x.device)
+        dense_weights.scatter_(1, ids, weights.float())
+        hidden_all = swiglu(torch.matmul(x, w1.transpose(1, 2)),  # [E, T, I]
+                            torch.matmul(x, w3.transpose(1, 2)), limit)
         scaled = _weighted(hidden_all, dense_weights.t().unsqueeze(-1))  # [E, T, I]
         return torch.bmm(scaled, w2.transpose(1, 2)).sum(dim=0)  # [T, D]
 
@@ -177,8 +179,8 @@ def build_grouped_experts() -> GroupedExperts:
     """Raises where torch has no usable `_grouped_mm` (the registry then falls back)."""
     kernel = GroupedExperts()
     w = torch.ones(2, 4, 8)
-    got = kernel.grouped(torch.ones(2, 8), torch.tensor([[0], [1]]), torch.ones(2, 1), w, w, w.transpose(1, 2).contiguous(),
-                 10.0, lambda a, b, limit: a * b)
+    got = kernel.grouped(torch.ones(2, 8), torch.tensor([[0], [1]]), torch.ones(2, 1), w, w,
+                         w.transpose(1, 2).contiguous(), 10.0, lambda a, b, limit: a * b)
     if not torch.equal(got, torch.full((2, 8), 256.0)):  # (8 * 8) * 4
         raise RuntimeError("torch._grouped_mm gave a wrong result")
     return kernel

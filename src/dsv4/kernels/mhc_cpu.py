@@ -338,7 +338,8 @@ def build_library() -> ctypes.CDLL:
             src = Path(tmp) / "mhc_cpu.c"
             src.write_text(_SOURCE)
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(built), "-lm"], capture_output=True, text=True)
+            result = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(built), "-lm"],
+                                    capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:500]}")
             os.replace(built, target)  # atomic: concurrent processes never load a half-written file
@@ -346,13 +347,13 @@ def build_library() -> ctypes.CDLL:
     fn = lib.mhc_coefficients_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
-    P, L, I, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-    lib.mhc_pre.restype = I
-    lib.mhc_pre.argtypes = [P, I, P, P, P, L, I, I, L, I, F, F, P, F, P, P]
-    lib.mhc_post.restype = I
-    lib.mhc_post.argtypes = [P, I, P, P, L, I, I, L, P]
-    lib.norm_rope.restype = I
-    lib.norm_rope.argtypes = [P, I, L, L, L, F, P, P, P, L, I]
+    P, L, Int, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    lib.mhc_pre.restype = Int
+    lib.mhc_pre.argtypes = [P, Int, P, P, P, L, Int, Int, L, Int, F, F, P, F, P, P]
+    lib.mhc_post.restype = Int
+    lib.mhc_post.argtypes = [P, Int, P, P, L, Int, Int, L, P]
+    lib.norm_rope.restype = Int
+    lib.norm_rope.argtypes = [P, Int, L, L, L, F, P, P, P, L, Int]
     return lib
 
 
@@ -422,11 +423,14 @@ class MhcFusedKernel:
         y = streams.new_empty(T, D)
         status = self._pre(streams.data_ptr(), _is_bf16(streams), raw.data_ptr(), base.data_ptr(), scale.data_ptr(),
                            T, hc, hc_in, D, sinkhorn_iters, rms_eps, hc_eps,
-                           None if norm_weight is None else norm_weight.data_ptr(), norm_eps, coef.data_ptr(), y.data_ptr())
+                           None if norm_weight is None else norm_weight.data_ptr(), norm_eps,
+                           coef.data_ptr(), y.data_ptr())
         _check(status, "mhc_pre", T)
         return coef, y
 
-    def post(self, streams: torch.Tensor, out: torch.Tensor, coef: torch.Tensor, hc: int, in_place: bool = False) -> torch.Tensor:
+    def post(
+        self, streams: torch.Tensor, out: torch.Tensor, coef: torch.Tensor, hc: int, in_place: bool = False
+    ) -> torch.Tensor:
         """R'_j = post_j * out + sum_i comb[i, j] R_i -> [T, hc, D] in streams' dtype; in_place (streams
         [T, hc, D], not a broadcast [T, 1, D]): written over streams, which is returned."""
         T, hc_in, D = streams.shape

@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 FORCE_ENV = "DSV4_KERNELS"
 REFERENCE = "reference"
@@ -86,20 +86,26 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
         Backend("cpu_c", _build_mhc_cpu, "one C loop per call (ctypes; fp32 CPU), replaces ~120 torch ops"),
     ),
     MHC_FUSED: (
-        Backend("cpu_c", _build_mhc_fused, "mHC pre (RMS, coefficients, collapse, norm) and post as one C call each; fp32 or bf16 streams, updated in place"),
+        Backend("cpu_c", _build_mhc_fused,
+                "mHC pre (RMS, coefficients, collapse, norm) and post as one C call each; "
+                "fp32 or bf16 streams, updated in place"),
     ),
     NORM_ROPE: (
-        Backend("cpu_c", _build_norm_rope, "RMSNorm and/or interleaved RoPE in place, one C call (fp32 or bf16 CPU, fp32 arithmetic)"),
+        Backend("cpu_c", _build_norm_rope,
+                "RMSNorm and/or interleaved RoPE in place, one C call (fp32 or bf16 CPU, fp32 arithmetic)"),
     ),
     DECODE_ATTENTION: (
         Backend("batched", _available, "all single-token rows in one gather + masked softmax, no per-sequence loop"),
     ),
     PREFILL_ATTENTION: (
-        Backend("batched", _available, "all prompt chunks padded to the longest: banded masks, one bmm, no per-sequence loop"),
+        Backend("batched", _available,
+                "all prompt chunks padded to the longest: banded masks, one bmm, no per-sequence loop"),
     ),
     MOE_EXPERTS: (
-        Backend("grouped_mm", _build_grouped_experts, "dense experts: rows sorted by expert, one torch._grouped_mm per matrix"),
-        Backend("gathered", _build_gathered_experts, "small dense batches: gathered expert weights + bmm, no per-expert loop"),
+        Backend("grouped_mm", _build_grouped_experts,
+                "dense experts: rows sorted by expert, one torch._grouped_mm per matrix"),
+        Backend("gathered", _build_gathered_experts,
+                "small dense batches: gathered expert weights + bmm, no per-expert loop"),
     ),
 }
 
@@ -125,7 +131,7 @@ class KernelRegistry:
         for backend in _BACKENDS[op]:
             try:
                 impl = backend.build()
-            except Exception as exc:  # noqa: BLE001 - any build failure means "fall back", with the reason shown
+            except Exception as exc:  # any build failure means "fall back", with the reason shown
                 failures.append(f"{backend.name}: {type(exc).__name__}: {exc}")
                 continue
             return Choice(op, backend.name, impl, backend.summary)

@@ -26,7 +26,6 @@ from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import RotaryTable, norm_rope_
 from dsv4.model.step_plan import DecodeMeta, PrefillMeta, decode_meta, mask_to_bias, prefill_meta
 
-
 # Logits one attention tile may hold ([segments, queries, H, keys] fp32): 2^18 floats = 1 MiB, within a
 # typical per-core L2, so a tile's bmm -> softmax -> bmm chain reads its logits from cache, not memory
 # (measured on 64 segments of 64 tokens, tiny config: the attention math ~20% faster than in one pass,
@@ -304,11 +303,13 @@ class Attention(nn.Module):
             rows = slice(seg.begin, seg.end)
             out[rows] = self._segment(q[rows], kv[rows], seg, batch.positions[rows], cache,
                                       _rows_of(rows, comp_kv, comp_gate, idx_kv, idx_gate, idx_q, idx_w))
-        out = norm_rope_(out, None, None, pos, self.rope, inverse=True)  # V carried RoPE: de-rotate at the query position
+        # V carried RoPE: de-rotate at the query position
+        out = norm_rope_(out, None, None, pos, self.rope, inverse=True)
         return self._project_out(out)
 
     def _segment(
-        self, q: torch.Tensor, kv: torch.Tensor, seg: Segment, positions: torch.Tensor, cache: LayerCache, side: "_SideInputs"
+        self, q: torch.Tensor, kv: torch.Tensor, seg: Segment, positions: torch.Tensor, cache: LayerCache,
+        side: "_SideInputs",
     ) -> torch.Tensor:
         """Reference path for one sequence's chunk: q [L, H, hd], kv [L, hd] -> [L, H, hd]."""
         keys, bias = self._window_keys(kv, seg, cache.window)
@@ -503,10 +504,12 @@ class Attention(nn.Module):
 class _SideInputs:
     """A row range's compressor / indexer projections (None where the layer has no such part)."""
 
-    __slots__ = ("comp_kv", "comp_gate", "idx_kv", "idx_gate", "idx_q", "idx_w")
+    # __init__'s positional order (the callers pass the tensors in this order), so not sorted
+    _FIELDS = ("comp_kv", "comp_gate", "idx_kv", "idx_gate", "idx_q", "idx_w")
+    __slots__ = _FIELDS
 
     def __init__(self, *tensors: torch.Tensor | None):
-        for name, t in zip(self.__slots__, tensors):
+        for name, t in zip(self._FIELDS, tensors):
             setattr(self, name, t)
 
 

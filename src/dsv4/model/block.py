@@ -42,7 +42,8 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, mlp_type, expert_format, dtype)
         hc, mix = cfg.hc_mult, cfg.hc_mix
         for sub in ("attn", "ffn"):
-            self.register_parameter(f"hc_{sub}_fn", nn.Parameter(torch.zeros(mix, hc * cfg.hidden_size), requires_grad=False))
+            self.register_parameter(f"hc_{sub}_fn",
+                                    nn.Parameter(torch.zeros(mix, hc * cfg.hidden_size), requires_grad=False))
             self.register_parameter(f"hc_{sub}_base", nn.Parameter(torch.zeros(mix), requires_grad=False))
             self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.ones(3), requires_grad=False))
 
@@ -63,8 +64,8 @@ class Block(nn.Module):
         """Fast path of mix_logits + coefficients + collapse + norm: (coef, normed block input)."""
         cfg = self.cfg
         return kernel.pre(
-            streams, mix_gemm(streams, fn), getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"), cfg.hc_mult,
-            cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps, norm.weight, norm.eps,
+            streams, mix_gemm(streams, fn), getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"),
+            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps, norm.weight, norm.eps,
         )
 
     def forward(
@@ -75,7 +76,8 @@ class Block(nn.Module):
         kernel = self._fused(streams)
         if kernel is not None:
             coef, block_in = self._fused_pre(kernel, streams, self.hc_attn_fn, "attn", self.attn_norm)
-            streams = kernel.post(streams, self.attn(block_in, batch, cache), coef, self.cfg.hc_mult, in_place=overwrite_input)
+            streams = kernel.post(streams, self.attn(block_in, batch, cache), coef, self.cfg.hc_mult,
+                                  in_place=overwrite_input)
             return self._ffn(streams, batch)
         pre, post, comb = self._coefficients(mhc.mix_logits(streams, self.hc_attn_fn, self.cfg.rms_norm_eps), "attn")
         attn_out = self.attn(self.attn_norm(mhc.collapse(streams, pre)), batch, cache)

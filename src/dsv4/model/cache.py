@@ -31,7 +31,9 @@ class LayerCache:
     indexer: CompressorCache | None = None
 
 
-def _compressor_cache(slots: int, rate: int, overlap: bool, out_dim: int, max_len: int, dtype, device) -> CompressorCache:
+def _compressor_cache(
+    slots: int, rate: int, overlap: bool, out_dim: int, max_len: int, dtype, device
+) -> CompressorCache:
     ring = 2 * rate if overlap else rate
     width = 2 * out_dim if overlap else out_dim
     max_entries = -(-max_len // rate)

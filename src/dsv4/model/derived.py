@@ -6,8 +6,8 @@ result into the existing storage, so addresses never change (captured graphs sta
 call changes nothing. Forward never finalizes: it only checks the READY flag.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn

@@ -181,7 +181,9 @@ class DSparkDrafter(TopLevelModel):
 DRAFTER_CLASSES = {"mtp": MTPDrafter, "dspark": DSparkDrafter}
 
 
-def build_drafter(name: str, cfg: ModelConfig, target: DeepseekV4, expert_format: str, dtype: torch.dtype) -> TopLevelModel:
+def build_drafter(
+    name: str, cfg: ModelConfig, target: DeepseekV4, expert_format: str, dtype: torch.dtype
+) -> TopLevelModel:
     if name == "mtp" and cfg.dspark is not None:
         raise ConfigError(
             f"{cfg.source}: a DSpark checkpoint (dspark_* fields): its mtp.* tensors are DSpark blocks, "

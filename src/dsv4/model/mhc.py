@@ -73,7 +73,8 @@ def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
 def expand_broadcast(embeds: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """`expand` when every input stream equals embeds [T, D]: sum_i comb[i, j] R_i = (sum_i comb[i, j]) e."""
     dtype = embeds.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + comb.sum(dim=-2).to(dtype).unsqueeze(-1) * embeds.unsqueeze(-2)
+    return (post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2)
+            + comb.sum(dim=-2).to(dtype).unsqueeze(-1) * embeds.unsqueeze(-2))
 
 
 def head_collapse(

@@ -87,8 +87,8 @@ class RoutedExperts(nn.Module):
         self.num_experts = cfg.n_routed_experts
         self.block = quant.weight_block_size if quant else (128, 128)
         self.group = quant.fp4_group_size if quant else 32
-        E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        for name, (out_dim, in_dim) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+        E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        for name, (out_dim, in_dim) in (("w1", (inter, D)), ("w3", (inter, D)), ("w2", (D, inter))):
             weight, scale = self._allocate(E, out_dim, in_dim)
             self.register_parameter(name, weight)
             if scale is not None:

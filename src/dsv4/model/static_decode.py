@@ -174,8 +174,10 @@ def _emit(comp: Compressor, x, positions, slots, cache: CompressorCache, rope: R
         d = comp.out_dim
         odd = (window % 2 == 1).view(B, 1, 1)
         halves_kv, halves_gate = ring_kv.view(B, 2, m, 2 * d), (ring_gate.view(B, 2, m, 2 * d) + comp.ape)
-        cur_kv, prev_kv = torch.where(odd, halves_kv[:, 1], halves_kv[:, 0]), torch.where(odd, halves_kv[:, 0], halves_kv[:, 1])
-        cur_gate, prev_gate = torch.where(odd, halves_gate[:, 1], halves_gate[:, 0]), torch.where(odd, halves_gate[:, 0], halves_gate[:, 1])
+        cur_kv = torch.where(odd, halves_kv[:, 1], halves_kv[:, 0])
+        prev_kv = torch.where(odd, halves_kv[:, 0], halves_kv[:, 1])
+        cur_gate = torch.where(odd, halves_gate[:, 1], halves_gate[:, 0])
+        prev_gate = torch.where(odd, halves_gate[:, 0], halves_gate[:, 1])
         first = (window == 0).view(B, 1, 1)  # window 0 has no previous window: its Ca slots weigh nothing
         prev_kv = prev_kv[..., :d].masked_fill(first, 0.0)
         prev_gate = prev_gate[..., :d].masked_fill(first, float("-inf"))

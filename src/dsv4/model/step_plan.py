@@ -58,7 +58,8 @@ class DecodeMeta:
 
     def entry_counts(self, rate: int) -> tuple[int, torch.Tensor]:
         """(most complete entries of any row, [B] complete entries per row)."""
-        return self._cached(("counts", rate), lambda: (max((p + 1) // rate for p in self.positions), (self.pos + 1) // rate))
+        return self._cached(("counts", rate),
+                            lambda: (max((p + 1) // rate for p in self.positions), (self.pos + 1) // rate))
 
     def entry_bias(self, rate: int) -> torch.Tensor:
         def build():
@@ -73,7 +74,8 @@ class DecodeMeta:
             if not done:
                 return done, [], None, None
             windows = [self.positions[b] // rate for b in done]
-            return done, windows, self.slots[torch.tensor(done, device=self.device)], torch.tensor(windows, device=self.device)
+            slots = self.slots[torch.tensor(done, device=self.device)]
+            return done, windows, slots, torch.tensor(windows, device=self.device)
         return self._cached(("done", rate), build)
 
 

@@ -17,12 +17,12 @@ import torch
 
 __all__ = [
     "E8M0_BIAS",
-    "E8M0_NAN_BYTE",
     "E8M0_MIN_NORMAL_SCALE",
+    "E8M0_NAN_BYTE",
     "as_e8m0_bytes",
+    "e8m0_ceil_pow2",
     "e8m0_to_float32",
     "float32_to_e8m0",
-    "e8m0_ceil_pow2",
 ]
 
 # Exponent bias shared with the fp32 exponent field, which is what makes the bit-shift decode exact.

@@ -18,13 +18,13 @@ import torch
 from .e8m0 import as_e8m0_bytes, e8m0_ceil_pow2, e8m0_to_float32
 
 __all__ = [
-    "E2M1_VALUES",
     "E2M1_MAX",
+    "E2M1_VALUES",
     "FP4_GROUP_SIZE",
-    "pack_e2m1",
-    "unpack_e2m1",
-    "quantize_fp4",
     "dequantize_fp4",
+    "pack_e2m1",
+    "quantize_fp4",
+    "unpack_e2m1",
 ]
 
 # Code -> value. Codes 8..15 mirror 0..7 with the sign bit set (code 8 is -0.0).

@@ -15,20 +15,20 @@ ragged, so callers must pass the block that was used to write the file.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .e8m0 import E8M0_MIN_NORMAL_SCALE, as_e8m0_bytes, e8m0_ceil_pow2, e8m0_to_float32
 
 __all__ = [
-    "E4M3_MAX",
     "DEFAULT_FP8_BLOCK",
-    "FP8_SCALE_FMTS",
+    "E4M3_MAX",
     "FLOAT_SCALE_FLOOR",
-    "quantize_fp8_blockwise",
+    "FP8_SCALE_FMTS",
     "dequantize_fp8_blockwise",
     "fp8_scale_grid_shape",
+    "quantize_fp8_blockwise",
 ]
 
 # Largest finite float8_e4m3fn magnitude (the format has no infinities; 0x7F/0xFF are NaN).

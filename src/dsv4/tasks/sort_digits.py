@@ -98,5 +98,5 @@ def encode(text: str) -> list[int]:
 
 def training_ids(ex: Example) -> tuple[list[int], int]:
     """(bos + prompt + answer + eos, index of the first answer token)."""
-    prompt = [BOS_ID] + encode(ex.prompt)
+    prompt = [BOS_ID, *encode(ex.prompt)]
     return prompt + encode(ex.answer) + [EOS_ID], len(prompt)

@@ -7,9 +7,9 @@ never pickle.
 
 import json
 import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -115,7 +115,9 @@ class CheckpointDir:
             if info is None or info.file.name != file:
                 raise CheckpointError(f"{index}: tensor {name} is listed in {file} but not found there")
 
-    def iter_tensors(self, wanted: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, torch.Tensor, str]]:
+    def iter_tensors(
+        self, wanted: Callable[[str], bool] = lambda name: True
+    ) -> Iterator[tuple[str, torch.Tensor, str]]:
         """Yield (name, tensor, file) one tensor at a time, file by file."""
         for file in self.files:
             try:

@@ -65,7 +65,9 @@ def _check_e8m0(scale: torch.Tensor) -> torch.Tensor:
     return raw
 
 
-def _dequantize(weight: torch.Tensor, scale: torch.Tensor | None, layout: QuantLayout, logical: tuple[int, int]) -> torch.Tensor:
+def _dequantize(
+    weight: torch.Tensor, scale: torch.Tensor | None, layout: QuantLayout, logical: tuple[int, int]
+) -> torch.Tensor:
     """Any incoming form -> fp32 values [out, in], validated."""
     if weight.dtype in FLOAT_DTYPES:
         _check_shape(weight.shape, logical, "weight")

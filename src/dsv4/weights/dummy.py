@@ -6,7 +6,7 @@ bytes (no NaN scale), FP8 codes come from finite floats.
 """
 
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

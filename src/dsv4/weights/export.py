@@ -17,8 +17,8 @@ import dataclasses
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -143,7 +143,9 @@ def _plain_tensors(native: str, param: torch.Tensor, plan: _Plan) -> Iterator[tu
         yield native, param
 
 
-def _expert_tensors(experts: RoutedExperts, w: str, e: int, native: str, plan: _Plan) -> Iterator[tuple[str, torch.Tensor]]:
+def _expert_tensors(
+    experts: RoutedExperts, w: str, e: int, native: str, plan: _Plan
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Expert e's matrix `w` in the written format: resident bytes when the format is unchanged, else
     the values the model computes with (`expert_weight`), re-quantized by dsv4's quantizers."""
     if plan.experts == plan.resident_experts:

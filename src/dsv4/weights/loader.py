@@ -69,7 +69,9 @@ def quant_layout(cfg: ModelConfig) -> QuantLayout:
     return QuantLayout(fp8_block=tuple(q.weight_block_size), fp4_group=q.fp4_group_size, scale_fmt=q.scale_fmt)
 
 
-def build_models(cfg: ModelConfig, expert_format: str, dtype: torch.dtype, device: str, draft: str | None) -> dict[str, TopLevelModel]:
+def build_models(
+    cfg: ModelConfig, expert_format: str, dtype: torch.dtype, device: str, draft: str | None
+) -> dict[str, TopLevelModel]:
     """Allocate the target (and the drafter) in runtime layout; nothing is READY yet."""
     with torch.device(device):
         models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype)}

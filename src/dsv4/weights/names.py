@@ -8,7 +8,7 @@ stacked expert tensors are split per expert.
 """
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

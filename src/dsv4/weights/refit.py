@@ -23,8 +23,7 @@ models were not READY at `begin`) that every expected tensor arrived, finalizes 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -130,7 +129,10 @@ class WeightUpdateSession:
         every model not READY: their tensors may now mix old and new weights."""
         self.state = FAILED
         self._staged.clear()
-        message = str(exc) if isinstance(exc, WeightUpdateError) else f"weight update failed: {type(exc).__name__}: {exc}"
+        if isinstance(exc, WeightUpdateError):
+            message = str(exc)
+        else:
+            message = f"weight update failed: {type(exc).__name__}: {exc}"
         if not self.atomic or self._wrote:
             self._mark_not_ready()
             message += "; the models refuse requests until a weight update with every tensor finishes"
@@ -166,7 +168,9 @@ class WeightUpdateSession:
         staged: list[StagedWrite] = []
         for name, tensor in pairs:
             if not isinstance(tensor, torch.Tensor):
-                raise WeightUpdateError(f"{origin}: tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+                raise WeightUpdateError(
+                    f"{origin}: tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}"
+                )
             for write in self._writer.stage(name, _keepable(name, tensor), origin):
                 native = write.slot.native
                 if native in self._origin_of:
@@ -222,9 +226,12 @@ class WeightUpdateSession:
     def _check_addresses(self) -> None:
         """Pointer audit: an update that moved a tensor would leave captured graphs reading the old one."""
         now = _addresses(self.loaded)
-        moved = sorted(f"{role}:{name}" for (role, name), ptr in self._addresses.items() if now.get((role, name)) != ptr)
+        moved = sorted(f"{role}:{name}" for (role, name), ptr in self._addresses.items()
+                       if now.get((role, name)) != ptr)
         if moved:
-            raise WeightUpdateError(f"weight update moved {len(moved)} tensor(s) to a new address: {_names_summary(moved)}")
+            raise WeightUpdateError(
+                f"weight update moved {len(moved)} tensor(s) to a new address: {_names_summary(moved)}"
+            )
 
     def abort(self) -> None:
         """Drop the session. Atomic: nothing was written, the previous weights keep serving. Fail-stop:
@@ -235,7 +242,7 @@ class WeightUpdateSession:
         self._staged.clear()
 
     # ---- context manager ----
-    def __enter__(self) -> "WeightUpdateSession":
+    def __enter__(self) -> WeightUpdateSession:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:

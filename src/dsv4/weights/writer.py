@@ -91,7 +91,9 @@ class WeightWriter:
         del self._pending[weight_name]
         return [self._convert(slot, pending.weight, pending.scale, origin, incoming)]
 
-    def _convert(self, slot: Slot, weight: torch.Tensor, scale: torch.Tensor | None, origin: str, incoming: str) -> StagedWrite:
+    def _convert(
+        self, slot: Slot, weight: torch.Tensor, scale: torch.Tensor | None, origin: str, incoming: str
+    ) -> StagedWrite:
         resident = self.table.param(slot)
         try:
             if slot.is_expert:
