@@ -12,7 +12,7 @@ mHC; one MTP layer) trained with dsv4's own model code on the digit-sorting task
 answer; the MTP layer learns the next-next token from the target's pre-hc_head stream (jointly, its
 loss also flows into the trunk, as in DeepSeek's recipe).
 
-Outputs (under --out, default src/dsv4/models):
+Outputs (under --out, default src/dsv4/embedded):
   dsv4-sort-bf16/  the trained weights in bf16, transformers' HF layout (stacked experts), HF config
   dsv4-sort/       DeepSeek's native release layout: FP8 e4m3 dense weights with ue8m0 128x128 block
                    scales, FP4 routed experts (int8 packed, ue8m0 scales per 32 inputs), native config
@@ -50,7 +50,7 @@ from dsv4.weights.names import to_hf_name
 
 NATIVE_NAME = "dsv4-sort"
 BF16_NAME = "dsv4-sort-bf16"
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "dsv4" / "models"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "dsv4" / "embedded"
 
 # The model, in transformers' spelling (ModelConfig.from_dict reads it; the writers respell it).
 MODEL_CONFIG = {

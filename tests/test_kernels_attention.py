@@ -19,7 +19,7 @@ from dsv4.model.attention import Attention
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import allocate_layer_cache, cache_tensors
 from dsv4.model.step_plan import DecodeMeta
-from dsv4.models import EMBEDDED_MODELS
+from dsv4.embedded import EMBEDDED_MODELS
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SLOTS = 13  # one per prefill length, plus the late joiner

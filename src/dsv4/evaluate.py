@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4.models import BF16_MODEL, DEFAULT_MODEL, EMBEDDED_MODELS
+from dsv4.embedded import BF16_MODEL, DEFAULT_MODEL, EMBEDDED_MODELS
 from dsv4.tasks import sort_digits as task
 
 DEFAULT_N = 256

@@ -17,7 +17,7 @@ from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.errors import ConfigError, RequestError
 from dsv4.model.batch import ForwardBatch
-from dsv4.models import resolve_model
+from dsv4.embedded import resolve_model
 from dsv4.weights.loader import LoadedModels, load_models
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
