@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.model.moe import DENSE, FP4, FP8
+from dsv4.config import DENSE, FP4, FP8
 from dsv4.quant import (
     as_e8m0_bytes,
     dequantize_fp4,

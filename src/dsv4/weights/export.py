@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dsv4.config import QuantConfig
+from dsv4.config import DENSE, FP4, FP8, QuantConfig
 from dsv4.errors import ConfigError
-from dsv4.model.moe import DENSE, FP4, FP8, RoutedExperts
+from dsv4.model.moe import RoutedExperts
 from dsv4.quant import quantize_fp4, quantize_fp8_blockwise
 from dsv4.weights.checkpoint import INDEX_FILE
 from dsv4.weights.loader import TARGET, LoadedModels
