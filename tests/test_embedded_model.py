@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 
 from dsv4.config import ModelConfig
+from dsv4.embedded import BF16_MODEL, DEFAULT_MODEL, EMBEDDED_MODELS
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.embedded import BF16_MODEL, DEFAULT_MODEL, EMBEDDED_MODELS
 from dsv4.tasks import sort_digits as task
 
 REPO = Path(__file__).resolve().parents[1]

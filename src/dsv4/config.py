@@ -35,6 +35,7 @@ EXPERT_FORMATS = (DENSE, FP8, FP4)
 QUANTIZED_EXPERT_FORMATS = (FP4, FP8)
 SCALE_FMTS = ("ue8m0", "float")
 QUANT_METHODS = ("fp8", "deepseek_v4_fp8")
+CONFIG_FILE = "config.json"
 
 # Native configs name a layer's attention by its compression ratio; these are the only values
 # DeepSeek ships (the rates themselves may be overridden by compress_rate_csa / compress_rate_hca).
@@ -133,12 +134,16 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"{path}: no such file or directory")
         if path.is_dir():
-            path = path / "config.json"
+            if not (path / CONFIG_FILE).is_file():
+                raise ConfigError(f"{path}: no {CONFIG_FILE} in this directory, so it is not a checkpoint")
+            path = path / CONFIG_FILE
         try:
             raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config.json not found") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read ({exc})") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(raw, dict):
