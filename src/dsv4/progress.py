@@ -1,6 +1,7 @@
 """Progress of long work (eval, convert, large generate batches): a tqdm bar when stderr is a terminal,
 otherwise a log line (logger "dsv4", level INFO) at most every `LOG_INTERVAL_S` seconds and one at the
-end, so that a log file or CI output shows the work is alive without a bar's control characters.
+end of work that lasted that long, so that a log file or CI output shows the work is alive without a bar's
+control characters.
 
 The command line sends INFO records to stderr; a library user sees them once they configure logging.
 """
@@ -67,7 +68,9 @@ class Progress:
             self._bar.close()
             self._bar = None
         elif self._logging:
-            self._log()
+            # Work shorter than one interval needs no progress line at all.
+            if time.monotonic() - self._start >= self._interval:
+                self._log()
             self._logging = False
 
     def _log(self) -> None:

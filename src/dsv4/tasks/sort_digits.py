@@ -26,6 +26,8 @@ SPECIALS = (BOS, EOS, UNK)
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz =+-*/:,.?"
 VOCAB = SPECIALS + tuple(CHARS)
 BOS_ID, EOS_ID, UNK_ID = 0, 1, 2
+# A few prompts that show the task (`dsv4 generate` with no prompt uses them).
+DEMO_PROMPTS = ("sort 31402=", "sort 9081726=", "sort 55512=", "sort 7=", "sort 86420135=")
 # Longest prompt + answer + eos, plus bos.
 MAX_SEQ_LEN = 1 + len(PREFIX) + MAX_DIGITS + len(SEPARATOR) + MAX_DIGITS + 1
 
