@@ -17,7 +17,8 @@ Outputs (under --out, default src/dsv4/embedded):
   dsv4-sort/       DeepSeek's native release layout: FP8 e4m3 dense weights with ue8m0 128x128 block
                    scales, FP4 routed experts (int8 packed, ue8m0 scales per 32 inputs), native config
                    with quantization_config; this is the package's default model
-Both get the same character-level tokenizer.json. Quantization uses `dsv4.quant`.
+Both get the same character-level tokenizer.json and tokenizer_config.json (special tokens and the
+chat template of `dsv4.tasks.sort_digits`). Quantization uses `dsv4.quant`.
 """
 
 from __future__ import annotations
@@ -292,6 +293,12 @@ def _write_dir(out_dir: Path, files: dict[str, torch.Tensor], config: dict) -> N
     (out_dir / "model.safetensors").chmod(0o644)  # save_file creates 0600; package data must be readable
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     task.build_tokenizer().save(str(out_dir / "tokenizer.json"))
+    write_tokenizer_config(out_dir)
+
+
+def write_tokenizer_config(out_dir: Path) -> None:
+    """tokenizer_config.json with the task's chat template, so that `LLM.chat` works on the shipped models."""
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(task.tokenizer_config(), indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 
 import reference as ref
 from dsv4 import LLM, SamplingParams
-from dsv4.cli import HF_FORMAT, MIXED_FORMAT, NATIVE_FORMAT, detect_format, main
+from dsv4.cli import EXIT_OK, EXIT_USAGE, main
 from dsv4.errors import ConfigError
+from dsv4.weights.inspection import HF_FORMAT, MIXED_FORMAT, NATIVE_FORMAT, detect_format
 
 SEED = 3
 PROMPT = [5, 17, 33, 65, 129, 257, 7, 8, 9, 10, 300, 301, 2, 44, 45, 46, 47, 480, 12, 13]
@@ -29,7 +30,6 @@ SMALL_ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 64}
 HF_AGREEMENT = 1e-4  # dsv4 vs transformers, fp32, same weights (architecture notes: ~1e-6 typical)
 # Same values, different expert kernel (dense experts may take a fused path): fp32 summation-order noise only.
 CROSS_FORMAT = 1e-5
-EXIT_OK, EXIT_ERROR, EXIT_PROBLEMS = 0, 1, 2
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,12 @@ def test_native_hf_native_round_trip_gives_the_same_logits(tmp_path, source, ori
 
 def test_export_rejects_what_the_layout_cannot_hold(tmp_path, source, original, capsys):
     args = ["convert", str(source["fp4"]), str(tmp_path / "x"), "--layout", "hf", "--experts", "fp4"]
-    assert main(args) == EXIT_ERROR
-    assert "HF layout stores every tensor in float" in capsys.readouterr().err
+    assert main(args) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == "dsv4 convert: error: --layout hf stores every tensor in float: --experts fp4 needs --layout native\n"
+    assert not (tmp_path / "x").exists()  # refused before anything was loaded or created
+    with pytest.raises(ConfigError, match="HF layout stores every tensor in float"):
+        original.save_checkpoint(tmp_path / "y", layout="hf", experts="fp4")
     original.save_checkpoint(tmp_path / "taken")
     with pytest.raises(ConfigError, match="already holds a checkpoint"):
         original.save_checkpoint(tmp_path / "taken")
@@ -159,7 +163,7 @@ def test_inspect_reports_format_and_parameter_count(source, hf_export, capsys, n
         assert code == EXIT_OK, report
         assert report["format"] == fmt
         assert report["parameters"] == parameters
-        assert report["missing"] == report["unexpected"] == report["shape_mismatches"] == report["unpaired"] == []
+        assert report["missing"] == report["rejected"] == report["unpaired"] == [] and report["loadable"]
     code, report = _inspect_json(source["fp4"], capsys)
     assert set(report["dtypes"]) == {"BF16", "F32", "F8_E4M3", "F8_E8M0", "I32", "I8"}
     assert main(["inspect", str(source["fp4"])]) == EXIT_OK
@@ -190,12 +194,15 @@ def test_inspect_reports_a_broken_checkpoint_without_reading_data(source, tmp_pa
 
     monkeypatch.setattr("dsv4.weights.checkpoint.safe_open", lambda *a, **k: pytest.fail("inspect read tensor data"))
     code, report = _inspect_json(broken, capsys)
-    assert code == EXIT_PROBLEMS and not report["loadable"]
+    assert code == EXIT_USAGE and not report["loadable"]
+    file = broken / "model.safetensors"
     assert report["missing"] == ["layers.1.attn.kv_norm.weight", "layers.2.attn_norm.weight"]
-    assert report["unexpected"] == ["layers.1.attn.kv_nrom.weight"]
-    assert len(report["shape_mismatches"]) == 1 and report["shape_mismatches"][0].startswith("norm.weight")
-    assert report["unpaired"] == ["layers.0.ffn.experts.5.w2.weight has no scale"]
-    assert main(["inspect", str(broken)]) == EXIT_PROBLEMS
+    assert report["rejected"] == [
+        f"{file}: unexpected tensor 'layers.1.attn.kv_nrom.weight' (no such weight in this model)",
+        f"{file}: tensor norm.weight (norm.weight): tensor shape (63,) does not match the model's (64,)",
+    ]
+    assert report["unpaired"] == [f"layers.0.ffn.experts.5.w2.weight (from {file}) has no scale"]
+    assert main(["inspect", str(broken)]) == EXIT_USAGE
     text = capsys.readouterr().out
     assert "missing (2)" in text and "layers.1.attn.kv_nrom.weight" in text and "loadable: no" in text
 
