@@ -12,8 +12,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import safetensors
-import safetensors.torch
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -24,39 +22,27 @@ from dsv4.cli import EXIT_OK, EXIT_USAGE, main
 from dsv4.errors import ConfigError
 from dsv4.weights.inspection import HF_FORMAT, MIXED_FORMAT, NATIVE_FORMAT, detect_format
 
-SEED = 3
 PROMPT = [5, 17, 33, 65, 129, 257, 7, 8, 9, 10, 300, 301, 2, 44, 45, 46, 47, 480, 12, 13]
-SMALL_ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 64}
 HF_AGREEMENT = 1e-4  # dsv4 vs transformers, fp32, same weights (architecture notes: ~1e-6 typical)
 # Same values, different expert kernel (dense experts may take a fused path): fp32 summation-order noise only.
 CROSS_FORMAT = 1e-5
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def source(tiny_native, tiny_release_dir, tiny_transformers_saved_dir):
     """A native release-format checkpoint (FP8 dense, FP4 experts), its fp32 native tensors and its
-    transformers-saved twin."""
-    root = tmp_path_factory.mktemp("export")
-    cfg = ref.tiny_config()
-    model = ref.build_reference_model(cfg, SEED)
-    native = ref.native_state_dict(model)
-    ref.write_native_checkpoint(root / "native_fp4", cfg, native, dense="fp8", expert_dtype="fp4")
-    ref.save_hf_checkpoint(model, root / "transformers_saved")
-    return {"root": root, "native": native, "fp4": root / "native_fp4", "saved": root / "transformers_saved"}
+    transformers-saved twin (conftest.py)."""
+    return {"native": tiny_native, "fp4": tiny_release_dir, "saved": tiny_transformers_saved_dir}
 
 
 @pytest.fixture(scope="module")
-def original(source) -> LLM:
-    return LLM(source["fp4"], **SMALL_ENGINE)
+def original(source, make_llm) -> LLM:
+    return make_llm(source["fp4"])
 
 
 @pytest.fixture(scope="module")
 def original_logprobs(original) -> torch.Tensor:
     return original.forward_logprobs([PROMPT])[0]
-
-
-def _llm(path, **kwargs) -> LLM:
-    return LLM(path, **{**SMALL_ENGINE, **kwargs})
 
 
 def _checksums(llm: LLM) -> dict[str, str]:
@@ -82,7 +68,7 @@ def test_native_resident_round_trip_is_bit_exact(tmp_path, original, original_lo
     assert torch.equal(copy.forward_logprobs([PROMPT])[0], original_logprobs)
 
 
-def test_convert_native_fp8_dense_keeps_every_value(tmp_path, source, original):
+def test_convert_native_fp8_dense_keeps_every_value(tmp_path, source, original, make_llm):
     """FP8 dense linears re-quantized from their own dequantized values: the same values, so the same
     resident tensors after loading, bit for bit."""
     out = tmp_path / "fp8"
@@ -92,16 +78,16 @@ def test_convert_native_fp8_dense_keeps_every_value(tmp_path, source, original):
     assert dtypes["layers.1.attn.indexer.wq_b.weight"] == "F8_E4M3"
     assert dtypes["layers.1.attn.indexer.wq_b.scale"] == "F8_E8M0"
     assert dtypes["layers.1.attn.compressor.wkv.weight"] == "F32"  # outside the FP8 set
-    assert _checksums(_llm(out)) == _checksums(original)
+    assert _checksums(make_llm(out)) == _checksums(original)
 
 
-def test_native_hf_native_round_trip_gives_the_same_logits(tmp_path, source, original_logprobs):
+def test_native_hf_native_round_trip_gives_the_same_logits(tmp_path, source, original_logprobs, make_llm):
     hf_dir, back = tmp_path / "hf", tmp_path / "back"
     assert main(["convert", str(source["fp4"]), str(hf_dir), "--layout", "hf"]) == EXIT_OK
     hf_names = set(_stored_dtypes(hf_dir))
     assert "model.layers.0.mlp.experts.gate_up_proj" in hf_names and "lm_head.weight" in hf_names
     assert not any(".experts.0." in n for n in hf_names)
-    hf = _llm(hf_dir)
+    hf = make_llm(hf_dir)
     assert hf.loaded.expert_format == "dense"
     torch.testing.assert_close(hf.forward_logprobs([PROMPT])[0], original_logprobs, rtol=0, atol=CROSS_FORMAT)
 
@@ -112,7 +98,7 @@ def test_native_hf_native_round_trip_gives_the_same_logits(tmp_path, source, ori
 
     args = ["convert", str(hf_dir), str(back), "--layout", "native", "--experts", "fp4", "--dense", "fp8"]
     assert main(args) == EXIT_OK
-    again = _llm(back)
+    again = make_llm(back)
     assert again.loaded.expert_format == "fp4"
     assert torch.equal(again.forward_logprobs([PROMPT])[0], original_logprobs)  # the same FP4 values again
 
@@ -131,28 +117,15 @@ def test_export_rejects_what_the_layout_cannot_hold(tmp_path, source, original, 
 
 
 # ---- inspect ----
-@pytest.fixture
-def no_tensor_reads(monkeypatch):
-    """Make any read of tensor data fail: inspect may only read config.json and safetensors headers."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("inspect read tensor data")
-
-    monkeypatch.setattr("dsv4.weights.checkpoint.safe_open", refuse)
-    monkeypatch.setattr(safetensors, "safe_open", refuse)
-    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
-    monkeypatch.setattr(safetensors.torch, "safe_open", refuse)
-
-
 def _inspect_json(path, capsys, *extra) -> tuple[int, dict]:
     code = main(["inspect", str(path), "--json", *extra])
     return code, json.loads(capsys.readouterr().out)
 
 
 @pytest.fixture(scope="module")
-def hf_export(source, tmp_path_factory) -> Path:
+def hf_export(source, tmp_path_factory, make_llm) -> Path:
     out = tmp_path_factory.mktemp("hf_export") / "hf"
-    _llm(source["fp4"]).save_checkpoint(out, layout="hf")
+    make_llm(source["fp4"]).save_checkpoint(out, layout="hf")
     return out
 
 
