@@ -117,13 +117,16 @@ def live_models(monkeypatch) -> weakref.WeakSet:
 
 @pytest.fixture
 def no_weight_loading(monkeypatch):
-    """Make building or loading models fail: for calls that must be refused before any weight is touched."""
+    """Make loading weights fail: for calls that must be refused before any weight is read or written."""
+
+    # llm.py binds `load_models` by name at import: import it first, so that it never binds the stand-in.
+    import dsv4.engine.llm  # noqa: F401
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded although the call should have been refused up front")
 
     monkeypatch.setattr("dsv4.engine.llm.load_models", refuse)
-    monkeypatch.setattr("dsv4.weights.loader.build_models", refuse)
+    monkeypatch.setattr("dsv4.weights.loader.load_models", refuse)
 
 
 @pytest.fixture

@@ -103,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 success, 2 a user error or problems found, 130 interrupted.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SystemExit as done:  # --help, --version, or a rejected argument (already printed)
+        return done.code if isinstance(done.code, int) else EXIT_USAGE
     _log_to_stderr()
     try:
         return args.run(args)
