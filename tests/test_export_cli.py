@@ -23,7 +23,8 @@ from dsv4.errors import ConfigError
 from dsv4.weights.inspection import HF_FORMAT, MIXED_FORMAT, NATIVE_FORMAT, detect_format
 
 PROMPT = [5, 17, 33, 65, 129, 257, 7, 8, 9, 10, 300, 301, 2, 44, 45, 46, 47, 480, 12, 13]
-HF_AGREEMENT = 1e-4  # dsv4 vs transformers, fp32, same weights (architecture notes: ~1e-6 typical)
+# dsv4 vs transformers, fp32, same weights (docs/model.md, "The transformers oracle and its caveats").
+HF_AGREEMENT = 1e-4
 # Same values, different expert kernel (dense experts may take a fused path): fp32 summation-order noise only.
 CROSS_FORMAT = 1e-5
 
