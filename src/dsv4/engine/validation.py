@@ -74,10 +74,7 @@ def require_int(
     """
     if not _is_int(value):
         raise ArgumentTypeError(f"{where} must be an int, got {describe(value)}")
-    if minimum is not None and value < minimum:
-        raise error(f"{where} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise error(f"{where} must be <= {maximum}, got {value}")
+    _check_range(where, value, minimum, maximum, error)
     return value
 
 
@@ -105,11 +102,16 @@ def require_number(
         raise ArgumentTypeError(f"{where} must be a number, got {describe(value)}")
     if not math.isfinite(value):
         raise error(f"{where} must be a finite number, got {value}")
+    _check_range(where, value, minimum, maximum, error)
+    return value
+
+
+def _check_range(where: str, value: float, minimum: float | None, maximum: float | None,
+                 error: type[ValueError]) -> None:
     if minimum is not None and value < minimum:
         raise error(f"{where} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise error(f"{where} must be <= {maximum}, got {value}")
-    return value
 
 
 def require_bool(where: str, value: Any) -> bool:
