@@ -291,8 +291,8 @@ def test_tensor_in_two_shards(tmp_path, config, native, live_models, good_dir, g
 
 def test_no_safetensors(tmp_path, config, live_models, good_dir, good_logprobs, prompt):
     (tmp_path / "config.json").write_text(json.dumps(ref.native_config(config)))
-    _fails_cleanly(tmp_path, CheckpointError, [str(tmp_path), "safetensors"], live_models, good_dir, good_logprobs,
-                   prompt)
+    _fails_cleanly(tmp_path, CheckpointError, [str(tmp_path), "safetensors", 'load_format="dummy"'], live_models,
+                   good_dir, good_logprobs, prompt)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
