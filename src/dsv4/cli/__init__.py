@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
-import traceback
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -112,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except (Dsv4Error, OSError) as exc:
         if args.debug:
+            import traceback
+
             traceback.print_exc()
         print(f"dsv4 {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
@@ -129,20 +129,21 @@ def _one_line(exc: BaseException) -> str:
 
 def _log_to_stderr() -> None:
     """Progress and status lines (logger "dsv4", INFO) go to stderr as plain text, unless the embedding
-    program configured logging itself."""
+    program configured logging itself. (Imported here: `dsv4 --help` never needs logging.)"""
+    import logging
+
+    class StderrHandler(logging.Handler):
+        """Writes each record to whatever sys.stderr is at that moment (tests and embedding programs swap it)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            try:
+                print(self.format(record), file=sys.stderr)
+            except Exception:
+                self.handleError(record)
+
     logger = logging.getLogger("dsv4")
     if logger.handlers or logging.getLogger().handlers:
         return
-    logger.addHandler(_StderrHandler())
+    logger.addHandler(StderrHandler())
     logger.setLevel(logging.INFO)
     logger.propagate = False
-
-
-class _StderrHandler(logging.Handler):
-    """Writes each record to whatever sys.stderr is at that moment (tests and embedding programs swap it)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            print(self.format(record), file=sys.stderr)
-        except Exception:
-            self.handleError(record)
