@@ -177,3 +177,23 @@ def test_constructor_control_builds_a_model(live_models):
     """Control for the table above: the same call with good arguments builds a model (the guard can fire)."""
     llm = LLM("dsv4-tiny-dummy")
     assert len(live_models) == 1 and llm.loaded.target in live_models
+
+
+def test_text_prompts_are_checked_against_the_vocabulary_too(tmp_path):
+    """A tokenizer that knows more tokens than the model's embedding has rows rejects only the prompts that
+    use them, naming the request, the id and its position (the engine never indexes past the embedding)."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dsv4.embedded import EMBEDDED_MODELS
+
+    shutil.copy(EMBEDDED_MODELS["dsv4-tiny-dummy"].path / "config.json", tmp_path / "config.json")
+    words = {f"w{i}": i for i in range(600)}  # the tiny config's vocabulary has 512 entries
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w2"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    llm = LLM(tmp_path, load_format="dummy", max_num_seqs=2)
+    bad, good = llm.generate(["w3 w550", "w3 w4"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert bad.error == f"request {bad.request_id}: token id 550 at position 1 is outside the vocabulary [0, 512)"
+    assert good.error is None and len(good.outputs[0].token_ids) == 2

@@ -7,6 +7,7 @@ import argparse
 import json
 
 from dsv4.cli.arguments import embedded_model_help
+from dsv4.config import DENSE
 
 EXIT_OK, EXIT_PROBLEMS = 0, 2
 SHOWN_NAMES = 20  # lines listed per problem kind in text output (--json lists all)
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         from dsv4.weights.inspection import inspect_checkpoint
 
         report.update(inspect_checkpoint(path, cfg, args.draft).to_json())
-    report["companion_files"] = _companion_files(path, cfg.vocab_size)
+    report["companion_files"] = _companion_files(path)
     problems = report["companion_files"]["problems"]
     report["loadable"] = report.get("loadable", True) and not problems
     if args.json:
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK if report["loadable"] else EXIT_PROBLEMS
 
 
-def _companion_files(path, vocab_size: int) -> dict:
+def _companion_files(path) -> dict:
     """The tokenizer and chat template as `LLM` opens them; a broken one is a problem like a bad tensor."""
     from dsv4.engine.chat_template import ChatTemplate
     from dsv4.engine.tokenizer import load_tokenizer
@@ -57,7 +58,7 @@ def _companion_files(path, vocab_size: int) -> dict:
 
     found = {"tokenizer_tokens": None, "chat_template": False, "problems": []}
     try:
-        tokenizer = load_tokenizer(path, vocab_size)
+        tokenizer = load_tokenizer(path)
         if tokenizer is not None:
             found["tokenizer_tokens"] = tokenizer.get_vocab_size(with_added_tokens=True)
     except ConfigError as exc:
@@ -71,7 +72,7 @@ def _companion_files(path, vocab_size: int) -> dict:
 
 def _print_text(report: dict, cfg) -> None:
     print(f"checkpoint: {report['path']}")
-    experts = cfg.quant.expert_dtype if cfg.quant else "dense"
+    experts = cfg.quant.expert_dtype if cfg.quant else DENSE
     print(f"layers: {cfg.num_hidden_layers}, hidden: {cfg.hidden_size}, "
           f"routed experts: {cfg.n_routed_experts} ({experts})")
     if "weights" in report:

@@ -93,7 +93,7 @@ class LLM:
         self.dtype = resolve_dtype(dtype, cfg)
         self.path = Path(path)
         # Tokenizer and template first: a broken file fails before minutes of weight loading.
-        self.tokenizer = load_tokenizer(self.path, cfg.vocab_size)
+        self.tokenizer = load_tokenizer(self.path)
         self.chat_template = ChatTemplate.from_checkpoint(self.path)
         self.loaded: LoadedModels = load_models(
             path, load_format=load_format, dtype=self.dtype, device=device, draft=draft,
@@ -201,8 +201,10 @@ class LLM:
                 raise RequestError(
                     f"request {request_id}: {self.path} has no tokenizer.json, so prompts must be lists of token ids"
                 )
-            return self.tokenizer.encode(prompt).ids
-        ids = list(prompt)
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = list(prompt)
+        # Checked for text too: a tokenizer may know more tokens than the model's embedding has rows.
         check_prompt_ids(ids, self.config.vocab_size, f"request {request_id}")
         return ids
 

@@ -10,20 +10,18 @@ from dsv4.errors import ConfigError
 TOKENIZER_FILE = "tokenizer.json"
 
 
-def load_tokenizer(path: str | Path, vocab_size: int | None = None):
+def load_tokenizer(path: str | Path):
     """Open a checkpoint directory's tokenizer.
 
     Args:
         path: the checkpoint directory.
-        vocab_size: the model's vocabulary size; a tokenizer that can produce ids at or past it is refused
-            (its prompts would index outside the embedding).
 
     Returns:
         A `tokenizers.Tokenizer`, or None when the directory has no tokenizer.json (prompts must then be
         token ids).
 
     Raises:
-        ConfigError: the file cannot be parsed, or its vocabulary is larger than the model's.
+        ConfigError: the file cannot be parsed (the message names it).
     """
     file = Path(path) / TOKENIZER_FILE
     if not file.exists():
@@ -31,15 +29,9 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None):
     from tokenizers import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_file(str(file))
+        return Tokenizer.from_file(str(file))
     except Exception as exc:  # tokenizers raises a bare Exception for any malformed file
         if isinstance(exc, MemoryError):
             raise
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"{file}: not a valid tokenizer ({reason})") from None
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if vocab_size is not None and size > vocab_size:
-        raise ConfigError(
-            f"{file}: the tokenizer has {size} tokens but the model's vocab_size is {vocab_size} (config.json)"
-        )
-    return tokenizer
