@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
+# Everything with Python in it; folders a checkout does not have are skipped.
+LINTED := $(wildcard src tests scripts benchmarks examples)
 
-.PHONY: demo test clean
+.PHONY: demo lint test clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +20,10 @@ $(STAMP): $(VENV)/bin/python pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/dsv4 generate
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+
+test: lint
 	$(VENV)/bin/python -m pytest -q
 
 clean:

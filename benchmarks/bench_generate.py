@@ -1,6 +1,6 @@
 """dsv4 vs transformers 5.23 `generate` on the same randomised model, same dtype, in one run.
 
-Workloads (anchors.md §6 for the transformers side):
+Workloads (the same three for both engines):
   throughput  greedy generation of --new-tokens tokens after --prompt-len-token random prompts, at each
               --batch size, prefill included: generated tok/s
   decode      batch-1 decode step latency after a --prompt-len prompt (median over --new-tokens steps)

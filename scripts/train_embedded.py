@@ -12,12 +12,13 @@ mHC; one MTP layer) trained with dsv4's own model code on the digit-sorting task
 answer; the MTP layer learns the next-next token from the target's pre-hc_head stream (jointly, its
 loss also flows into the trunk, as in DeepSeek's recipe).
 
-Outputs (under --out, default src/dsv4/models):
+Outputs (under --out, default src/dsv4/embedded):
   dsv4-sort-bf16/  the trained weights in bf16, transformers' HF layout (stacked experts), HF config
   dsv4-sort/       DeepSeek's native release layout: FP8 e4m3 dense weights with ue8m0 128x128 block
                    scales, FP4 routed experts (int8 packed, ue8m0 scales per 32 inputs), native config
                    with quantization_config; this is the package's default model
-Both get the same character-level tokenizer.json. Quantization uses `dsv4.quant`.
+Both get the same character-level tokenizer.json and tokenizer_config.json (special tokens and the
+chat template of `dsv4.tasks.sort_digits`). Quantization uses `dsv4.quant`.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from dsv4.weights.names import to_hf_name
 
 NATIVE_NAME = "dsv4-sort"
 BF16_NAME = "dsv4-sort-bf16"
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "dsv4" / "models"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "dsv4" / "embedded"
 
 # The model, in transformers' spelling (ModelConfig.from_dict reads it; the writers respell it).
 MODEL_CONFIG = {
@@ -292,6 +293,12 @@ def _write_dir(out_dir: Path, files: dict[str, torch.Tensor], config: dict) -> N
     (out_dir / "model.safetensors").chmod(0o644)  # save_file creates 0600; package data must be readable
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     task.build_tokenizer().save(str(out_dir / "tokenizer.json"))
+    write_tokenizer_config(out_dir)
+
+
+def write_tokenizer_config(out_dir: Path) -> None:
+    """tokenizer_config.json with the task's chat template, so that `LLM.chat` works on the shipped models."""
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(task.tokenizer_config(), indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------

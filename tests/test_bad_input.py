@@ -2,15 +2,14 @@
 tensor or field at fault, and the failing call must leave nothing behind (no model object survives it, and a good
 checkpoint loaded right after gives the transformers reference numbers).
 
-Checkpoints are written directly with ``safetensors.torch.save_file`` from the native tensors of a randomised tiny
-transformers model (tests/reference.py), then mutated.
+Checkpoints are written directly with ``safetensors.torch.save_file`` from the native tensors of the shared randomised
+tiny transformers model (tests/conftest.py), then mutated.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import weakref
 from pathlib import Path
 
 import pytest
@@ -19,30 +18,23 @@ from safetensors.torch import save_file
 
 import reference as ref
 from dsv4 import LLM
-from dsv4.errors import CheckpointError, ConfigError
-from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.errors import CheckpointError, ConfigError, Dsv4Error
 from dsv4.weights.loader import load_models
 
-SEED = 4242
 GOOD_TOL = 1e-4
-PROMPT_LEN = 48
 WEIGHT = "model.safetensors"
 
 
+# The shared tiny model (conftest.py) under this file's names.
 @pytest.fixture(scope="module")
-def config():
-    return ref.tiny_config()
-
-
-@pytest.fixture(scope="module")
-def reference_model(config):
-    return ref.build_reference_model(config, SEED)
+def config(tiny_config):
+    return tiny_config
 
 
 @pytest.fixture(scope="module")
-def native(reference_model):
+def native(tiny_native):
     """fp32 native tensors (210 for the tiny config)."""
-    return ref.native_state_dict(reference_model)
+    return tiny_native
 
 
 @pytest.fixture(scope="module")
@@ -52,35 +44,18 @@ def fp8_native(native):
 
 
 @pytest.fixture(scope="module")
-def prompt(config):
-    generator = torch.Generator().manual_seed(5)
-    return torch.randint(2, config["vocab_size"], (PROMPT_LEN,), generator=generator).tolist()
+def prompt(tiny_prompt):
+    return tiny_prompt
 
 
 @pytest.fixture(scope="module")
-def good_dir(tmp_path_factory, config, native):
-    path = tmp_path_factory.mktemp("good")
-    _write(path, ref.native_config(config), native)
-    return path
+def good_dir(tiny_native_dir):
+    return tiny_native_dir
 
 
 @pytest.fixture(scope="module")
-def good_logprobs(reference_model, prompt):
-    return ref.reference_logprobs(reference_model, prompt)
-
-
-@pytest.fixture
-def live_models(monkeypatch):
-    """A WeakSet of every DeepseekV4 constructed during the test."""
-    alive: weakref.WeakSet = weakref.WeakSet()
-    original = DeepseekV4.__init__
-
-    def tracking_init(self, *args, **kwargs):
-        alive.add(self)
-        original(self, *args, **kwargs)
-
-    monkeypatch.setattr(DeepseekV4, "__init__", tracking_init)
-    return alive
+def good_logprobs(tiny_logprobs):
+    return tiny_logprobs
 
 
 def _write(path: Path, config: dict, tensors: dict[str, torch.Tensor], file: str = WEIGHT) -> Path:
@@ -93,13 +68,14 @@ def _write(path: Path, config: dict, tensors: dict[str, torch.Tensor], file: str
 def _fails_cleanly(
     path: Path, error: type[Exception], needles: list[str], live_models, good_dir, good_logprobs, prompt
 ):
-    """Both entry points raise `error` naming every needle; nothing survives; a good load right after is correct."""
+    """Both entry points raise `error` (a Dsv4Error that is also a ValueError) with a one-line message naming
+    every needle; no model built by the failed call survives; a good load right after is correct."""
     for load in (lambda: LLM(str(path), dtype="float32"), lambda: load_models(path, dtype=torch.float32)):
-        result = "not assigned"
         with pytest.raises(error) as excinfo:
-            result = load()
-        assert result == "not assigned"  # the call returned nothing
+            load()
+        assert isinstance(excinfo.value, Dsv4Error) and isinstance(excinfo.value, ValueError)
         message = str(excinfo.value)
+        assert "\n" not in message, f"not one line: {message!r}"
         for needle in needles:
             assert needle in message, f"{needle!r} not in error message {message!r}"
         del excinfo
@@ -163,11 +139,13 @@ FP32_CASES = {
     "misshaped_norm": (_set("norm.weight", lambda x: x[:-1]), ["norm.weight", "shape"]),
     "float_tid2eid": (_set("layers.0.ffn.gate.tid2eid", lambda x: x.float()), ["layers.0.ffn.gate.tid2eid"]),
     "int_linear": (_set("layers.1.attn.wq_b.weight", lambda x: x.to(torch.int32)), ["layers.1.attn.wq_b.weight"]),
+    "int_norm": (_set("layers.2.attn_norm.weight", lambda x: x.to(torch.int32)),
+                 ["layers.2.attn_norm.weight", "int32"]),
     "nan_in_linear": (_set("layers.2.attn.wo_a.weight", _with_nan(17)), ["layers.2.attn.wo_a.weight", "non-finite"]),
     "nan_in_expert": (_set("layers.3.ffn.experts.0.w3.weight", _with_nan(5)),
                       ["layers.3.ffn.experts.0.w3.weight", "non-finite"]),
     "inf_in_ape": (_set("layers.2.attn.compressor.ape", _with_inf), ["layers.2.attn.compressor.ape", "non-finite"]),
-    # tid2eid rows must be expert ids in [0, E) (architecture.md §10.7); E = 8 here.
+    # tid2eid rows must be k distinct expert ids in [0, E) (docs/model.md, "Loading rules"); E = 8 here.
     "tid2eid_out_of_range": (_set("layers.1.ffn.gate.tid2eid", lambda x: torch.where(x == 0, 8, x).to(x.dtype)),
                              ["layers.1.ffn.gate.tid2eid"]),
     "tid2eid_negative": (_set("layers.0.ffn.gate.tid2eid", lambda x: torch.where(x == 3, -1, x).to(x.dtype)),
@@ -175,6 +153,29 @@ FP32_CASES = {
     "tid2eid_repeated_expert_in_row": (_set("layers.1.ffn.gate.tid2eid", lambda x: x[:, :1].expand_as(x).clone()),
                                        ["layers.1.ffn.gate.tid2eid"]),
 }
+
+
+# Cases a load can only detect by reading values: `dsv4 inspect` (headers only) cannot see them.
+VALUE_CASES = {"nan_in_linear", "nan_in_expert", "inf_in_ape", "tid2eid_out_of_range", "tid2eid_negative",
+               "tid2eid_repeated_expert_in_row", "fp8_scale_nan_byte", "fp8_nan_code"}
+
+
+def _inspection_agrees(case: str, path: Path, load_message: str, needles: list[str]) -> None:
+    """`dsv4 inspect`'s dry run (headers only) finds every problem a load finds without reading values, and
+    says it in the load's own words."""
+    from dsv4.weights.inspection import inspect_checkpoint
+
+    inspection = inspect_checkpoint(path)
+    if case in VALUE_CASES:
+        assert inspection.loadable, inspection.to_json()  # values are beyond a header-only check
+        return
+    assert not inspection.loadable
+    if "missing" in case:
+        assert [n for n in needles if n in inspection.missing], inspection.missing
+    elif "without_scale" in case:
+        assert any(needles[0] in line and "has no scale" in line for line in inspection.unpaired)
+    else:
+        assert load_message in inspection.rejected, (load_message, inspection.rejected)
 
 
 @pytest.mark.parametrize("case", list(FP32_CASES))
@@ -185,7 +186,9 @@ def test_bad_tensor(case, tmp_path, config, native, live_models, good_dir, good_
     file = _write(tmp_path, ref.native_config(config), tensors)
     # A missing tensor is reported for the checkpoint directory; anything else for the file that holds it.
     where = str(tmp_path) if case.startswith("missing") else str(file)
-    _fails_cleanly(tmp_path, CheckpointError, [where, *needles], live_models, good_dir, good_logprobs, prompt)
+    message = _fails_cleanly(tmp_path, CheckpointError, [where, *needles], live_models, good_dir, good_logprobs,
+                             prompt)
+    _inspection_agrees(case, tmp_path, message, needles)
 
 
 def _with_fp8_nan_code(q):
@@ -215,10 +218,12 @@ def test_bad_quantized_tensor(case, tmp_path, config, fp8_native, live_models, g
              "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
     file = _write(tmp_path, ref.native_config(config, quant), tensors)
     where = str(tmp_path) if "without_scale" in case else str(file)
-    _fails_cleanly(tmp_path, CheckpointError, [where, *needles], live_models, good_dir, good_logprobs, prompt)
+    message = _fails_cleanly(tmp_path, CheckpointError, [where, *needles], live_models, good_dir, good_logprobs,
+                             prompt)
+    _inspection_agrees(case, tmp_path, message, needles)
 
 
-def test_unmutated_fp8_checkpoint_loads(tmp_path, config, fp8_native, reference_model, prompt):
+def test_unmutated_fp8_checkpoint_loads(tmp_path, config, fp8_native, prompt):
     """Control for the FP8 cases above: the same files without the mutation load and match transformers."""
     quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
              "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
@@ -286,8 +291,8 @@ def test_tensor_in_two_shards(tmp_path, config, native, live_models, good_dir, g
 
 def test_no_safetensors(tmp_path, config, live_models, good_dir, good_logprobs, prompt):
     (tmp_path / "config.json").write_text(json.dumps(ref.native_config(config)))
-    _fails_cleanly(tmp_path, CheckpointError, [str(tmp_path), "safetensors"], live_models, good_dir, good_logprobs,
-                   prompt)
+    _fails_cleanly(tmp_path, CheckpointError, [str(tmp_path), "safetensors", 'load_format="dummy"'], live_models,
+                   good_dir, good_logprobs, prompt)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

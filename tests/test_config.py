@@ -1,4 +1,4 @@
-"""Config parsing (architecture.md §2): transformers' DeepseekV4Config form and DeepSeek's native spellings must
+"""Config parsing (docs/model.md, "Config"): transformers' DeepseekV4Config form and DeepSeek's native spellings must
 give the same ModelConfig; precedence layer_types > compress_ratios; lists truncated to num_hidden_layers.
 
 Every form is compared against one expected ModelConfig whose values are written out here, so two forms cannot
@@ -222,8 +222,10 @@ def test_round_trips():
 
 
 def test_from_file_errors_name_the_file(tmp_path):
-    with pytest.raises(ConfigError, match=r"config\.json"):
-        ModelConfig.from_file(tmp_path)  # no config.json
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}: no config\.json in this directory"):
+        ModelConfig.from_file(tmp_path)
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'gone'}: no such file or directory$"):
+        ModelConfig.from_file(tmp_path / "gone")
     (tmp_path / "config.json").write_text(json.dumps([1, 2]))
     with pytest.raises(ConfigError, match=r"config\.json"):
         ModelConfig.from_file(tmp_path)

@@ -1,5 +1,6 @@
 """The embedded default model: shipped in DeepSeek's native FP8/FP4 layout, loads through `LLM()`, and
-answers its task; the eval's JSON schema; a seconds-long smoke run of the training script."""
+answers its task, as a prompt and as a chat (its chat template ships with it); the eval's JSON schema; a
+seconds-long smoke run of the training script."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch
 from safetensors import safe_open
 
 from dsv4.config import ModelConfig
+from dsv4.embedded import BF16_MODEL, DEFAULT_MODEL, EMBEDDED_MODELS
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.models import BF16_MODEL, DEFAULT_MODEL, EMBEDDED_MODELS
 from dsv4.tasks import sort_digits as task
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,17 +87,6 @@ def test_shipped_model_answers_held_out_prompts(shipped: LLM):
     assert correct / len(examples) >= 0.95, [(ex.prompt, o.outputs[0].text) for o, ex in zip(outputs, examples)]
 
 
-def test_eval_json_schema(capsys):
-    from dsv4.evaluate import main
-
-    assert main(["--n", "8", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"n", "accuracy", "mtp_top1_agreement"} and out["n"] == 8
-    assert set(out["accuracy"]) == {"bf16", "fp8", "fp4", "shipped"}
-    assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in out["accuracy"].values())
-    assert isinstance(out["mtp_top1_agreement"], float) and 0.0 <= out["mtp_top1_agreement"] <= 1.0
-
-
 def test_training_script_smoke(tmp_path: Path):
     spec = importlib.util.spec_from_file_location("train_embedded", REPO / "scripts" / "train_embedded.py")
     module = importlib.util.module_from_spec(spec)
@@ -111,15 +101,38 @@ def test_training_script_smoke(tmp_path: Path):
         llm = LLM(tmp_path / name, draft="mtp")
         out = llm.generate("sort 321=", SamplingParams(temperature=0.0, max_tokens=4))
         assert out[0].outputs[0].token_ids
+        # what the script writes is what ships: the same tokenizer files, so the same chat behaviour
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            assert (tmp_path / name / file).read_text() == (EMBEDDED_MODELS[name].path / file).read_text()
+        assert llm.chat([{"role": "user", "content": "sort 321="}], GREEDY)[0].error is None
+
+
+@pytest.mark.parametrize("name", [DEFAULT_MODEL, BF16_MODEL])
+def test_chat_works_on_the_shipped_models(name, shipped: LLM):
+    """The shipped tokenizer_config.json renders chats exactly as transformers renders it (the oracle), and
+    the model answers them."""
+    from transformers import AutoTokenizer
+
+    llm = shipped if name == DEFAULT_MODEL else LLM(name, max_num_seqs=8)
+    examples = task.examples(8, seed=4242)
+    chats = [[{"role": "user", "content": "sort 1="}, {"role": "assistant", "content": "1"},
+              {"role": "user", "content": ex.prompt}] for ex in examples]
+    outputs = llm.chat(chats, GREEDY, use_tqdm=False)
+    reference = AutoTokenizer.from_pretrained(EMBEDDED_MODELS[name].path)
+    for chat, out, ex in zip(chats, outputs, examples):
+        assert out.prompt_token_ids == reference.apply_chat_template(chat, tokenize=True)["input_ids"]
+        assert out.outputs[0].text == ex.answer
+    assert json.loads((EMBEDDED_MODELS[name].path / "tokenizer_config.json").read_text()) == task.tokenizer_config()
 
 
 def test_cli_eval_json(capsys):
+    """`dsv4 eval --json`: its schema, and the shipped model's accuracy on fresh held-out prompts."""
     from dsv4.cli import main
 
     assert main(["eval", "--n", "16", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["n"] == 16
+    assert set(result) == {"n", "accuracy", "mtp_top1_agreement"} and result["n"] == 16
     assert set(result["accuracy"]) == {"bf16", "fp8", "fp4", "shipped"}
-    assert all(0.0 <= v <= 1.0 for v in result["accuracy"].values())
+    assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in result["accuracy"].values())
     assert result["accuracy"]["shipped"] >= 0.9
-    assert 0.0 <= result["mtp_top1_agreement"] <= 1.0
+    assert isinstance(result["mtp_top1_agreement"], float) and 0.0 <= result["mtp_top1_agreement"] <= 1.0

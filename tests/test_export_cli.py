@@ -12,51 +12,38 @@ import shutil
 from pathlib import Path
 
 import pytest
-import safetensors
-import safetensors.torch
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import reference as ref
 from dsv4 import LLM, SamplingParams
-from dsv4.cli import HF_FORMAT, MIXED_FORMAT, NATIVE_FORMAT, detect_format, main
+from dsv4.cli import EXIT_OK, EXIT_USAGE, main
 from dsv4.errors import ConfigError
+from dsv4.weights.inspection import HF_FORMAT, MIXED_FORMAT, NATIVE_FORMAT, detect_format
 
-SEED = 3
 PROMPT = [5, 17, 33, 65, 129, 257, 7, 8, 9, 10, 300, 301, 2, 44, 45, 46, 47, 480, 12, 13]
-SMALL_ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 64}
-HF_AGREEMENT = 1e-4  # dsv4 vs transformers, fp32, same weights (architecture notes: ~1e-6 typical)
+# dsv4 vs transformers, fp32, same weights (docs/model.md, "The transformers oracle and its caveats").
+HF_AGREEMENT = 1e-4
 # Same values, different expert kernel (dense experts may take a fused path): fp32 summation-order noise only.
 CROSS_FORMAT = 1e-5
-EXIT_OK, EXIT_ERROR, EXIT_PROBLEMS = 0, 1, 2
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def source(tiny_native, tiny_release_dir, tiny_transformers_saved_dir):
     """A native release-format checkpoint (FP8 dense, FP4 experts), its fp32 native tensors and its
-    transformers-saved twin."""
-    root = tmp_path_factory.mktemp("export")
-    cfg = ref.tiny_config()
-    model = ref.build_reference_model(cfg, SEED)
-    native = ref.native_state_dict(model)
-    ref.write_native_checkpoint(root / "native_fp4", cfg, native, dense="fp8", expert_dtype="fp4")
-    ref.save_hf_checkpoint(model, root / "transformers_saved")
-    return {"root": root, "native": native, "fp4": root / "native_fp4", "saved": root / "transformers_saved"}
+    transformers-saved twin (conftest.py)."""
+    return {"native": tiny_native, "fp4": tiny_release_dir, "saved": tiny_transformers_saved_dir}
 
 
 @pytest.fixture(scope="module")
-def original(source) -> LLM:
-    return LLM(source["fp4"], **SMALL_ENGINE)
+def original(source, make_llm) -> LLM:
+    return make_llm(source["fp4"])
 
 
 @pytest.fixture(scope="module")
 def original_logprobs(original) -> torch.Tensor:
     return original.forward_logprobs([PROMPT])[0]
-
-
-def _llm(path, **kwargs) -> LLM:
-    return LLM(path, **{**SMALL_ENGINE, **kwargs})
 
 
 def _checksums(llm: LLM) -> dict[str, str]:
@@ -82,7 +69,7 @@ def test_native_resident_round_trip_is_bit_exact(tmp_path, original, original_lo
     assert torch.equal(copy.forward_logprobs([PROMPT])[0], original_logprobs)
 
 
-def test_convert_native_fp8_dense_keeps_every_value(tmp_path, source, original):
+def test_convert_native_fp8_dense_keeps_every_value(tmp_path, source, original, make_llm):
     """FP8 dense linears re-quantized from their own dequantized values: the same values, so the same
     resident tensors after loading, bit for bit."""
     out = tmp_path / "fp8"
@@ -92,16 +79,16 @@ def test_convert_native_fp8_dense_keeps_every_value(tmp_path, source, original):
     assert dtypes["layers.1.attn.indexer.wq_b.weight"] == "F8_E4M3"
     assert dtypes["layers.1.attn.indexer.wq_b.scale"] == "F8_E8M0"
     assert dtypes["layers.1.attn.compressor.wkv.weight"] == "F32"  # outside the FP8 set
-    assert _checksums(_llm(out)) == _checksums(original)
+    assert _checksums(make_llm(out)) == _checksums(original)
 
 
-def test_native_hf_native_round_trip_gives_the_same_logits(tmp_path, source, original_logprobs):
+def test_native_hf_native_round_trip_gives_the_same_logits(tmp_path, source, original_logprobs, make_llm):
     hf_dir, back = tmp_path / "hf", tmp_path / "back"
     assert main(["convert", str(source["fp4"]), str(hf_dir), "--layout", "hf"]) == EXIT_OK
     hf_names = set(_stored_dtypes(hf_dir))
     assert "model.layers.0.mlp.experts.gate_up_proj" in hf_names and "lm_head.weight" in hf_names
     assert not any(".experts.0." in n for n in hf_names)
-    hf = _llm(hf_dir)
+    hf = make_llm(hf_dir)
     assert hf.loaded.expert_format == "dense"
     torch.testing.assert_close(hf.forward_logprobs([PROMPT])[0], original_logprobs, rtol=0, atol=CROSS_FORMAT)
 
@@ -112,43 +99,34 @@ def test_native_hf_native_round_trip_gives_the_same_logits(tmp_path, source, ori
 
     args = ["convert", str(hf_dir), str(back), "--layout", "native", "--experts", "fp4", "--dense", "fp8"]
     assert main(args) == EXIT_OK
-    again = _llm(back)
+    again = make_llm(back)
     assert again.loaded.expert_format == "fp4"
     assert torch.equal(again.forward_logprobs([PROMPT])[0], original_logprobs)  # the same FP4 values again
 
 
 def test_export_rejects_what_the_layout_cannot_hold(tmp_path, source, original, capsys):
     args = ["convert", str(source["fp4"]), str(tmp_path / "x"), "--layout", "hf", "--experts", "fp4"]
-    assert main(args) == EXIT_ERROR
-    assert "HF layout stores every tensor in float" in capsys.readouterr().err
+    assert main(args) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == "dsv4 convert: error: --layout hf stores every tensor in float: --experts fp4 needs --layout native\n"
+    assert not (tmp_path / "x").exists()  # refused before anything was loaded or created
+    with pytest.raises(ConfigError, match="HF layout stores every tensor in float"):
+        original.save_checkpoint(tmp_path / "y", layout="hf", experts="fp4")
     original.save_checkpoint(tmp_path / "taken")
     with pytest.raises(ConfigError, match="already holds a checkpoint"):
         original.save_checkpoint(tmp_path / "taken")
 
 
 # ---- inspect ----
-@pytest.fixture
-def no_tensor_reads(monkeypatch):
-    """Make any read of tensor data fail: inspect may only read config.json and safetensors headers."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("inspect read tensor data")
-
-    monkeypatch.setattr("dsv4.weights.checkpoint.safe_open", refuse)
-    monkeypatch.setattr(safetensors, "safe_open", refuse)
-    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
-    monkeypatch.setattr(safetensors.torch, "safe_open", refuse)
-
-
 def _inspect_json(path, capsys, *extra) -> tuple[int, dict]:
     code = main(["inspect", str(path), "--json", *extra])
     return code, json.loads(capsys.readouterr().out)
 
 
 @pytest.fixture(scope="module")
-def hf_export(source, tmp_path_factory) -> Path:
+def hf_export(source, tmp_path_factory, make_llm) -> Path:
     out = tmp_path_factory.mktemp("hf_export") / "hf"
-    _llm(source["fp4"]).save_checkpoint(out, layout="hf")
+    make_llm(source["fp4"]).save_checkpoint(out, layout="hf")
     return out
 
 
@@ -159,7 +137,7 @@ def test_inspect_reports_format_and_parameter_count(source, hf_export, capsys, n
         assert code == EXIT_OK, report
         assert report["format"] == fmt
         assert report["parameters"] == parameters
-        assert report["missing"] == report["unexpected"] == report["shape_mismatches"] == report["unpaired"] == []
+        assert report["missing"] == report["rejected"] == report["unpaired"] == [] and report["loadable"]
     code, report = _inspect_json(source["fp4"], capsys)
     assert set(report["dtypes"]) == {"BF16", "F32", "F8_E4M3", "F8_E8M0", "I32", "I8"}
     assert main(["inspect", str(source["fp4"])]) == EXIT_OK
@@ -190,12 +168,15 @@ def test_inspect_reports_a_broken_checkpoint_without_reading_data(source, tmp_pa
 
     monkeypatch.setattr("dsv4.weights.checkpoint.safe_open", lambda *a, **k: pytest.fail("inspect read tensor data"))
     code, report = _inspect_json(broken, capsys)
-    assert code == EXIT_PROBLEMS and not report["loadable"]
+    assert code == EXIT_USAGE and not report["loadable"]
+    file = broken / "model.safetensors"
     assert report["missing"] == ["layers.1.attn.kv_norm.weight", "layers.2.attn_norm.weight"]
-    assert report["unexpected"] == ["layers.1.attn.kv_nrom.weight"]
-    assert len(report["shape_mismatches"]) == 1 and report["shape_mismatches"][0].startswith("norm.weight")
-    assert report["unpaired"] == ["layers.0.ffn.experts.5.w2.weight has no scale"]
-    assert main(["inspect", str(broken)]) == EXIT_PROBLEMS
+    assert report["rejected"] == [
+        f"{file}: unexpected tensor 'layers.1.attn.kv_nrom.weight' (no such weight in this model)",
+        f"{file}: tensor norm.weight (norm.weight): tensor shape (63,) does not match the model's (64,)",
+    ]
+    assert report["unpaired"] == [f"layers.0.ffn.experts.5.w2.weight (from {file}) has no scale"]
+    assert main(["inspect", str(broken)]) == EXIT_USAGE
     text = capsys.readouterr().out
     assert "missing (2)" in text and "layers.1.attn.kv_nrom.weight" in text and "loadable: no" in text
 

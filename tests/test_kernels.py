@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from dsv4.config import ModelConfig
+from dsv4.embedded import EMBEDDED_MODELS
 from dsv4.engine.llm import LLM
 from dsv4.kernels.mhc_cpu import MhcCpuKernel, build_library
 from dsv4.kernels.registry import MHC_COEFFICIENTS, REFERENCE, KernelRegistry, default_registry, describe_backends
 from dsv4.model import mhc
 from dsv4.model.batch import ForwardBatch
-from dsv4.models import EMBEDDED_MODELS
 
 HC = 4
 MIX = 2 * HC + HC * HC

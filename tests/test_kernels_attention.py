@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from dsv4.config import CSA, HCA, SLIDING, ModelConfig
+from dsv4.embedded import EMBEDDED_MODELS
 from dsv4.kernels.registry import DECODE_ATTENTION, PREFILL_ATTENTION, REFERENCE, Choice, KernelRegistry
 from dsv4.model import attention as attention_module
 from dsv4.model.attention import Attention
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import allocate_layer_cache, cache_tensors
 from dsv4.model.step_plan import DecodeMeta
-from dsv4.models import EMBEDDED_MODELS
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SLOTS = 13  # one per prefill length, plus the late joiner

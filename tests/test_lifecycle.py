@@ -217,7 +217,7 @@ def test_refit_session_covers_drafters(checkpoints, role):
 
 def test_forward_refuses_unfinalized_models():
     from dsv4.config import ModelConfig
-    from dsv4.models import EMBEDDED_MODELS
+    from dsv4.embedded import EMBEDDED_MODELS
 
     cfg = ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0])
     models = build_models(cfg, "fp4", torch.float32, "cpu", draft="mtp")

@@ -65,7 +65,6 @@ def _kept(processed_row: torch.Tensor) -> set[int]:
         ("logprobs", -1),
         ("prompt_logprobs", 21),
         ("logprobs_mode", "processed_logits"),
-        ("seed", 1.5),
         ("stop", [""]),
         ("stop_token_ids", [-1]),
     ],

@@ -50,7 +50,7 @@ PROBE = textwrap.dedent(
 def test_checkpoint_load_streams(tmp_path):
     config_dir = tmp_path / "config"
     config_dir.mkdir()
-    from dsv4.models import EMBEDDED_MODELS
+    from dsv4.embedded import EMBEDDED_MODELS
 
     raw = json.loads((EMBEDDED_MODELS["dsv4-tiny-dummy"][0] / "config.json").read_text())
     raw.update(WIDE)

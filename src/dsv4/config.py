@@ -26,9 +26,16 @@ MOE = "moe"
 MLP_TYPES = (HASH_MOE, MOE)
 
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
-EXPERT_DTYPES = ("fp4", "fp8")
+
+# Routed-expert formats, defined here once: DENSE is float (bf16 / fp32); FP8 is e4m3 with block scales;
+# FP4 is MXFP4-style e2m1 packed two per byte with ue8m0 scales. A checkpoint's
+# `quantization_config.expert_dtype` names one of the quantized two; a load may choose any of the three.
+DENSE, FP8, FP4 = "dense", "fp8", "fp4"
+EXPERT_FORMATS = (DENSE, FP8, FP4)
+QUANTIZED_EXPERT_FORMATS = (FP4, FP8)
 SCALE_FMTS = ("ue8m0", "float")
 QUANT_METHODS = ("fp8", "deepseek_v4_fp8")
+CONFIG_FILE = "config.json"
 
 # Native configs name a layer's attention by its compression ratio; these are the only values
 # DeepSeek ships (the rates themselves may be overridden by compress_rate_csa / compress_rate_hca).
@@ -55,7 +62,7 @@ class QuantConfig:
 
     weight_block_size: tuple[int, int] = (128, 128)
     scale_fmt: str = "ue8m0"  # dense FP8 scales: "ue8m0" (powers of two) or "float" (fp32)
-    expert_dtype: str = "fp4"  # routed experts: "fp4" (MXFP4 e2m1) or "fp8" (e4m3 block)
+    expert_dtype: str = FP4  # routed experts: FP4 (MXFP4 e2m1) or FP8 (e4m3 block)
     fp4_group_size: int = 32  # inputs sharing one ue8m0 scale in an FP4 expert row
 
 
@@ -127,12 +134,16 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"{path}: no such file or directory")
         if path.is_dir():
-            path = path / "config.json"
+            if not (path / CONFIG_FILE).is_file():
+                raise ConfigError(f"{path}: no {CONFIG_FILE} in this directory, so it is not a checkpoint")
+            path = path / CONFIG_FILE
         try:
             raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config.json not found") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read ({exc})") from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(raw, dict):
@@ -466,10 +477,10 @@ class _ConfigParser:
         if scale_fmt not in SCALE_FMTS:
             raise self.fail("quantization_config.scale_fmt", f"expected one of {SCALE_FMTS}, got {scale_fmt!r}")
         # Resolved once the whole config is known: the in-dict value wins, then the top-level one.
-        expert_dtype = q.get("expert_dtype") or self.raw.get("expert_dtype") or "fp4"
-        if expert_dtype not in EXPERT_DTYPES:
+        expert_dtype = q.get("expert_dtype") or self.raw.get("expert_dtype") or FP4
+        if expert_dtype not in QUANTIZED_EXPERT_FORMATS:
             raise self.fail("quantization_config.expert_dtype",
-                            f"expected one of {EXPERT_DTYPES}, got {expert_dtype!r}")
+                            f"expected one of {QUANTIZED_EXPERT_FORMATS}, got {expert_dtype!r}")
         return QuantConfig(weight_block_size=tuple(block), scale_fmt=scale_fmt, expert_dtype=expert_dtype)
 
     def _dspark(self, n_layers: int) -> DSparkConfig | None:

@@ -1,4 +1,10 @@
-"""The errors dsv4 raises. Each message names the file, tensor, field or request at fault."""
+"""The errors dsv4 raises for bad input. Each message names the file, tensor, field, argument or request at
+fault and the bad value.
+
+Every class derives from `Dsv4Error` (catch that to catch them all) and from the built-in exception a Python
+user expects for the same mistake (`ValueError` for a bad value, `TypeError` for a wrong type), so code
+written against either keeps working. The command line turns any of them into one line and exit status 2.
+"""
 
 
 class Dsv4Error(Exception):
@@ -6,7 +12,7 @@ class Dsv4Error(Exception):
 
 
 class ConfigError(Dsv4Error, ValueError):
-    """An invalid or unsupported config value; the message names the file and field."""
+    """An invalid or unsupported config value or engine option; the message names the file or argument."""
 
 
 class CheckpointError(Dsv4Error, ValueError):
@@ -22,4 +28,9 @@ class WeightUpdateError(Dsv4Error, ValueError):
 
 
 class RequestError(Dsv4Error, ValueError):
-    """A request that cannot be served (too long, bad parameters); other requests are unaffected."""
+    """A request that cannot be served (too long, bad parameters or token ids); other requests are unaffected."""
+
+
+class ArgumentTypeError(Dsv4Error, TypeError):
+    """An argument of a public function with the wrong Python type; the message names the argument (and the
+    request or list position within it) and shows the value received."""

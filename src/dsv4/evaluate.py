@@ -1,4 +1,4 @@
-"""`dsv4 eval` and `make demo`: score the embedded models on their task, show them answering.
+"""Score the embedded models on their task (`dsv4 eval`).
 
 `evaluate()` draws a fresh seeded held-out sample of the task (`dsv4.tasks.sort_digits`) and measures
 greedy exact-match accuracy, through `LLM` (the same path as any checkpoint), for:
@@ -15,23 +15,20 @@ drafter sees the target's stream at t and token t+1 and its argmax is compared w
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from dsv4.models import BF16_MODEL, DEFAULT_MODEL, EMBEDDED_MODELS
+from dsv4.embedded import BF16_MODEL, DEFAULT_MODEL, EMBEDDED_MODELS
+from dsv4.engine.validation import require_int
+from dsv4.errors import ConfigError
+from dsv4.progress import LOGGER
 from dsv4.tasks import sort_digits as task
 
 DEFAULT_N = 256
 DEFAULT_SEED = 20260  # held-out: training draws from seeds 0.. of its own stream
 _MAX_CONCURRENCY = 64
 VARIANTS = ("bf16", "fp8", "fp4", "shipped")
-DEMO_PROMPTS = ("sort 31402=", "sort 9081726=", "sort 55512=", "sort 7=", "sort 86420135=")
 
 
 @dataclass(frozen=True)
@@ -60,10 +57,11 @@ def exact_match(outputs, examples: list[task.Example]) -> float:
     return hits / max(1, len(examples))
 
 
-@torch.inference_mode()
 def mtp_agreement(llm, outputs) -> float:
     """Top-1 agreement of the MTP draft with the target's token two ahead, teacher-forced on the
     target's own greedy completions (what speculative decoding would have to guess)."""
+    import torch  # imported here so that `dsv4 eval --help` reads this module's defaults without torch
+
     from dsv4.model.batch import ForwardBatch
 
     target, mtp = llm.loaded.target, llm.loaded.models["mtp"]
@@ -73,10 +71,11 @@ def mtp_agreement(llm, outputs) -> float:
         return 0.0
     max_len = max(len(s) for _, s in seqs) + 1
     batch = ForwardBatch.build([(i, s, 0) for i, (_, s) in enumerate(seqs)])
-    streams, _ = target(batch, target.allocate_cache(len(seqs), max_len))
     draft_batch = ForwardBatch.build([(i, s[1:], 0) for i, (_, s) in enumerate(seqs)])
     src = torch.cat([torch.arange(seg.begin, seg.end - 1) for seg in batch.segments])
-    _, logits = mtp(draft_batch, streams[src], mtp.allocate_cache(len(seqs), max_len))
+    with torch.inference_mode():
+        streams, _ = target(batch, target.allocate_cache(len(seqs), max_len))
+        _, logits = mtp(draft_batch, streams[src], mtp.allocate_cache(len(seqs), max_len))
     drafts = logits.argmax(dim=-1).tolist()
     hits = total = 0
     for seg, (prompt, seq) in zip(draft_batch.segments, seqs):
@@ -88,9 +87,29 @@ def mtp_agreement(llm, outputs) -> float:
 
 def evaluate(n: int = DEFAULT_N, seed: int = DEFAULT_SEED, models_dir: str | Path | None = None,
              variants: tuple[str, ...] = VARIANTS) -> EvalResult:
-    """Score the embedded models (or the two model folders under `models_dir`, as the training
-    script writes them) on n held-out examples drawn with `seed`."""
+    """Score the embedded models on held-out examples of their task.
+
+    Progress: each variant's generation shows as a bar on a terminal or periodic log lines otherwise
+    (`dsv4.progress`), and a log line reports each variant as it completes.
+
+    Args:
+        n: examples drawn (>= 1).
+        seed: seed of the draw.
+        models_dir: score the two model folders a training run wrote there instead of the embedded ones.
+        variants: which of `VARIANTS` to score.
+
+    Returns:
+        Accuracy and time per variant, and the MTP drafter's top-1 agreement (NaN without "shipped").
+
+    Raises:
+        ConfigError: n < 1 or an unknown variant.
+    """
     from dsv4.engine.llm import LLM
+
+    require_int("evaluate: n", n, minimum=1)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"evaluate: unknown variant(s) {unknown}; expected some of {VARIANTS}")
 
     if models_dir is not None:
         bf16_path, shipped_path = Path(models_dir) / BF16_MODEL, Path(models_dir) / DEFAULT_MODEL
@@ -113,6 +132,8 @@ def evaluate(n: int = DEFAULT_N, seed: int = DEFAULT_SEED, models_dir: str | Pat
         if variant == "shipped":
             agreement = mtp_agreement(llm, outputs)
         seconds[variant] = time.perf_counter() - t0
+        LOGGER.info("eval: %s (%d/%d) accuracy %.4f in %.1f s", variant, len(accuracy), len(variants),
+                    accuracy[variant], seconds[variant])
     return EvalResult(n=n, accuracy=accuracy, mtp_top1_agreement=agreement, seconds=seconds)
 
 
@@ -126,7 +147,7 @@ _DESCRIPTIONS = {
 
 def format_table(result: EvalResult) -> str:
     width = max(len(d) for d in _DESCRIPTIONS.values())
-    lines = [f"task: {task.NAME} (e.g. '{DEMO_PROMPTS[0]}' -> '{task.solve(DEMO_PROMPTS[0])}'), "
+    lines = [f"task: {task.NAME} (e.g. '{task.DEMO_PROMPTS[0]}' -> '{task.solve(task.DEMO_PROMPTS[0])}'), "
              f"greedy exact match on {result.n} held-out prompts",
              f"{'variant':<8}  {'model':<{width}}  {'accuracy':>8}  {'time':>6}"]
     for variant, acc in result.accuracy.items():
@@ -134,45 +155,3 @@ def format_table(result: EvalResult) -> str:
     lines.append("MTP draft top-1 agreement with the target's next-next token (shipped): "
                  f"{result.mtp_top1_agreement:.4f}")
     return "\n".join(lines)
-
-
-def demo(prompts: tuple[str, ...] = DEMO_PROMPTS, model: str | None = None) -> None:
-    """Load the default (shipped native FP4) model and answer a few prompts, with timings."""
-    from dsv4.engine.llm import LLM
-    from dsv4.engine.sampling_params import SamplingParams
-
-    t0 = time.perf_counter()
-    llm = LLM(model)
-    print(f"loaded {model or DEFAULT_MODEL} in {time.perf_counter() - t0:.2f}s "
-          f"(task: sort the digits after 'sort ', end the prompt with '=')")
-    params = SamplingParams(temperature=0.0, max_tokens=task.MAX_DIGITS + 2)
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        text = llm.generate(prompt, params)[0].outputs[0].text
-        ms = (time.perf_counter() - t0) * 1000
-        mark = "ok" if task.is_correct(prompt, text) else f"expected {task.solve(prompt)}"
-        print(f"{prompt!s:<18} -> {text!s:<10} {ms:7.1f} ms  {mark}")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--n", type=int, default=DEFAULT_N, help="held-out examples (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="held-out sample seed (default %(default)s)")
-    parser.add_argument("--models-dir", default=None, help="score the two folders a training run wrote instead")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-
-
-def run(args: argparse.Namespace) -> int:
-    """`dsv4 eval` given parsed arguments (see add_arguments). Returns the exit status."""
-    result = evaluate(n=args.n, seed=args.seed, models_dir=args.models_dir)
-    print(json.dumps(result.to_json()) if args.json else format_table(result))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dsv4 eval", description="Score the embedded models on their task.")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
 Rendered as transformers does: a sandboxed Jinja2 environment with trim_blocks/lstrip_blocks, the
 variables `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and `raise_exception`.
-jinja2 is imported only here, when a chat is rendered.
+jinja2 is imported only here, when a checkpoint with a template is opened.
 """
 
 from __future__ import annotations
@@ -10,14 +10,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dsv4.engine.validation import check_message
 from dsv4.errors import ConfigError, RequestError
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 DEFAULT_TEMPLATE_NAME = "default"
+SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token")
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict[str, str]):
+    """A compiled chat template.
+
+    Args:
+        source: the Jinja2 template text.
+        special_tokens: values of the template variables `bos_token` and `eos_token`.
+        origin: where the template came from, for error messages.
+
+    Raises:
+        ConfigError: the template is not valid Jinja2.
+    """
+
+    def __init__(self, source: str, special_tokens: dict[str, str], origin: str = "chat_template"):
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -26,19 +39,34 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(source)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as exc:
+            raise ConfigError(f"{origin}: chat_template is not a valid Jinja2 template ({exc})") from None
         self._special_tokens = special_tokens
 
     @classmethod
-    def from_checkpoint(cls, path: Path) -> ChatTemplate | None:
-        """The template of checkpoint dir `path`, or None when it has none."""
+    def from_checkpoint(cls, path: str | Path) -> ChatTemplate | None:
+        """The template of a checkpoint directory.
+
+        Args:
+            path: the checkpoint directory.
+
+        Returns:
+            The template, or None when the directory has no tokenizer_config.json or it has no template.
+
+        Raises:
+            ConfigError: tokenizer_config.json is not valid JSON, or its template is malformed.
+        """
         file = Path(path) / TOKENIZER_CONFIG
         if not file.exists():
             return None
         try:
             config = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{file}: invalid JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise ConfigError(f"{file}: expected a JSON object at the top level")
         source = config.get("chat_template")
         if isinstance(source, list):  # [{"name": ..., "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -47,15 +75,27 @@ class ChatTemplate:
             return None
         if not isinstance(source, str):
             raise ConfigError(f"{file}: chat_template must be a string or a list of named templates")
-        special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
-        return cls(source, special)
+        special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_FIELDS}
+        return cls(source, special, origin=str(file))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of one conversation.
+
+        Args:
+            messages: dicts with a string 'role' and 'content'.
+            add_generation_prompt: end with the text that opens the assistant's turn.
+
+        Returns:
+            The text to tokenize (without adding special tokens: the template writes them).
+
+        Raises:
+            ArgumentTypeError: a malformed message.
+            RequestError: the template rejects the conversation (e.g. an unsupported role).
+        """
         from jinja2.exceptions import TemplateError
 
-        for message in messages:
-            if not isinstance(message, dict) or "role" not in message:
-                raise RequestError(f"chat messages must be dicts with a 'role', got {message!r}")
+        for i, message in enumerate(messages):
+            check_message(message, f"chat: messages[{i}]")
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -11,13 +10,27 @@ from pathlib import Path
 import torch
 
 from dsv4.config import ModelConfig
+from dsv4.embedded import resolve_model
 from dsv4.engine.chat_template import ChatTemplate
 from dsv4.engine.engine import Engine, EngineLimits
 from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
+from dsv4.engine.tokenizer import load_tokenizer
+from dsv4.engine.validation import (
+    check_llm_arguments,
+    check_path,
+    check_prompt_ids,
+    check_weight_pairs,
+    normalize_conversations,
+    normalize_prompts,
+    normalize_sampling_params,
+    normalize_token_sequences,
+    require_bool,
+    require_str,
+)
 from dsv4.errors import ConfigError, RequestError
 from dsv4.model.batch import ForwardBatch
-from dsv4.models import resolve_model
+from dsv4.progress import Progress
 from dsv4.weights.loader import LoadedModels, load_models
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -70,17 +83,23 @@ class LLM:
         max_model_len: int | None = None,
         compile: bool = False,
     ):
+        check_llm_arguments(
+            model=model, load_format=load_format, dtype=dtype, device=device, seed=seed, draft=draft,
+            expert_dtype=expert_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, compile=compile,
+        )
         path, load_format = resolve_model(model, load_format)
         cfg = ModelConfig.from_file(path)
         self.dtype = resolve_dtype(dtype, cfg)
+        self.path = Path(path)
+        # Tokenizer and template first: a broken file fails before minutes of weight loading.
+        self.tokenizer = load_tokenizer(self.path)
+        self.chat_template = ChatTemplate.from_checkpoint(self.path)
         self.loaded: LoadedModels = load_models(
             path, load_format=load_format, dtype=self.dtype, device=device, draft=draft,
             expert_dtype=expert_dtype, seed=seed,
         )
         self.config = self.loaded.config
-        self.path = Path(path)
-        self.tokenizer = _load_tokenizer(self.path)
-        self.chat_template = ChatTemplate.from_checkpoint(self.path)
         self.weights_version = 0
         self.limits = EngineLimits.derive(
             cfg, self.dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len
@@ -101,18 +120,19 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); one RequestOutput per prompt, in order.
         A prompt that cannot be served (too long, bad ids) gets an output with `.error` set and no
-        completions; the others still run. A progress bar shows when stderr is a terminal."""
-        requests: list[Request | RequestOutput] = self._add_all(prompts, sampling_params, stream=False)
+        completions; the others still run. With `use_tqdm`, progress shows as a bar when stderr is a
+        terminal and as periodic log lines otherwise (`dsv4.progress`)."""
+        prompts = normalize_prompts(prompts, "generate")
+        params = normalize_sampling_params(sampling_params, len(prompts), "generate")
+        require_bool("generate: use_tqdm", use_tqdm)
+        requests: list[Request | RequestOutput] = self._add_all(prompts, params, stream=False)
         pending = {r.request_id for r in requests if isinstance(r, Request)}
-        bar = _progress_bar(len(pending)) if use_tqdm else None
-        while pending:
-            for out in self.engine.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        with Progress(len(pending), "generate", "req", enabled=use_tqdm) as progress:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        progress.update()
         return [r.output(delta=False) if isinstance(r, Request) else r for r in requests]
 
     def stream(
@@ -121,8 +141,10 @@ class LLM:
         """Yield, step by step, each request's new tokens/text (`RequestOutput` deltas; the last one of a
         request has `finished=True`). `abort(request_id)` from the consuming loop stops a request: its
         final delta has finish_reason "abort". Rejected prompts are yielded first, with `.error`."""
+        prompts = normalize_prompts(prompts, "stream")
+        params = normalize_sampling_params(sampling_params, len(prompts), "stream")
         pending = set()
-        for r in self._add_all(prompts, sampling_params, stream=True):
+        for r in self._add_all(prompts, params, stream=True):
             if isinstance(r, Request):
                 pending.add(r.request_id)
             else:
@@ -136,6 +158,7 @@ class LLM:
 
     def abort(self, request_id: str) -> bool:
         """Stop a running or waiting request and free its cache slots; False if it is unknown or done."""
+        require_str("abort: request_id", request_id)
         return self.engine.abort(request_id)
 
     def chat(
@@ -146,49 +169,43 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """`generate` on conversations rendered with the checkpoint's chat template."""
+        conversations = normalize_conversations(messages, "chat")
+        require_bool("chat: add_generation_prompt", add_generation_prompt)
         if self.chat_template is None or self.tokenizer is None:
             raise RequestError(f"{self.path}: no chat_template in tokenizer_config.json (or no tokenizer.json)")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts = [self.chat_template.render(list(c), add_generation_prompt) for c in conversations]
         # The template writes any BOS itself, so encode without adding special tokens again.
         ids = [self.tokenizer.encode(text, add_special_tokens=False).ids for text in texts]
         return self.generate(ids, sampling_params, use_tqdm)
 
     def _add_all(
-        self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None,
-        stream: bool,
+        self, prompts: list[Prompt], params_list: list[SamplingParams], stream: bool,
     ) -> list[Request | RequestOutput]:
         """Queue every prompt; a prompt rejected on its own becomes an error RequestOutput. `stream`: report
         every step's delta (True) or only the finished output (False)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise RequestError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         added: list[Request | RequestOutput] = []
         for prompt, params in zip(prompts, params_list):
             rid = str(next(self._request_counter))
             text = prompt if isinstance(prompt, str) else None
             try:
-                ids = self._encode(prompt)
+                ids = self._encode(prompt, rid)
                 added.append(self.engine.add_request(rid, ids, params, text, self.weights_version, stream=stream))
             except RequestError as exc:
                 ids = [] if isinstance(prompt, str) else list(prompt)
                 added.append(RequestOutput(rid, text, ids, [], True, self.weights_version, error=str(exc)))
         return added
 
-    def _encode(self, prompt: str | Seq[int]) -> list[int]:
+    def _encode(self, prompt: str | Seq[int], request_id: str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError(f"{self.path}: no tokenizer.json, so prompts must be lists of token ids")
-            return self.tokenizer.encode(prompt).ids
-        ids = list(prompt)
-        vocab = self.config.vocab_size
-        if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+                raise RequestError(
+                    f"request {request_id}: {self.path} has no tokenizer.json, so prompts must be lists of token ids"
+                )
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = list(prompt)
+        # Checked for text too: a tokenizer may know more tokens than the model's embedding has rows.
+        check_prompt_ids(ids, self.config.vocab_size, f"request {request_id}")
         return ids
 
     # ---- scoring ----
@@ -196,12 +213,14 @@ class LLM:
     def forward_logprobs(self, token_ids: Seq[Seq[int]]) -> list[torch.Tensor]:
         """Per sequence, fp32 [len, vocab] log-softmax next-token distributions from the engine's own
         (chunked) prefill path, in a scratch cache slot."""
+        token_ids = normalize_token_sequences(
+            token_ids, self.config.vocab_size, self.limits.max_model_len, "forward_logprobs"
+        )
         model = self.loaded.target
         scratch = model.allocate_cache(1, max(len(ids) for ids in token_ids) + 1)
         results = []
         chunk = self.limits.max_num_batched_tokens
-        for seq_ids in token_ids:
-            ids = self._encode(list(seq_ids))
+        for ids in token_ids:
             parts = []
             for start in range(0, len(ids), chunk):
                 batch = ForwardBatch.build([(0, ids[start : start + chunk], start)])
@@ -217,6 +236,8 @@ class LLM:
     def begin_weight_update(self, atomic: bool = True, full: bool = False):
         """Open a weight update session (see `dsv4.weights.refit`): `load(bucket)` any number of times,
         then `finish()` (or use it as a context manager). Target and drafters update together."""
+        require_bool("begin_weight_update: atomic", atomic)
+        require_bool("begin_weight_update: full", full)
         from dsv4.errors import WeightUpdateError
         from dsv4.weights.refit import WeightUpdateSession
 
@@ -240,6 +261,7 @@ class LLM:
 
     def update_weights(self, weights, full: bool = False) -> int:
         """Atomically replace weights with (name, tensor) pairs (one bucket); returns the new version."""
+        check_weight_pairs(weights, "update_weights")
         with self.begin_weight_update(atomic=True, full=full) as session:
             session.load(weights)
         return session.version
@@ -260,24 +282,10 @@ class LLM:
         self, out_dir: str | Path, layout: str = "native", dense: str = "model", experts: str = "resident"
     ) -> Path:
         """Write the current weights as a checkpoint directory (tokenizer files copied along)."""
+        check_path("save_checkpoint: out_dir", out_dir)
+        for name, value in (("layout", layout), ("dense", dense), ("experts", experts)):
+            require_str(f"save_checkpoint: {name}", value)
         from dsv4.weights.export import save_checkpoint
 
         return save_checkpoint(self.loaded, out_dir, layout, dense, experts, copy_from=self.path)
 
-
-def _progress_bar(total: int):
-    """A tqdm bar over requests, only when stderr is a terminal."""
-    if not sys.stderr.isatty():
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="generate", unit="req")
-
-
-def _load_tokenizer(path: Path):
-    file = path / "tokenizer.json"
-    if not file.exists():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(file))

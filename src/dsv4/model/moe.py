@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.config import HASH_MOE, ModelConfig, QuantConfig
+from dsv4.config import DENSE, EXPERT_FORMATS, FP8, HASH_MOE, ModelConfig, QuantConfig
 from dsv4.kernels.gathered_experts import GroupedExperts, loop_experts
 from dsv4.kernels.registry import MOE_EXPERTS, default_registry
 from dsv4.model.linear import Linear, input_major
@@ -16,9 +16,6 @@ from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
 
 # Keeps the normalisation well-defined when every selected score underflows to zero.
 _ROUTING_NORM_EPS = 1e-20
-
-DENSE, FP8, FP4 = "dense", "fp8", "fp4"
-EXPERT_FORMATS = (DENSE, FP8, FP4)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:

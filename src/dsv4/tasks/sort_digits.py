@@ -4,7 +4,7 @@ A person types `sort 31402=` and the model answers `01234`: the digits of the pr
 order (duplicates kept), then end of sequence. The prompt holds 1..MAX_DIGITS digits.
 
 This module is the single definition of the task: prompt format, seeded data generator, answer
-checker and the character-level tokenizer the model reads it with. Training
+checker, and the character-level tokenizer and chat template the model ships with. Training
 (`scripts/train_embedded.py`) and evaluation (`dsv4.evaluate`) both use it.
 """
 
@@ -26,6 +26,8 @@ SPECIALS = (BOS, EOS, UNK)
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz =+-*/:,.?"
 VOCAB = SPECIALS + tuple(CHARS)
 BOS_ID, EOS_ID, UNK_ID = 0, 1, 2
+# A few prompts that show the task (`dsv4 generate` with no prompt uses them).
+DEMO_PROMPTS = ("sort 31402=", "sort 9081726=", "sort 55512=", "sort 7=", "sort 86420135=")
 # Longest prompt + answer + eos, plus bos.
 MAX_SEQ_LEN = 1 + len(PREFIX) + MAX_DIGITS + len(SEPARATOR) + MAX_DIGITS + 1
 
@@ -86,6 +88,32 @@ def build_tokenizer():
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([BOS, EOS, UNK])
     return tok
+
+
+# The task has no context: an answer depends only on its own prompt. So a chat is answered by rendering
+# its last message, which must be the user's prompt in the task's format; earlier turns cannot change the
+# answer and are left out. The bos token comes from the template (chat prompts are encoded without
+# adding special tokens).
+CHAT_TEMPLATE = (
+    "{% set last = messages[-1] %}"
+    "{% if last['role'] != 'user' %}"
+    "{{ raise_exception('the last message must be the user\\'s, e.g. \\'sort 31402=\\'') }}"
+    "{% endif %}"
+    "{{ bos_token }}{{ last['content'] }}"
+)
+
+
+def tokenizer_config() -> dict:
+    """The embedded models' tokenizer_config.json: special tokens and the chat template, in the form
+    transformers' tokenizers read as well."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "unk_token": UNK,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
 
 
 def encode(text: str) -> list[int]:

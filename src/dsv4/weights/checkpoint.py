@@ -78,7 +78,8 @@ class CheckpointDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: not a checkpoint directory")
+            problem = "is a file, not a checkpoint directory" if self.path.exists() else "no such directory"
+            raise CheckpointError(f"{self.path}: {problem}")
         self.files = self._files()
         self.tensors: dict[str, TensorInfo] = {}
         for file in self.files:
@@ -102,7 +103,10 @@ class CheckpointDir:
             return files
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
-            raise CheckpointError(f"{self.path}: no *.safetensors files (dsv4 loads safetensors only)")
+            raise CheckpointError(
+                f"{self.path}: no *.safetensors files (dsv4 loads safetensors only); to run this config with "
+                f'seeded dummy weights, load it with load_format="dummy" (--load-format dummy on the command line)'
+            )
         return files
 
     def _check_index(self) -> None:

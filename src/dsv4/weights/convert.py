@@ -6,13 +6,17 @@ Incoming forms:
   fp4        int8 / uint8 packed e2m1 [out, in/2] + ue8m0 `.scale` [out, in/group]
 Resident forms: a float parameter (model dtype or fp32), an int32 table, or stacked experts in the
 dense / fp8 / fp4 layout. ue8m0 bytes are only ever reinterpreted (`.view(uint8)`), never cast.
+
+Tensors on the meta device carry a shape and a dtype but no values: the checks that read values (finite,
+NaN codes, ue8m0 bytes, expert-id tables) skip them, so converting meta tensors checks everything else
+without reading data (`dsv4 inspect` stages a checkpoint's headers this way).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from dsv4.model.moe import DENSE, FP4, FP8
+from dsv4.config import DENSE, FP4, FP8
 from dsv4.quant import (
     as_e8m0_bytes,
     dequantize_fp4,
@@ -50,7 +54,13 @@ def _check_shape(got: torch.Size, want: tuple[int, ...], what: str) -> None:
         raise ConversionError(f"{what} shape {tuple(got)} does not match the model's {tuple(want)}")
 
 
+def _has_values(t: torch.Tensor) -> bool:
+    return not t.is_meta
+
+
 def _check_finite(t: torch.Tensor) -> None:
+    if not _has_values(t):
+        return
     if not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         raise ConversionError(f"contains {bad} non-finite value(s)")
@@ -60,7 +70,7 @@ def _check_e8m0(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype not in E8M0_DTYPES:
         raise ConversionError(f"ue8m0 scale must be float8_e8m0fnu or uint8 bytes, got {scale.dtype}")
     raw = as_e8m0_bytes(scale)
-    if bool((raw == 255).any()):
+    if _has_values(raw) and bool((raw == 255).any()):
         raise ConversionError("ue8m0 scale holds the NaN byte 0xFF")
     return raw
 
@@ -99,7 +109,7 @@ def _dequantize(
 
 def check_expert_table(table: torch.Tensor, n_experts: int) -> None:
     """A hash-routing table row must name k distinct experts in [0, n_experts)."""
-    if table.numel() == 0:
+    if table.numel() == 0 or not _has_values(table):
         return
     low, high = int(table.min()), int(table.max())
     if low < 0 or high >= n_experts:
@@ -155,7 +165,7 @@ def to_expert(
         else:
             scale32 = e8m0_to_float32(_check_e8m0(scale))
         _check_shape(scale32.shape, tuple(resident_scale.shape), "fp8 scale")
-        if bool(torch.isnan(weight.float()).any()):
+        if _has_values(weight) and bool(torch.isnan(weight.float()).any()):
             raise ConversionError("fp8 weight holds NaN codes")
         return weight, scale32
     values = _dequantize(weight, scale, layout, logical)

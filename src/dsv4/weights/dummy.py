@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from dsv4.model.moe import FP4, FP8
+from dsv4.config import DENSE, FP4, FP8
 from dsv4.weights.slots import SlotTable
 
 # Small values keep activations in a sane range through many layers of random weights.
@@ -38,7 +38,7 @@ def dummy_tensors(table: SlotTable, seed: int) -> Iterator[tuple[str, torch.Tens
         if slot.is_expert:
             fmt = table.expert_format(slot)
             shape = tuple(resident.shape[1:])
-            scale_shape = tuple(table.scale_param(slot).shape[1:]) if fmt != "dense" else None
+            scale_shape = tuple(table.scale_param(slot).shape[1:]) if fmt != DENSE else None
             base = slot.native[: -len(".weight")]
             if fmt == FP4:
                 packed = torch.randint(0, _PACKED_BYTE_RANGE, shape, generator=gen, dtype=torch.int32).to(torch.uint8)

@@ -17,15 +17,17 @@ import dataclasses
 import json
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from dsv4.config import QuantConfig
+from dsv4.config import DENSE, FP4, FP8, QuantConfig
 from dsv4.errors import ConfigError
-from dsv4.model.moe import DENSE, FP4, FP8, RoutedExperts
+from dsv4.model.moe import RoutedExperts
+from dsv4.progress import track
 from dsv4.quant import quantize_fp4, quantize_fp8_blockwise
 from dsv4.weights.checkpoint import INDEX_FILE
 from dsv4.weights.loader import TARGET, LoadedModels
@@ -249,9 +251,35 @@ class _ShardWriter:
         (self.out_dir / INDEX_FILE).write_text(json.dumps(index_json, indent=2))
 
 
-def _check_out_dir(out_dir: Path) -> None:
-    if out_dir.exists() and (any(out_dir.glob("*.safetensors")) or (out_dir / "config.json").exists()):
+def check_destination(out_dir: str | Path) -> None:
+    """Check, without creating anything that stays, that a new checkpoint can be written to `out_dir`.
+
+    Args:
+        out_dir: the directory to write (it may not exist yet).
+
+    Raises:
+        ConfigError: it is a file, already holds a checkpoint, or its nearest existing parent refuses a new
+            file (permissions, a read-only filesystem).
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir}: exists and is not a directory")
+    if out_dir.is_dir() and (any(out_dir.glob("*.safetensors")) or (out_dir / "config.json").exists()):
         raise ConfigError(f"{out_dir}: already holds a checkpoint; choose an empty or new directory")
+    ancestor = out_dir.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"{out_dir}: cannot be created, {ancestor} is not a directory")
+    try:  # a real probe: permission bits say nothing for root or on a read-only filesystem
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{out_dir}: cannot write there ({ancestor}: {exc.strerror or exc})") from None
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    check_destination(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -288,7 +316,7 @@ def save_checkpoint(
     config = cfg.to_native_dict() if layout == NATIVE else cfg.to_hf_dict()
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     shards = _ShardWriter(out_dir, max_shard_bytes)
-    for name, tensor in _checkpoint_tensors(loaded, plan):
+    for name, tensor in track(_checkpoint_tensors(loaded, plan), total=None, desc="write", unit="tensor"):
         shards.add(name, tensor)
     shards.close()
     if copy_from is not None:

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import torch
 
-from dsv4.config import ModelConfig
+from dsv4.config import DENSE, EXPERT_FORMATS, ModelConfig
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.derived import TopLevelModel
-from dsv4.model.moe import DENSE, EXPERT_FORMATS
 from dsv4.weights.checkpoint import CheckpointDir
 from dsv4.weights.convert import QuantLayout
 from dsv4.weights.dummy import dummy_tensors

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4.config import FP4
 from dsv4.errors import CheckpointError
 from dsv4.weights.convert import ConversionError, QuantLayout, needs_scale, to_expert, to_plain
 from dsv4.weights.names import canonical_tensors
@@ -100,7 +101,7 @@ class WeightWriter:
                 fmt = self.table.expert_format(slot)
                 resident_scale = self.table.scale_param(slot)
                 logical = tuple(resident.shape[1:])
-                if fmt == "fp4":
+                if fmt == FP4:
                     logical = (logical[0], logical[1] * 2)
                 value, value_scale = to_expert(
                     weight, scale, fmt, resident[slot.expert],
