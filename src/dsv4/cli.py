@@ -3,6 +3,7 @@
     dsv4 inspect CHECKPOINT [--json] [--draft mtp|dspark]
     dsv4 convert SRC DST --layout native|hf [--experts resident|fp4|fp8|dense] [--dense model|fp8]
     dsv4 generate [PROMPT ...] [--model M] [--max-tokens N] [--temperature T]
+    dsv4 serve [MODEL] [--host H] [--port P] [--api-key K] [--admin-token T]   (see dsv4/server/launch.py)
     dsv4 env
 """
 
@@ -327,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     eval_parser = sub.add_parser("eval", help="score the embedded models on held-out examples of their task")
     evaluate.add_arguments(eval_parser)
     eval_parser.set_defaults(func=evaluate.run)
+
+    from dsv4.server import launch
+
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    launch.add_arguments(serve)
+    serve.set_defaults(func=launch.run)
 
     env = sub.add_parser("env", help="print the runtime environment")
     env.set_defaults(func=cmd_env)
