@@ -20,6 +20,7 @@ from dsv4.engine.llm import LLM
 from dsv4.errors import Dsv4Error, WeightsNotReadyError
 from dsv4.server.admin import admin_router
 from dsv4.server.auth import BearerGate
+from dsv4.server.body_limit import DeclaredBodyLimit, too_large_message
 from dsv4.server.config import ServerConfig
 from dsv4.server.driver import EngineDriver
 from dsv4.server.errors import ApiError, error_body
@@ -62,8 +63,9 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(error_body(message, HTTPStatus.BAD_REQUEST, param), status_code=HTTPStatus.BAD_REQUEST)
 
 
-def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
-    """The server for `llm`, as `config` sets it up (the engine thread runs while the app does)."""
+def build_app(llm: LLM, config: ServerConfig) -> DeclaredBodyLimit:
+    """The server for `llm`, as `config` sets it up (the engine thread runs while the app does): the
+    FastAPI app behind the declared-length gate."""
     metrics = ServerMetrics(config.model_name)
     driver = EngineDriver(llm, metrics, config.max_queued_requests, config.weights_root)
     model = ServedModel.from_llm(llm, config.model_name)
@@ -98,7 +100,7 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
             limit = config.max_bucket_bytes if request.url.path == BUCKET_PATH else config.max_body_bytes
-            message = f"the request body is larger than this route's limit of {limit} bytes"
+            message = too_large_message(limit)
         elif exc.status_code == HTTPStatus.NOT_FOUND:
             message = f"no route {request.url.path}"
         else:
@@ -111,4 +113,5 @@ def build_app(llm: LLM, config: ServerConfig) -> FastAPI:
         status = HTTPStatus.SERVICE_UNAVAILABLE if isinstance(exc, WeightsNotReadyError) else HTTPStatus.BAD_REQUEST
         return JSONResponse(error_body(str(exc), status), status_code=status)
 
-    return app
+    limits = {BUCKET_PATH: config.max_bucket_bytes} if config.admin_token else {}
+    return DeclaredBodyLimit(app, config.max_body_bytes, limits)

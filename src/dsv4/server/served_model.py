@@ -43,7 +43,7 @@ class ServedModel:
     def check_ids(self, ids: Sequence[int], param: str) -> list[int]:
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
-            raise ApiError(f"token id {bad} is out of range [0, {self.vocab_size})", param=param)
+            raise ApiError(f"{param}: token id {bad} is out of range [0, {self.vocab_size})", param=param)
         return list(ids)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> tuple[str, list[int]]:
