@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from dsv4.engine.llm import LLM
 from dsv4.errors import Dsv4Error, WeightsNotReadyError
@@ -63,9 +64,9 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(error_body(message, HTTPStatus.BAD_REQUEST, param), status_code=HTTPStatus.BAD_REQUEST)
 
 
-def build_app(llm: LLM, config: ServerConfig) -> DeclaredBodyLimit:
+def build_app(llm: LLM, config: ServerConfig) -> ASGIApp:
     """The server for `llm`, as `config` sets it up (the engine thread runs while the app does): the
-    FastAPI app behind the declared-length gate."""
+    FastAPI app behind the token gates and the declared-length gate."""
     metrics = ServerMetrics(config.model_name)
     driver = EngineDriver(llm, metrics, config.max_queued_requests, config.weights_root)
     model = ServedModel.from_llm(llm, config.model_name)
@@ -84,9 +85,6 @@ def build_app(llm: LLM, config: ServerConfig) -> DeclaredBodyLimit:
     app.include_router(openai_router(model, driver, metrics))
     if config.admin_token:
         app.include_router(admin_router(driver, config.max_bucket_bytes))
-        app.add_middleware(BearerGate, prefix=ADMIN_PREFIX, token=config.admin_token, what="admin token")
-    if config.api_key:
-        app.add_middleware(BearerGate, prefix=API_PREFIX, token=config.api_key, what="API key")
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -114,4 +112,10 @@ def build_app(llm: LLM, config: ServerConfig) -> DeclaredBodyLimit:
         return JSONResponse(error_body(str(exc), status), status_code=status)
 
     limits = {BUCKET_PATH: config.max_bucket_bytes} if config.admin_token else {}
-    return DeclaredBodyLimit(app, config.max_body_bytes, limits)
+    asgi = DeclaredBodyLimit(app, config.max_body_bytes, limits)
+    # Outermost: a client without the token learns nothing else (not even a body limit).
+    if config.admin_token:
+        asgi = BearerGate(asgi, ADMIN_PREFIX, config.admin_token, "admin token")
+    if config.api_key:
+        asgi = BearerGate(asgi, API_PREFIX, config.api_key, "API key")
+    return asgi
