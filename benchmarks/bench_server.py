@@ -217,6 +217,9 @@ def plot(report: dict, path: Path) -> None:
             ax.plot(tconc, [r["transformers"][key]["p50"] for r in tf["rows"]], "x:", label="transformers serve p50")
         ax.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="seconds", title=title)
         ax.legend()
+    for ax in axes:
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.minorticks_off()
     fig.suptitle(f"dsv4 serve, {report['model']}, {report['threads']} thread(s), "
                  f"{report['max_tokens']} tokens/request (contended machine unless stated)")
     fig.tight_layout()
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-plot", action="store_true", help="JSON only (no matplotlib needed)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -265,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "bench_server_quick" if args.quick else "bench_server"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    plot(report, args.out / f"{stem}.png")
-    print(f"wrote {args.out / stem}.json / .png; load test ok: {report['load']['ok']}")
+    if not args.no_plot:
+        plot(report, args.out / f"{stem}.png")
+    print(f"wrote {args.out / stem}.json{'' if args.no_plot else ' / .png'}; load test ok: {report['load']['ok']}")
     return 0 if report["load"]["ok"] else 1
 
 

@@ -260,12 +260,12 @@ class CompletionRenderer:
                 if choices:
                     chunk = CompletionResponse(id=self.id, created=self.created, model=self.model.name,
                                                choices=choices, weights_version=version)
-                    yield sse_event(chunk.model_dump(exclude=exclude))
+                    yield sse_event(chunk, exclude)
             if include_usage and stream.done:
                 chunk = CompletionResponse(id=self.id, created=self.created, model=self.model.name, choices=[],
                                            usage=_usage(self.plan.prompt_tokens, completion_tokens),
                                            weights_version=version if version is not None else 0)
-                yield sse_event(chunk.model_dump())
+                yield sse_event(chunk)
             yield DONE_EVENT
         finally:
             stream.close()
@@ -318,7 +318,7 @@ class ChatRenderer:
         try:
             role = ChatDelta(role="assistant", content="")
             roles = [ChatStreamChoice(index=i, delta=role) for i in range(self.plan.n)]
-            yield sse_event(self._chunk(roles, version).model_dump(exclude=exclude))
+            yield sse_event(self._chunk(roles, version), exclude)
             while not stream.done:
                 try:
                     _, out = await stream.next()
@@ -342,11 +342,11 @@ class ChatRenderer:
                     chunk = self._chunk(choices, version)
                     if out.prompt_logprobs is not None and self.plan.prompt_logprobs is not None:
                         chunk.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
-                    yield sse_event(chunk.model_dump(exclude=exclude))
+                    yield sse_event(chunk, exclude)
             if include_usage and stream.done:
                 chunk = self._chunk([], version)
                 chunk.usage = _usage(self.plan.prompt_tokens, completion_tokens)
-                yield sse_event(chunk.model_dump())
+                yield sse_event(chunk)
             yield DONE_EVENT
         finally:
             stream.close()

@@ -46,7 +46,7 @@ from dsv4.engine.llm import LLM
 from dsv4.engine.request import ABORT as FINISH_ABORT
 from dsv4.engine.request import RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.errors import Dsv4Error, RequestError, WeightsNotReadyError
+from dsv4.errors import Dsv4Error, WeightsNotReadyError
 from dsv4.server.errors import ApiError
 from dsv4.server.metrics import ServerMetrics
 from dsv4.weights.checkpoint import CheckpointDir
@@ -339,14 +339,20 @@ class EngineDriver:
     def _run(self) -> None:
         engine = self.llm.engine
         while not self._stopping:
-            # Block only when nothing can progress without a new command: no engine work, and no
-            # control operation (one waiting for the engine to empty can run as soon as it is empty).
-            self._take_commands(block=not engine.has_work() and not self._controls)
-            self._advance_controls()
-            self._admit()
-            if engine.has_work():
-                self._step()
-            self._publish_gauges()
+            try:
+                # Block only when nothing can progress without a new command: no engine work, and no
+                # control operation (one waiting for the engine to empty can run as soon as it is empty).
+                self._take_commands(block=not engine.has_work() and not self._controls)
+                self._advance_controls()
+                self._admit()
+                if engine.has_work():
+                    self._step()
+                self._publish_gauges()
+            except Exception as exc:  # a bug here must not leave every client waiting on a dead thread
+                log.exception("engine driver failed; ending the requests in flight")
+                self._fail_engine_requests(ApiError(f"internal error: {type(exc).__name__}: {exc}",
+                                                    status=HTTPStatus.INTERNAL_SERVER_ERROR))
+                self._fail_all(list(self._held), ApiError("internal error", status=HTTPStatus.INTERNAL_SERVER_ERROR))
         self._shutdown()
 
     def _take_commands(self, block: bool) -> None:
@@ -409,7 +415,7 @@ class EngineDriver:
             try:
                 engine.add_request(tracked.request_id, x.prompt_ids, x.params, x.prompt, version,
                                    stream=tracked.streamed)
-            except RequestError as exc:
+            except Dsv4Error as exc:  # this request alone cannot be served (RequestError and the like)
                 self._fail_all([tracked], ApiError(str(exc)))
                 continue
             self.metrics.prompt_tokens.inc(len(x.prompt_ids))
@@ -435,13 +441,17 @@ class EngineDriver:
         except Exception as exc:  # the engine state is unknown: end every request in it, keep serving
             log.exception("engine step failed")
             status = HTTPStatus.SERVICE_UNAVAILABLE if isinstance(exc, Dsv4Error) else HTTPStatus.INTERNAL_SERVER_ERROR
-            error = ApiError(f"engine step failed: {type(exc).__name__}: {exc}", status=status)
-            in_engine = [t for rid, t in self._tracked.items() if rid in self.llm.engine.requests]
-            for tracked in in_engine:
-                self.llm.engine.abort(tracked.request_id)
-            self._fail_all(in_engine, error)
+            self._fail_engine_requests(ApiError(f"engine step failed: {type(exc).__name__}: {exc}", status=status))
             return
         self._dispatch(outputs)
+
+    def _fail_engine_requests(self, error: ApiError) -> None:
+        """Abort every request in the engine (freeing its slots) and answer its client with `error`."""
+        engine = self.llm.engine
+        in_engine = [t for rid, t in self._tracked.items() if rid in engine.requests]
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        self._fail_all(in_engine, error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()

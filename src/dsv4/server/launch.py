@@ -46,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="the name clients give as `model`")
     parser.add_argument("--draft", choices=("mtp", "dspark"), default=None, help="also load this drafter")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--expert-dtype", choices=("fp4", "fp8", "dense"), default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="cache slots (sequences decoded together)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -80,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    llm = LLM(args.model, dtype=args.dtype, seed=args.seed, draft=args.draft, expert_dtype=args.expert_dtype,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, draft=args.draft,
+              expert_dtype=args.expert_dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
     config = ServerConfig(
         model_name=args.served_model_name or (args.model if args.model is not None else DEFAULT_MODEL),
         api_key=args.api_key or None, admin_token=args.admin_token or None, weights_root=args.weights_root,

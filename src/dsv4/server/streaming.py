@@ -14,6 +14,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
@@ -21,8 +22,11 @@ DONE_EVENT = "data: [DONE]\n\n"
 T = TypeVar("T")
 
 
-def sse_event(payload: dict) -> str:
-    """One server-sent event carrying `payload` as compact JSON."""
+def sse_event(payload: BaseModel | dict, exclude: set[str] | None = None) -> str:
+    """One server-sent event carrying `payload` (a response model, serialized by pydantic's own encoder,
+    less the `exclude` fields; or a plain dict) as compact JSON."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude=exclude)}\n\n"
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
