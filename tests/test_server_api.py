@@ -250,6 +250,11 @@ def test_other_refusals(server, client):
     assert too_big.status_code == 413 and str(MAX_BODY_BYTES) in too_big.json()["error"]["message"]
     not_json = httpx.post(server.url + "/v1/completions", headers=headers, content=b"{not json")
     assert not_json.status_code == 400 and "JSON" in not_json.json()["error"]["message"]
+    for content, content_type in ((b"", "application/json"), (b"[]", "application/json"),
+                                  (json.dumps({"prompt": PROMPT}).encode(), "text/plain")):
+        r = httpx.post(server.url + "/v1/completions", content=content,
+                       headers={**headers, "Content-Type": content_type})
+        assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"], r.text
     # Admin routes are off without --admin-token: not there at all.
     assert httpx.post(server.url + "/admin/pause", headers={"Authorization": "Bearer x"}).status_code == 404
 

@@ -35,6 +35,8 @@ API_PREFIX = "/v1"
 BUCKET_PATH = ADMIN_PREFIX + "/weights/bucket"
 # How much of a bad value an error message quotes.
 SHOWN_VALUE_CHARS = 80
+# What pydantic puts before the message of a ValueError raised in a validator.
+PYDANTIC_VALUE_ERROR = "Value error, "
 
 
 def _param(loc: tuple) -> str | None:
@@ -56,11 +58,14 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "json_invalid":
         message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
         param = None
+    elif param is None and not isinstance(first.get("input"), dict):
+        message = "the body must be a JSON object, sent with Content-Type: application/json"
     else:
         shown = repr(first.get("input"))
         if len(shown) > SHOWN_VALUE_CHARS:
             shown = shown[:SHOWN_VALUE_CHARS] + "..."
-        message = f"{param or 'body'}: {first.get('msg')} (got {shown})"
+        reason = str(first.get("msg")).removeprefix(PYDANTIC_VALUE_ERROR)
+        message = f"{param or 'body'}: {reason} (got {shown})"
     return JSONResponse(error_body(message, HTTPStatus.BAD_REQUEST, param), status_code=HTTPStatus.BAD_REQUEST)
 
 
