@@ -49,6 +49,10 @@ def root(tmp_path_factory):
     sort_checkpoint_with_chat_template(root / "sorter")
     outside = sort_checkpoint_with_chat_template(tmp_path_factory.mktemp("outside") / "elsewhere")
     (root / "escape").symlink_to(outside, target_is_directory=True)
+    # A directory inside the root whose weights file is a symlink to a file outside it.
+    linked = sort_checkpoint_with_chat_template(root / "linked")
+    (linked / "model.safetensors").unlink()
+    (linked / "model.safetensors").symlink_to(outside / "model.safetensors")
     return root
 
 
@@ -187,7 +191,8 @@ def test_reload_only_under_the_weights_root(server, admin, root, models):
     r = admin.post("/admin/weights/reload", json={"path": "sorter"})
     assert r.status_code == 200 and r.json()["version"] == version + 1
     assert _complete(server.url, PROMPTS[0])["text"] == "01234"
-    for path in ("escape", "../", str(root.parent), "/etc", "sorter/../../", "missing", "sorter/config.json"):
+    for path in ("escape", "linked", "../", str(root.parent), "/etc", "sorter/../../", "missing", "sorter/config.json",
+                 "sorter\x00"):
         r = admin.post("/admin/weights/reload", json={"path": path})
         assert r.status_code == 400 and r.json()["error"]["param"] == "path", (path, r.text)
     assert admin.get("/admin/state").json()["weights_version"] == version + 1

@@ -573,15 +573,20 @@ def resolve_under(root: Path | None, requested: str) -> Path:
     """
     if root is None:
         raise ApiError("reload is off: start the server with --weights-root DIR", param="path")
+    root = root.resolve()
     try:
         path = (root / requested).resolve(strict=True)
-    except (OSError, RuntimeError) as exc:  # missing, or a symlink loop
+    except (OSError, RuntimeError, ValueError) as exc:  # missing, a symlink loop, a NUL byte
         raise ApiError(f"path {requested!r}: not found under the weights root ({exc.__class__.__name__})",
                        param="path") from None
-    if not _is_within(path, root.resolve()):
+    if not _is_within(path, root):
         raise ApiError(f"path {requested!r} resolves outside the weights root", param="path")
     if not path.is_dir():
         raise ApiError(f"path {requested!r} is not a checkpoint directory", param="path")
+    # A file of the checkpoint may itself be a symlink that leads out of the root.
+    escaping = sorted(entry.name for entry in path.iterdir() if not _is_within(entry.resolve(), root))
+    if escaping:
+        raise ApiError(f"path {requested!r}: {escaping[0]} resolves outside the weights root", param="path")
     return path
 
 
