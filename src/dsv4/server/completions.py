@@ -72,6 +72,7 @@ class Plan:
 
 
 def new_id(prefix: str) -> str:
+    """A response id, unique per request (e.g. "cmpl-<32 hex digits>")."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
@@ -147,6 +148,7 @@ def stretches(output: RequestOutput, completion: CompletionOutput, start: int) -
 
 
 def prompt_logprobs_json(values: list[dict[int, float] | None] | None) -> list[dict[str, float] | None] | None:
+    """Prompt logprobs with JSON keys: per prompt token, None (the first) or {str(token id): logprob}."""
     if values is None:
         return None
     return [None if d is None else {str(k): v for k, v in d.items()} for d in values]

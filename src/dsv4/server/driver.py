@@ -183,8 +183,8 @@ class EngineDriver:
         self._controls: deque[_Control] = deque()
         self._paused = False  # by an explicit /admin/pause
         self._session: WeightUpdateSession | None = None
-        # The pause mode of the weight session begun last (event-loop side, in call order): how its
-        # finish takes the engine.
+        # The pause mode of the weight session begun last (set on the event loop once begin succeeded):
+        # how its finish takes the engine.
         self._update_mode = WAIT
         self._stopping = False
         self.metrics.cache_slots_total.set(llm.limits.max_num_seqs)
@@ -254,7 +254,14 @@ class EngineDriver:
 
     # ---- the operations the routes use ----
     async def pause(self, mode: str) -> dict:
-        """Stop generation once in-flight requests are handled per `mode`; held until `resume`."""
+        """Stop generation once in-flight requests are handled per `mode`; held until `resume`.
+
+        Returns:
+            The driver state once paused (`state()`).
+
+        Raises:
+            ApiError: an unknown or unsupported mode.
+        """
 
         def run():
             self._paused = True
@@ -263,6 +270,8 @@ class EngineDriver:
         return await self.control(run, quiesce=mode)
 
     async def resume(self) -> dict:
+        """End an explicit pause (after every control operation queued before it); returns the state."""
+
         def run():
             self._paused = False
             return self._state()
@@ -271,18 +280,36 @@ class EngineDriver:
 
     async def begin_weight_update(self, atomic: bool, full: bool, mode: str) -> dict:
         """Open a weight update session. A fail-stop (non-atomic) one writes as buckets arrive, so it
-        pauses generation (per `mode`) from begin until it ends."""
+        pauses generation (per `mode`) from begin until it ends; an atomic one only at finish.
+
+        Returns:
+            {"version": the version in effect, "atomic", "full"}.
+
+        Raises:
+            ApiError: a session is already open (409), or a bad mode.
+        """
         check_pause_mode(mode)
-        self._update_mode = mode
 
         def run():
             self._require_no_session()
             self._session = self.llm.begin_weight_update(atomic=atomic, full=full)
             return {"version": self.llm.weights_version, "atomic": atomic, "full": full}
 
-        return await self.control(run, quiesce=None if atomic else mode)
+        began = await self.control(run, quiesce=None if atomic else mode)
+        self._update_mode = mode
+        return began
 
     async def load_weight_bucket(self, tensors: Mapping[str, torch.Tensor]) -> dict:
+        """Validate and stage (atomic) or write (fail-stop) one bucket of the open session.
+
+        Returns:
+            {"bucket": its number, "tensors": how many it held, "completed": resident tensors it completed}.
+
+        Raises:
+            ApiError: no session is open (409).
+            WeightUpdateError: a bad tensor; the session is closed (see `dsv4.weights.refit`).
+        """
+
         def run():
             session = self._require_session()
             completed = session.load(tensors, origin=f"bucket {session.buckets + 1}")
@@ -291,7 +318,16 @@ class EngineDriver:
         return await self.control(run)
 
     async def finish_weight_update(self) -> dict:
-        """Apply the session (atomic) and finalize, with the engine to itself; returns the new version."""
+        """Apply the session (atomic) and finalize, once the engine is empty (the session's pause mode).
+
+        Returns:
+            {"version": the version now in effect}.
+
+        Raises:
+            ApiError: no session is open (409).
+            WeightUpdateError: an incomplete session; it is closed.
+        """
+
         def run():
             session = self._require_session()
             try:
@@ -304,6 +340,12 @@ class EngineDriver:
         return await self.control(run, quiesce=self._update_mode)
 
     async def abort_weight_update(self) -> dict:
+        """Drop the open session; returns the version in effect and whether the weights serve.
+
+        Raises:
+            ApiError: no session is open (409).
+        """
+
         def run():
             session = self._require_session()
             session.abort()
@@ -314,7 +356,15 @@ class EngineDriver:
 
     async def reload_weights(self, path: Path, mode: str) -> dict:
         """Replace every weight with those of checkpoint directory `path` (already resolved under the
-        weights root), in one full atomic session: a bad checkpoint changes nothing."""
+        weights root), in one full atomic session: a bad checkpoint changes nothing.
+
+        Returns:
+            {"version": the version now in effect}.
+
+        Raises:
+            ApiError: a session is open (409), or a checkpoint file resolves outside the weights root.
+            CheckpointError, WeightUpdateError: an unreadable or incomplete checkpoint.
+        """
 
         def run():
             self._require_no_session()
@@ -330,9 +380,11 @@ class EngineDriver:
         return await self.control(run, quiesce=mode)
 
     async def weight_report(self) -> dict:
+        """`LLM.weight_report()`, taken between two engine steps."""
         return await self.call(self.llm.weight_report)
 
     async def state(self) -> dict:
+        """paused, weights_version, weights_ready, weight_update_open, running and held request counts."""
         return await self.call(self._state)
 
     # ---------------------------------------------------------------- engine thread

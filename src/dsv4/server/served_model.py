@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dsv4.engine.chat_template import ChatTemplate
 from dsv4.engine.llm import LLM
+from dsv4.errors import RequestError
 from dsv4.server.errors import ApiError
 from dsv4.server.protocol import ChatMessage
 
@@ -36,26 +37,44 @@ class ServedModel:
                            status=404, param="model", code="model_not_found")
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """`text` as token ids (the tokenizer's special tokens, e.g. BOS, added unless told not to).
+
+        Raises:
+            ApiError: the model has no tokenizer (`param` names the field that held the text).
+        """
         if self.tokenizer is None:
             raise ApiError("this model has no tokenizer: give prompts as lists of token ids", param=param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def check_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        """`ids` as a list, once every id is known to be in the vocabulary.
+
+        Raises:
+            ApiError: naming `param` and the first id out of range.
+        """
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
             raise ApiError(f"{param}: token id {bad} is out of range [0, {self.vocab_size})", param=param)
         return list(ids)
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """The conversation as prompt text (the checkpoint's chat template) and its token ids."""
+        """The conversation as prompt text (the checkpoint's chat template) and its token ids.
+
+        Raises:
+            ApiError: the model has no chat template or tokenizer, or the template refused the messages.
+        """
         if self.chat_template is None or self.tokenizer is None:
             raise ApiError(f"model {self.name!r} has no chat template: use /v1/completions", param="messages")
-        text = self.chat_template.render([{"role": m.role, "content": m.text()} for m in messages],
-                                         add_generation_prompt)
+        try:
+            text = self.chat_template.render([{"role": m.role, "content": m.text()} for m in messages],
+                                             add_generation_prompt)
+        except RequestError as exc:  # the template's own raise_exception(...)
+            raise ApiError(str(exc), param="messages") from None
         # The template writes any BOS itself, so special tokens are not added again.
         return text, self.encode(text, "messages", add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`, special tokens skipped ("" without a tokenizer)."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
