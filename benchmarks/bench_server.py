@@ -215,7 +215,7 @@ def plot(report: dict, path: Path) -> None:
         if tf.get("runs"):
             tconc = [r["concurrency"] for r in tf["rows"]]
             ax.plot(tconc, [r["transformers"][key]["p50"] for r in tf["rows"]], "x:", label="transformers serve p50")
-        ax.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="seconds", title=title)
+        ax.set(xscale="log", xlabel="concurrent streams", ylabel="seconds", title=title, ylim=(0, None))
         ax.legend()
     for ax in axes:
         ax.set_xticks(conc, [str(c) for c in conc])

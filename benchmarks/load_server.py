@@ -116,8 +116,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, sta
                 for choice in payload["choices"]:
                     while len(result.stretches) <= choice["index"]:
                         result.stretches.append([])
-                    result.stretches[choice["index"]].extend(choice.get("weights_versions", []))
-                    new += sum(s["end"] - s["start"] for s in choice.get("weights_versions", []))
+                    stretches = choice.get("weights_versions")
+                    if stretches is not None:
+                        result.stretches[choice["index"]].extend(stretches)
+                        new += sum(s["end"] - s["start"] for s in stretches)
+                    else:  # a server without per-token versions (transformers serve): a chunk of text per token
+                        new += bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
                     if choice.get("finish_reason"):
                         result.finish_reasons.append(choice["finish_reason"])
                 if new:
