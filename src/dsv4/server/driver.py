@@ -350,7 +350,7 @@ class EngineDriver:
             session = self._require_session()
             session.abort()
             self._session = None
-            return {"version": self.llm.weights_version, "ready": self._weights_ready()}
+            return {"version": self.llm.weights_version, "ready": self.weights_ready()}
 
         return await self.control(run)
 
@@ -452,7 +452,7 @@ class EngineDriver:
     def _admit(self) -> None:
         if not self._held or self._generation_held():
             return
-        if not self._weights_ready():
+        if not self.weights_ready():
             error = ApiError(
                 str(WeightsNotReadyError("weights are not ready: a weight update failed after writing; "
                                          "send a complete update (weights/begin with full=true)")),
@@ -577,13 +577,14 @@ class EngineDriver:
         return {
             "paused": self._paused,
             "weights_version": self.llm.weights_version,
-            "weights_ready": self._weights_ready(),
+            "weights_ready": self.weights_ready(),
             "weight_update_open": session is not None and session.active,
             "running": len(self.llm.engine.requests),
             "held": len(self._held),
         }
 
-    def _weights_ready(self) -> bool:
+    def weights_ready(self) -> bool:
+        """Whether every model is READY (a flag read; safe from any thread)."""
         return all(model.ready for model in self.llm.loaded.models.values())
 
     def _require_session(self) -> WeightUpdateSession:

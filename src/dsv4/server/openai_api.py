@@ -97,6 +97,9 @@ def openai_router(model: ServedModel, driver: EngineDriver, metrics: ServerMetri
     async def health():
         if not driver.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        if not driver.weights_ready():
+            return JSONResponse({"status": "weights not ready (a failed weight update)"},
+                                status_code=HTTPStatus.SERVICE_UNAVAILABLE)
         return {"status": "ok"}
 
     @router.get("/version")
