@@ -37,6 +37,8 @@ BUCKET_PATH = ADMIN_PREFIX + "/weights/bucket"
 SHOWN_VALUE_CHARS = 80
 # What pydantic puts before the message of a ValueError raised in a validator.
 PYDANTIC_VALUE_ERROR = "Value error, "
+# Union-branch tags pydantic puts in error locations; they are not request fields.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 
 
 def _param(loc: tuple) -> str | None:
@@ -48,8 +50,6 @@ def _param(loc: tuple) -> str | None:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
     return out or None
 
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
