@@ -44,6 +44,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("eval", "dsv4.cli.eval", "score the embedded models on held-out examples of their task"),
     Command("inspect", "dsv4.cli.inspect", "check that a checkpoint would load, from its headers only"),
     Command("convert", "dsv4.cli.convert", "rewrite a checkpoint in another layout or format"),
+    Command("serve", "dsv4.server.launch", "serve a model over an OpenAI-compatible HTTP API"),
     Command("env", "dsv4.cli.env", "print the runtime and the kernel backends chosen"),
 )
 

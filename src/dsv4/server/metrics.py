@@ -1,0 +1,72 @@
+"""Prometheus metrics of one server (prometheus_client, in a registry of its own).
+
+Names follow vLLM's where one exists (with the `dsv4:` prefix), so dashboards carry over. Gauges are set
+by the engine driver after every engine step; counters and histograms are observed by it as outputs
+leave the engine, so they cost nothing on the HTTP side. Time to first token and inter-token latency
+are observed for streamed requests (a non-streamed request's tokens are only seen when it finishes).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "dsv4:"
+# Bucket bounds in seconds: from one fast CPU decode step (~1 ms) to a long generation.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+E2E_BUCKETS = (0.01, 0.04, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92, 163.84)
+
+
+class ServerMetrics:
+    """Every metric the server exports; `render()` is the /metrics body."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.requests_running = gauge("num_requests_running", "Requests with a sequence in a cache slot.")
+        self.requests_waiting = gauge(
+            "num_requests_waiting", "Requests queued: waiting for a cache slot, or held while generation is paused."
+        )
+        self.cache_slots_used = gauge("cache_slots_used", "Per-sequence cache slots in use.")
+        self.cache_slots_total = gauge("cache_slots_total", "Per-sequence cache slots (max_num_seqs).")
+        self.weights_version = gauge("weights_version", "Version of the weights serving now (bumped per update).")
+        self.paused = gauge("generation_paused", "1 while generation is paused by an admin or a weight update.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._finished = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._model_name = model_name
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first generated token (streamed requests).", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between successive token deliveries (streamed requests).",
+            ITL_BUCKETS,
+        )
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        # Accepted draft tokens per draft position. The engine reports no speculative decoding yet, so
+        # nothing feeds it and it exports no samples; the driver feeds it once the engine's steps report
+        # per-position acceptance.
+        self.spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
+            ["model_name", "position"], registry=self.registry,
+        )
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self._model_name, reason).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
