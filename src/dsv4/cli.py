@@ -161,6 +161,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     cfg = ModelConfig.from_file(args.checkpoint)
     checkpoint = CheckpointDir(args.checkpoint)
+    if args.draft == "dspark":
+        cfg = cfg.with_checkpoint_names(checkpoint.tensors)  # DSpark's stage count: its mtp.{s} names
     dtypes: dict[str, dict[str, int]] = {}
     for info in checkpoint.tensors.values():
         numel = 1
