@@ -18,6 +18,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 import dspark_reference as dref
@@ -189,3 +190,23 @@ def test_config_fields_as_released():
     # the written config reads back the same
     assert ModelConfig.from_dict(cfg.to_native_dict()).dspark == spec
     assert ModelConfig.from_dict(_config(n_mtp_layers=None)).dspark.num_stages == 1  # num_nextn_predict_layers
+
+
+@pytest.mark.parametrize("fields", [V4, V41], ids=["v4-flash-dspark", "v4.1"])
+def test_refit_and_export_round_trip(tmp_path, target_stored, fields):
+    """A dummy-started engine refit with the loaded weights (target and drafter in one session), and dsv4's own
+    native export of them, both end bit-identical to the load; the export stores main_proj as block FP8."""
+    path = _write(tmp_path / "ckpt", target_stored, fields, _released(fields))
+    llm = LLM(path, draft="dspark", dtype="float32")
+    sums = {n: t["checksum"] for n, t in llm.weight_report()["tensors"].items()}
+    dummy = LLM(path, load_format="dummy", draft="dspark", dtype="float32", seed=3)
+    assert {n: t["checksum"] for n, t in dummy.weight_report()["tensors"].items()} != sums
+    dummy.update_weights(llm.iter_weights())
+    assert {n: t["checksum"] for n, t in dummy.weight_report()["tensors"].items()} == sums
+    out = llm.save_checkpoint(tmp_path / "export", layout="native", dense="fp8")
+    exported = LLM(out, draft="dspark", dtype="float32")
+    assert {n: t["checksum"] for n, t in exported.weight_report()["tensors"].items()} == sums
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("mtp.0.main_proj.weight").dtype == torch.float8_e4m3fn and "mtp.0.main_proj.scale" in names
+    assert (f"{LAST}hc_head_fn" in names) != (fields is V41)

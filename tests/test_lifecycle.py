@@ -240,6 +240,18 @@ def test_forward_refuses_unfinalized_models():
     with pytest.raises(WeightsNotReadyError, match="mtp model"):
         models["mtp"](ForwardBatch.build([(0, [2, 3], 0)]), streams[:-1], models["mtp"].allocate_cache(1, 8))
 
+    dspark_cfg = ModelConfig.from_dict(tiny_config(**DSPARK_FIELDS))
+    models = build_models(dspark_cfg, "fp4", torch.float32, "cpu", draft="dspark")
+    target, drafter = models["target"], models["dspark"]
+    target.process_weights_after_loading()
+    _, captured = target(batch, target.allocate_cache(1, 8), capture_layers=drafter.capture_layers)
+    cache = drafter.allocate_cache(1, 8)
+    with pytest.raises(WeightsNotReadyError, match="dspark model"):
+        drafter.commit(cache, batch, captured)
+    drafter.process_weights_after_loading()
+    drafter.commit(cache, batch, captured)
+    assert drafter.draft(cache, [0], [4]).tokens.shape == (1, DSPARK_FIELDS["dspark_block_size"])
+
 
 def test_finalize_is_idempotent_and_in_place():
     llm = LLM(DUMMY_MODEL, load_format="dummy", draft="mtp", dtype="float32")
