@@ -80,7 +80,16 @@ class DSparkAttention(Attention):
         super().__init__(cfg, SLIDING, dtype)
 
     def forward(self, x: torch.Tensor, blocks: DraftBlocks, context: StageContext) -> torch.Tensor:
-        """x [N * B, D] (normed stage input) -> [N * B, D]."""
+        """Block attention over context + block rows.
+
+        Args:
+            x: [N * B, D] the normed stage input of the block rows.
+            blocks: the blocks' positions and shape.
+            context: this stage's context keys and their visibility.
+
+        Returns:
+            [N * B, D].
+        """
         rows, pos = x.shape[0], blocks.positions
         n, b, heads, hd = blocks.n_blocks, blocks.block_size, self.n_heads, self.head_dim
         q = norm_rope_(self.wq_b(self.q_norm(self.wq_a(x), inplace=True)).view(rows, heads, hd), self.eps, None,
@@ -121,7 +130,17 @@ class DSparkStage(Block):
     def forward_carried(
         self, streams: torch.Tensor, carried_pre: torch.Tensor, blocks: DraftBlocks, context: StageContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """streams [T, hc, D] and the mix carried from the previous sublayer -> (streams, the FFN's mix)."""
+        """One V4.1 stage.
+
+        Args:
+            streams: [T, hc, D] the stage input.
+            carried_pre: [T, hc] the mix the previous sublayer computed, which collapses the attention input.
+            blocks: the draft blocks.
+            context: this stage's context.
+
+        Returns:
+            (the stage's output streams [T, hc, D], the FFN's mix [T, hc] for the next collapse).
+        """
         pre, post, comb = self._coefficients(mhc.mix_logits(streams, self.hc_attn_fn, self.cfg.rms_norm_eps), "attn")
         attn_out = self.attn(self.attn_norm(mhc.collapse(streams, carried_pre)), blocks, context)
         return self._ffn_carried(mhc.expand(streams, attn_out, post, comb), pre, blocks)
@@ -129,8 +148,18 @@ class DSparkStage(Block):
     def forward_carried_broadcast(
         self, embeds: torch.Tensor, fn_broadcast: torch.Tensor, blocks: DraftBlocks, context: StageContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """First stage: every stream is the embedding [T, D], so the identity mix (stream 0) reads the
-        embedding itself and the attention mix projects the un-repeated embedding with fn_broadcast."""
+        """The first V4.1 stage: every stream is the embedding, so the identity mix (stream 0) reads the
+        embedding itself and the attention mix projects the un-repeated embedding with fn_broadcast.
+
+        Args:
+            embeds: [T, D] the block's embedding.
+            fn_broadcast: [mix, D] the pre-summed attention mHC matrix.
+            blocks: the draft blocks.
+            context: this stage's context.
+
+        Returns:
+            (output streams [T, hc, D], the FFN's mix [T, hc]).
+        """
         logits = mhc.mix_logits_broadcast(embeds, fn_broadcast, self.cfg.rms_norm_eps)
         pre, post, comb = self._coefficients(logits, "attn")
         attn_out = self.attn(self.attn_norm(embeds), blocks, context)
@@ -186,8 +215,19 @@ class DSparkDrafter(TopLevelModel):
         return ids if self.spec.variant == DSPARK_V4 else tuple(i - 1 for i in ids if i > 0)
 
     def features(self, captured: dict[int, torch.Tensor], token_ids: torch.Tensor) -> torch.Tensor:
-        """The target's features f [T, D * len(target_layer_ids)]: the streams read at each target layer,
-        averaged over hc, concatenated in ascending layer order."""
+        """The target's features: the streams read at each target layer, averaged over hc, concatenated in
+        ascending layer order.
+
+        Args:
+            captured: {target layer: its output streams [T, hc, D]} for `capture_layers`.
+            token_ids: [T] the tokens of those rows (V4.1 reading layer 0 reads their embedding).
+
+        Returns:
+            f [T, D * len(target_layer_ids)].
+
+        Raises:
+            ValueError: a needed layer was not captured.
+        """
         parts = []
         for layer in self.spec.target_layer_ids:
             if self.spec.variant != DSPARK_V4 and layer == 0:
@@ -208,8 +248,15 @@ class DSparkDrafter(TopLevelModel):
         return first.main_norm(first.main_proj(features), inplace=True)
 
     def context_keys(self, features: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
-        """features [T, D * n] at positions [T] -> each stage's context keys [T, hd]:
-        kv_norm(wkv(main_x)) rotated at the positions."""
+        """Each stage's context keys kv_norm(wkv(main_x)), rotated at the positions.
+
+        Args:
+            features: f [T, D * n] (`features`).
+            positions: [T] their positions.
+
+        Returns:
+            One [T, hd] tensor per stage.
+        """
         main_x = self.main_x(features)
         keys = []
         for stage in self.mtp:
@@ -219,9 +266,16 @@ class DSparkDrafter(TopLevelModel):
 
     # ---- per-sequence context ----
     def allocate_cache(self, slots: int, max_len: int, rollback: int = 0) -> DSparkCache:
-        """The context rings for `slots` sequences: `sliding_window` rows per stage and slot, plus
-        `rollback` rows so that a rewind of up to that many positions finds its rows. The rings do not
-        grow with the sequence, so max_len (kept for the engine's uniform call) sizes nothing."""
+        """The context rings of `slots` sequences.
+
+        Args:
+            slots: sequences held at once.
+            max_len: unused: the rings do not grow with the sequence (kept for the engine's uniform call).
+            rollback: extra rows per ring, so that a rewind of up to that many positions finds its rows.
+
+        Returns:
+            A `DSparkCache` of `sliding_window + rollback` rows per stage and slot.
+        """
         del max_len
         device = self.mtp[0].main_proj.weight.device
         return DSparkCache.allocate(len(self.mtp), slots, self.cfg.sliding_window, rollback, self.cfg.head_dim,
@@ -249,15 +303,27 @@ class DSparkDrafter(TopLevelModel):
         rows = [r for seg, c in zip(batch.segments, counts) for r in range(seg.begin, seg.begin + c)]
         if not rows:
             return
-        index = torch.tensor(rows, dtype=torch.long, device=batch.token_ids.device)
-        picked = {layer: streams.index_select(0, index) for layer, streams in captured.items()}
-        features = self.features(picked, batch.token_ids.index_select(0, index))
-        keys = self.context_keys(features, batch.positions.index_select(0, index))
+        if len(rows) == batch.num_tokens:  # every row committed (prefill): no gather
+            features = self.features(captured, batch.token_ids)
+            keys = self.context_keys(features, batch.positions)
+        else:
+            index = torch.tensor(rows, dtype=torch.long, device=batch.token_ids.device)
+            picked = {layer: streams.index_select(0, index) for layer, streams in captured.items()}
+            features = self.features(picked, batch.token_ids.index_select(0, index))
+            keys = self.context_keys(features, batch.positions.index_select(0, index))
         cache.write([(s.slot, s.start, c) for s, c in zip(batch.segments, counts) if c], keys)
 
     # ---- drafting ----
     def draft_blocks(self, anchors: torch.Tensor, positions: torch.Tensor) -> DraftBlocks:
-        """anchors [N] int64 at positions a [N] -> blocks [anchor, noise x (B-1)] at positions a .. a+B-1."""
+        """The draft blocks [anchor, noise x (B-1)] at positions a .. a+B-1.
+
+        Args:
+            anchors: [N] int64 anchor tokens.
+            positions: [N] int64 their positions a.
+
+        Returns:
+            `DraftBlocks` of N blocks.
+        """
         n, b = anchors.shape[0], self.spec.block_size
         tokens = anchors.new_full((n, b), self.spec.noise_token_id)
         tokens[:, 0] = anchors

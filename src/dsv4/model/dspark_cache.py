@@ -61,10 +61,16 @@ class DSparkCache:
             raise ValueError(f"cache slot {slot} does not exist (the DSpark cache has {self.num_slots} slots)")
 
     def write(self, segments: Sequence[tuple[int, int, int]], keys: Sequence[torch.Tensor]) -> None:
-        """Record committed positions. segments: (slot, first position, count) per sequence, in the row
-        order of keys (one [sum of counts, hd] tensor per stage). A segment starts at or before what its
-        slot holds (earlier: it rewrites, e.g. a reused slot starting again at 0); the slot then holds
-        positions [0, first + count)."""
+        """Record committed positions. A segment starts at or before what its slot holds (earlier: it
+        rewrites, e.g. a reused slot starting again at 0); the slot then holds [0, first + count).
+
+        Args:
+            segments: (slot, first position, count) per sequence, in the row order of keys.
+            keys: one [sum of counts, hd] tensor per stage.
+
+        Raises:
+            ValueError: a slot that does not exist, a gap after what a slot holds, a key count mismatch.
+        """
         for slot, start, count in segments:
             self._check_slot(slot)
             held = self.lengths[slot]
@@ -94,7 +100,17 @@ class DSparkCache:
             self.lengths[slot] = start + count
 
     def anchor_positions(self, slots: Sequence[int]) -> list[int]:
-        """The position of each slot's next token (its draft anchor): the count of committed positions."""
+        """The position of each slot's next token (its draft anchor): the count of committed positions.
+
+        Args:
+            slots: cache slots.
+
+        Returns:
+            One position per slot.
+
+        Raises:
+            ValueError: a slot that does not exist or holds no committed position.
+        """
         positions = []
         for slot in slots:
             self._check_slot(slot)
@@ -104,7 +120,14 @@ class DSparkCache:
         return positions
 
     def context_rows(self, slots: Sequence[int]) -> ContextRows:
-        """The last `window` committed positions of each slot (rows before position 0 are hidden)."""
+        """Where the last `window` committed positions of each slot sit (rows before position 0 hidden).
+
+        Args:
+            slots: cache slots, one per draft.
+
+        Returns:
+            `ContextRows` for `read`.
+        """
         device = self.rows[0].device
         ring, window = self.ring_len, self.window
         held = torch.tensor(self.anchor_positions(slots), dtype=torch.long, device=device)  # [N]
@@ -116,13 +139,25 @@ class DSparkCache:
         return ContextRows(index=index.reshape(-1), bias=bias)
 
     def read(self, stage: int, rows: ContextRows) -> torch.Tensor:
-        """Stage `stage`'s context keys at `rows`: [N, window, hd]."""
+        """One stage's context keys.
+
+        Args:
+            stage: the drafter stage.
+            rows: from `context_rows`.
+
+        Returns:
+            [N, window, hd] keys, row j of draft n at position lengths - window + j.
+        """
         ring_rows = self.rows[stage]
         flat = ring_rows.view(-1, ring_rows.shape[-1]).index_select(0, rows.index)
         return flat.view(-1, self.window, ring_rows.shape[-1])
 
     def rewind(self, slot: int, length: int) -> None:
         """Make slot hold only positions [0, length) again (a later commit continues from there).
+
+        Args:
+            slot: the cache slot.
+            length: the positions it keeps.
 
         Raises:
             ValueError: length is beyond what the slot holds, or so far back that the rows the next draft

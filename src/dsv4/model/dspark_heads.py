@@ -26,11 +26,25 @@ class MarkovHead(nn.Module):
         self.markov_w2 = Linear(rank, vocab_size, torch.float32)  # weight [V, r]: bias = W2 @ e
 
     def embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """prev_tokens [...] int64 -> markov_w1[prev] [..., r]."""
+        """markov_w1[prev].
+
+        Args:
+            prev_tokens: [...] int64 previous tokens.
+
+        Returns:
+            [..., r] in the model dtype.
+        """
         return self.markov_w1(prev_tokens)
 
     def bias(self, embedding: torch.Tensor) -> torch.Tensor:
-        """markov_w1[prev] [..., r] -> fp32 logit bias markov_w2 @ markov_w1[prev] [..., V]."""
+        """The logit bias markov_w2 @ markov_w1[prev], in fp32.
+
+        Args:
+            embedding: [..., r] markov_w1[prev] (`embed`).
+
+        Returns:
+            [..., V] fp32.
+        """
         return self.markov_w2(embedding.float())
 
 
@@ -42,6 +56,14 @@ class ConfidenceHead(nn.Module):
         self.proj = Linear(hidden_size + rank, 1, torch.float32)
 
     def forward(self, head_hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
-        """head_hidden [..., D], markov_embedding [..., r] -> fp32 confidence logits [...] (before the sigmoid)."""
+        """The confidence logits (before the sigmoid).
+
+        Args:
+            head_hidden: [..., D] the last stage's collapse before its norm.
+            markov_embedding: [..., r] markov_w1[prev].
+
+        Returns:
+            [...] fp32.
+        """
         features = torch.cat((head_hidden.float(), markov_embedding.float()), dim=-1)
         return self.proj(features).squeeze(-1)
