@@ -50,6 +50,7 @@ except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from dsv4.config import DSparkConfig, ModelConfig
+from dsv4.engine.llm import resolve_dtype
 from dsv4.kernels import default_registry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.deepseek_v4 import broadcast_fn
@@ -180,9 +181,10 @@ def init_drafter(drafter: DSparkDrafter, seed: int) -> None:
 
 
 def export_drafter(trained: DSparkDrafter, loaded: LoadedModels) -> DSparkDrafter:
-    """The trained (dense-expert) drafter rebuilt in the target's expert format, through the loader's own
-    writer (which quantizes the experts), finalized: what the checkpoint ships."""
-    shipped = DSparkDrafter(trained.cfg, loaded.target, loaded.expert_format, trained.dtype)
+    """The trained (fp32, dense-expert) drafter rebuilt beside `loaded`'s target, in its dtype and expert
+    format, through the loader's own writer (which converts and quantizes), finalized: what the checkpoint
+    ships."""
+    shipped = DSparkDrafter(trained.cfg, loaded.target, loaded.expert_format, loaded.target.dtype)
     table = SlotTable({"dspark": shipped})
     writer = WeightWriter(table, loaded.layout)
     for name, tensor in iter_weights(LoadedModels(trained.cfg, {"dspark": trained}, loaded.layout, DENSE, "trained")):
@@ -253,9 +255,12 @@ def _train(args: argparse.Namespace) -> dict:
     with torch.no_grad():
         held = dspark_objective(target, drafter, held_out, weights)
     out = Path(args.out) / OUT_NAME
-    shipped = export_drafter(drafter, loaded)
-    both = LoadedModels(cfg, {"target": target, "dspark": shipped}, loaded.layout, loaded.expert_format,
-                        loaded.load_format)
+    # The target again in the checkpoint's own dtype (bf16 for the shipped model), so the variant stores it
+    # exactly as the original does.
+    stored = load_models(path, dtype=resolve_dtype("auto", loaded.config))
+    shipped = export_drafter(drafter, stored)
+    both = LoadedModels(cfg, {"target": stored.target, "dspark": shipped}, stored.layout, stored.expert_format,
+                        stored.load_format)
     # experts "resident": the target's FP4 bytes exactly as shipped, the drafter's as just quantized
     save_checkpoint(both, out, layout="native", dense="fp8", experts=RESIDENT, copy_from=path)
     summary = {"train_seconds": round(time.time() - t0, 1), "steps": args.steps, "batch": args.batch,

@@ -69,8 +69,9 @@ def test_smoke_run_writes_a_loadable_dspark_variant(script, tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert summary["steps"] > 0 and len(summary["held_out_accept_per_position"]) == 5
-    variant = LLM(tmp_path / script.OUT_NAME, draft="dspark", dtype="float32")
-    shipped = LLM(DEFAULT_MODEL, dtype="float32")
+    variant = LLM(tmp_path / script.OUT_NAME, draft="dspark")
+    shipped = LLM(DEFAULT_MODEL)
+    assert variant.loaded.target.dtype == shipped.loaded.target.dtype == torch.bfloat16  # as the original stores it
     assert variant.config.dspark.block_size == 5
     report, shipped_report = variant.weight_report()["tensors"], shipped.weight_report()["tensors"]
     target_sums = {n: t["checksum"] for n, t in report.items() if t["model"] == "target"}
