@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dspark_reference import released_dspark_tensors, released_storage
 from dsv4 import LLM, SamplingParams
 from dsv4.errors import WeightsNotReadyError
 from dsv4.model.batch import ForwardBatch
@@ -32,7 +33,8 @@ DUMMY_MODEL = "dsv4-tiny-dummy"
 ROLES = ("target", "mtp", "dspark")
 FORMATS = ("dummy", "hf", "native_fp4", "native_fp8", "refit")
 DSPARK_FIELDS = {
-    "dspark_block_size": 5, "dspark_target_layer_ids": [1, 3], "dspark_markov_rank": 8, "dspark_num_layers": 2,
+    "dspark_block_size": 5, "dspark_noise_token_id": 7, "dspark_target_layer_ids": [1, 3], "dspark_markov_rank": 8,
+    "n_mtp_layers": 2,
 }
 # expert format each checkpoint format loads into
 EXPERTS = {"dummy": "fp4", "hf": "dense", "native_fp4": "fp4", "native_fp8": "fp8", "refit": "fp4"}
@@ -59,7 +61,8 @@ def _dspark_config_dir(root: Path, cfg: dict, quant: str | None) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """(family, format) -> checkpoint dir. family "mtp" checkpoints carry target + mtp.* tensors; family
-    "dspark" ones carry target + DSpark blocks, written by dsv4's own exporter from a random source."""
+    "dspark" ones carry target + the DSpark drafter under its released names and dtypes, written here by
+    hand (never through dsv4's exporter, which could only round-trip dsv4's own spelling)."""
     root = tmp_path_factory.mktemp("lifecycle")
     cfg = tiny_config()
     ref = build_reference_model(cfg, seed=11)
@@ -76,12 +79,19 @@ def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
     dirs["mtp", "native_fp8"] = root / "mtp_fp8"
     dirs["mtp", "dummy"] = dirs["mtp", "native_fp4"]
 
-    source = LLM(_dspark_config_dir(root / "dspark_src", cfg, None), load_format="dummy", draft="dspark", seed=13,
-                 expert_dtype="dense", dtype="float32")
-    layouts = {"hf": ("hf", "dense"), "native_fp4": ("native", "fp4"), "native_fp8": ("native", "fp8")}
-    for fmt, (layout, experts) in layouts.items():
+    dspark_cfg = dict(cfg, **DSPARK_FIELDS)
+    drafter = released_dspark_tensors(dspark_cfg, seed=13)
+    hf = root / "dspark_hf"  # transformers' save of the target; the drafter keeps its native names
+    save_hf_checkpoint(ref, hf)
+    hf_config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(hf_config, **DSPARK_FIELDS)))
+    save_file({k: v.contiguous() for k, v in drafter.items()}, str(hf / "dspark.safetensors"))
+    dirs["dspark", "hf"] = hf
+    target_only = {name: t for name, t in native.items() if not name.startswith("mtp.")}
+    for fmt, experts, scale_fmt in (("native_fp4", "fp4", "ue8m0"), ("native_fp8", "fp8", "float")):
         out = root / f"dspark_{fmt}"
-        source.save_checkpoint(out, layout=layout, dense="fp8" if layout == "native" else "model", experts=experts)
+        write_native_checkpoint(out, dspark_cfg, target_only, dense="fp8", expert_dtype=experts, scale_fmt=scale_fmt)
+        save_file(released_storage(drafter, experts), str(out / "dspark.safetensors"))
         dirs["dspark", fmt] = out
     dirs["dspark", "dummy"] = _dspark_config_dir(root / "dspark_dummy", cfg, "fp4")
     return dirs
@@ -141,14 +151,14 @@ def _drafter_logits(llm: LLM, role: str) -> torch.Tensor:
     drafter = llm.loaded.models[role]
     ids = [5, 9, 17, 33, 65, 129, 257, 7, 8, 9]
     batch = ForwardBatch.build([(0, ids, 0)])
-    layers = getattr(drafter, "target_layer_ids", ())
+    layers = getattr(drafter, "capture_layers", ())
     streams, captured = target(batch, target.allocate_cache(1, 32), capture_layers=layers)
     cache = drafter.allocate_cache(1, 32)
     if role == "mtp":
         _, logits = drafter(ForwardBatch.build([(0, ids[1:], 0)]), streams[:-1], cache)
-    else:
-        logits = drafter(batch, captured, cache)
-    return logits
+        return logits
+    drafter.commit(cache, batch, captured)
+    return drafter.draft(cache, [0], [ids[0]]).logits[0]  # the block's Markov-corrected logits
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -229,6 +239,18 @@ def test_forward_refuses_unfinalized_models():
     streams, _ = target(batch, target.allocate_cache(1, 8))
     with pytest.raises(WeightsNotReadyError, match="mtp model"):
         models["mtp"](ForwardBatch.build([(0, [2, 3], 0)]), streams[:-1], models["mtp"].allocate_cache(1, 8))
+
+    dspark_cfg = ModelConfig.from_dict(tiny_config(**DSPARK_FIELDS))
+    models = build_models(dspark_cfg, "fp4", torch.float32, "cpu", draft="dspark")
+    target, drafter = models["target"], models["dspark"]
+    target.process_weights_after_loading()
+    _, captured = target(batch, target.allocate_cache(1, 8), capture_layers=drafter.capture_layers)
+    cache = drafter.allocate_cache(1, 8)
+    with pytest.raises(WeightsNotReadyError, match="dspark model"):
+        drafter.commit(cache, batch, captured)
+    drafter.process_weights_after_loading()
+    drafter.commit(cache, batch, captured)
+    assert drafter.draft(cache, [0], [4]).tokens.shape == (1, DSPARK_FIELDS["dspark_block_size"])
 
 
 def test_finalize_is_idempotent_and_in_place():

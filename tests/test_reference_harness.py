@@ -365,3 +365,49 @@ def test_reference_greedy_ignores_eos_and_matches_teacher_forcing(model, ids):
     top2 = logprobs.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) > 1e-4  # near-ties may flip between cached and uncached paths
     assert torch.equal(logprobs.argmax(-1)[decided], torch.tensor(tokens)[decided])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The DSpark oracle (tests/dspark_reference.py)
+# ---------------------------------------------------------------------------------------------------------------------
+
+DSPARK_BLOCK_SEED = 77
+DSPARK_STREAM_LEN = 40  # > sliding window (32): the causal window matters
+
+
+def test_dspark_oracle_stage_is_transformers_decoder_layer(config):
+    """The oracle's stage arithmetic (mHC, attention with sink and RoPE, routed + shared MoE), run as an ordinary
+    causal sliding-window layer, equals transformers' DeepseekV4DecoderLayer holding the same tensors; so its
+    DSpark forward, which changes only which keys the queries see, is built from verified pieces."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    import dspark_reference as dref
+
+    block_config = dict(config, num_hidden_layers=1, layer_types=[ref.SLIDING], mlp_layer_types=[ref.MOE])
+    hf = ref.build_reference_model(block_config, DSPARK_BLOCK_SEED)
+    native = ref.native_state_dict(hf)
+    tensors = {f"mtp.0.{name.removeprefix('layers.0.')}": t for name, t in native.items() if name.startswith("layers.")}
+    rank = 4
+    tensors["mtp.0.markov_head.markov_w1.weight"] = torch.zeros(config["vocab_size"], rank)
+    tensors["mtp.0.markov_head.markov_w2.weight"] = torch.zeros(config["vocab_size"], rank)
+    oracle_config = dict(block_config, n_mtp_layers=1, dspark_block_size=5, dspark_noise_token_id=3,
+                         dspark_target_layer_ids=[0], dspark_markov_rank=rank)
+    oracle = dref.DSparkReference(oracle_config, tensors)
+
+    generator = torch.Generator().manual_seed(5)
+    streams = torch.randn(1, DSPARK_STREAM_LEN, config["hc_mult"], config["hidden_size"], generator=generator)
+    input_ids = torch.randint(2, config["vocab_size"], (1, DSPARK_STREAM_LEN), generator=generator)
+    positions = torch.arange(DSPARK_STREAM_LEN).unsqueeze(0)
+    model = hf.model
+    mask = create_sliding_window_causal_mask(config=model.config, inputs_embeds=streams[:, :, 0], attention_mask=None,
+                                             past_key_values=None, position_ids=positions)
+    embeddings = {kind: model.rotary_emb(streams[:, :, 0], position_ids=positions, layer_type=kind)
+                  for kind in ("main", "compress")}
+    with torch.no_grad():
+        want = model.layers[0](streams, position_embeddings=embeddings, position_ids=positions, attention_mask=mask,
+                               input_ids=input_ids, past_key_values=None)[0]
+    got = oracle.block_causal(0, streams[0], positions[0])
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    # control: the window matters (full causal attention gives something else)
+    oracle.window = DSPARK_STREAM_LEN
+    assert (oracle.block_causal(0, streams[0], positions[0]) - want).abs().max().item() > 1e-2

@@ -8,9 +8,12 @@ top-level `expert_dtype`, `rope_scaling`). Every invalid value is a `ConfigError
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-from dataclasses import dataclass, field, fields
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +69,40 @@ class QuantConfig:
     fp4_group_size: int = 32  # inputs sharing one ue8m0 scale in an FP4 expert row
 
 
+# The two DSpark releases. V4-Flash-DSpark: the drafter reads the OUTPUT streams of its target layers
+# and collapses its last stage with `hc_head_*`. V4.1-Flash: it reads their INPUT streams, its stages
+# carry the mHC `pre` mix one sublayer forward, the head collapses with the last carried mix (no
+# hc_head), and it routes over its own expert bank. Only V4.1 configs carry that bank's fields
+# (`dspark_n_routed_experts` / `dspark_num_experts_per_tok`), so they are what tells the two apart.
+DSPARK_V4 = "v4-flash-dspark"
+DSPARK_V41 = "v4.1"
+# `mtp.{s}.` tensor names: a checkpoint's DSpark stage s (HF layouts may prefix `model.`).
+_STAGE_NAME = re.compile(r"^(?:model\.)?mtp\.(\d+)\.")
+
+
 @dataclass(frozen=True)
 class DSparkConfig:
-    """Fields of a DSpark drafter checkpoint (`dspark_*`)."""
+    """The DSpark drafter's config fields, as DeepSeek's releases spell them (`dspark_*`, `n_mtp_layers`).
 
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-    markov_rank: int
-    num_layers: int
+    `num_stages` comes from `n_mtp_layers` when config.json states it (`stages_declared`); otherwise it
+    is provisional (`num_nextn_predict_layers`, which V4-Flash-DSpark's HF config leaves at 1 for its 3
+    stages) until `ModelConfig.with_checkpoint_names` counts the checkpoint's `mtp.{s}` stages.
+    """
+
+    block_size: int  # draft positions per block: [anchor, noise x (block_size - 1)]
+    noise_token_id: int  # the token embedded at the block's non-anchor positions
+    target_layer_ids: tuple[int, ...]  # strictly increasing target layers whose streams feed main_proj
+    markov_rank: int  # r of markov_w1 / markov_w2 [vocab, r]
+    num_stages: int  # drafter blocks, native `mtp.0` .. `mtp.{num_stages - 1}`
+    stages_declared: bool = True
+    n_routed_experts: int | None = None  # V4.1: the stages' own expert bank (None: the target's)
+    num_experts_per_tok: int | None = None
+
+    @property
+    def variant(self) -> str:
+        """DSPARK_V41 when the config carries V4.1's drafter expert-bank fields, else DSPARK_V4."""
+        own_bank = self.n_routed_experts is not None or self.num_experts_per_tok is not None
+        return DSPARK_V41 if own_bank else DSPARK_V4
 
 
 @dataclass(frozen=True)
@@ -210,6 +239,28 @@ class ModelConfig:
     def with_quant(self, quant: QuantConfig | None) -> ModelConfig:
         return _replace(self, quant=quant)
 
+    def with_checkpoint_names(self, names: Iterable[str]) -> ModelConfig:
+        """Resolve what only the tensor names can tell: the DSpark stage count, from the checkpoint's
+        `mtp.{s}` names, when config.json did not state `n_mtp_layers`.
+
+        Raises:
+            ConfigError: config.json states `n_mtp_layers` and the checkpoint holds another stage count.
+        """
+        if self.dspark is None:
+            return self
+        stages = {int(m[1]) for name in names if (m := _STAGE_NAME.match(name))}
+        if not stages:
+            return self
+        found = max(stages) + 1
+        if self.dspark.stages_declared:
+            if found != self.dspark.num_stages:
+                raise ConfigError(
+                    f"{self.source}: field 'n_mtp_layers': {self.dspark.num_stages} DSpark stages, but the "
+                    f"checkpoint holds mtp.0 .. mtp.{found - 1} ({found} stages)"
+                )
+            return self
+        return _replace(self, dspark=replace(self.dspark, num_stages=found, stages_declared=True))
+
 
 # Fields copied verbatim between the dict and the dataclass.
 _PLAIN_FIELDS = (
@@ -233,6 +284,13 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
+# DSpark keys: any of them makes a config a DSpark one; these must then all be present.
+_DSPARK_REQUIRED = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+# V4.1's experts-per-token of the drafter's bank: the HF config's spelling, then the inference config's.
+_DSPARK_PER_TOKEN_KEYS = ("dspark_num_experts_per_tok", "dspark_n_activated_experts")
+_DSPARK_KEYS = (*_DSPARK_REQUIRED, "dspark_n_routed_experts", *_DSPARK_PER_TOKEN_KEYS)
+
+
 def _replace(cfg: ModelConfig, **changes: Any) -> ModelConfig:
     import dataclasses
 
@@ -250,12 +308,18 @@ def _quant_to_dict(q: QuantConfig) -> dict[str, Any]:
 
 
 def _dspark_to_dict(d: DSparkConfig) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "dspark_block_size": d.block_size,
+        "dspark_noise_token_id": d.noise_token_id,
         "dspark_target_layer_ids": list(d.target_layer_ids),
         "dspark_markov_rank": d.markov_rank,
-        "dspark_num_layers": d.num_layers,
+        "n_mtp_layers": d.num_stages,
     }
+    if d.n_routed_experts is not None:
+        out["dspark_n_routed_experts"] = d.n_routed_experts
+    if d.num_experts_per_tok is not None:
+        out["dspark_num_experts_per_tok"] = d.num_experts_per_tok
+    return out
 
 
 class _ConfigParser:
@@ -341,7 +405,7 @@ class _ConfigParser:
             bos_token_id=self.raw.get("bos_token_id", 0),
             eos_token_ids=self._eos(),
             quant=self._quant(),
-            dspark=self._dspark(n_layers),
+            dspark=self._dspark(n_layers, ints["vocab_size"], ints["n_routed_experts"]),
             torch_dtype=self.raw.get("torch_dtype") or self.raw.get("dtype"),
             source=self.source,
         )
@@ -483,19 +547,41 @@ class _ConfigParser:
                             f"expected one of {QUANTIZED_EXPERT_FORMATS}, got {expert_dtype!r}")
         return QuantConfig(weight_block_size=tuple(block), scale_fmt=scale_fmt, expert_dtype=expert_dtype)
 
-    def _dspark(self, n_layers: int) -> DSparkConfig | None:
-        if "dspark_block_size" not in self.raw and "dspark_target_layer_ids" not in self.raw:
+    def _dspark(self, n_layers: int, vocab: int, n_experts: int) -> DSparkConfig | None:
+        if not any(key in self.raw for key in _DSPARK_KEYS):
             return None
-        for key in ("dspark_block_size", "dspark_target_layer_ids", "dspark_markov_rank"):
-            if key not in self.raw:
-                raise self.fail(key, "missing (a DSpark config needs dspark_block_size, dspark_target_layer_ids, "
-                                     "dspark_markov_rank)")
+        missing = [key for key in _DSPARK_REQUIRED if key not in self.raw]
+        if missing:
+            raise self.fail(missing[0], f"missing (a DSpark config needs {', '.join(_DSPARK_REQUIRED)})")
         ids = self.raw["dspark_target_layer_ids"]
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 <= i < n_layers for i in ids):
+        if not isinstance(ids, list) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers for i in ids
+        ):
             raise self.fail("dspark_target_layer_ids", f"expected layer indices in [0, {n_layers}), got {ids!r}")
+        if any(b <= a for a, b in itertools.pairwise(ids)):
+            raise self.fail(
+                "dspark_target_layer_ids",
+                f"must be strictly increasing (main_proj reads the layers' features concatenated in ascending "
+                f"order), got {ids!r}",
+            )
+        noise = self.get_int("dspark_noise_token_id", minimum=0)
+        if noise >= vocab:
+            raise self.fail("dspark_noise_token_id", f"{noise} is not a token id (vocab_size {vocab})")
+        declared = self.raw.get("n_mtp_layers") is not None
+        stages = self.get_int("n_mtp_layers") if declared else self.get_int("num_nextn_predict_layers")
+        bank = self.raw.get("dspark_n_routed_experts")
+        per_tok_key = next((k for k in _DSPARK_PER_TOKEN_KEYS if k in self.raw), None)
+        bank = None if bank is None else self.get_int("dspark_n_routed_experts")
+        per_tok = None if per_tok_key is None else self.get_int(per_tok_key)
+        if per_tok is not None and per_tok > (bank if bank is not None else n_experts):
+            raise self.fail(per_tok_key, f"{per_tok} experts per token exceeds the drafter's expert bank")
         return DSparkConfig(
             block_size=self.get_int("dspark_block_size"),
+            noise_token_id=noise,
             target_layer_ids=tuple(ids),
             markov_rank=self.get_int("dspark_markov_rank"),
-            num_layers=self.raw.get("dspark_num_layers", 3),
+            num_stages=stages,
+            stages_declared=declared,
+            n_routed_experts=bank,
+            num_experts_per_tok=per_tok,
         )

@@ -40,11 +40,11 @@ DENSE_EXPORTS = (DENSE_MODEL, DENSE_FP8)
 RESIDENT = "resident"
 EXPERT_EXPORTS = (RESIDENT, FP4, FP8, DENSE)
 
-# The dense linears DeepSeek's releases store as block FP8 (main model and MTP layers); every other
+# The dense linears DeepSeek's releases store as block FP8 (main model, MTP layers, DSpark's main_proj); every other
 # float tensor (embeddings, norms, routers, compressors, mHC, sinks) stays unquantized.
 FP8_LINEAR = re.compile(
     r"^(layers|mtp)\.\d+\."
-    r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$"
+    r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|e_proj|h_proj|main_proj)\.weight$"
 )
 SCALE_SUFFIX = ".scale"
 WEIGHT_SUFFIX = ".weight"

@@ -114,6 +114,8 @@ def inspect_checkpoint(
     cfg = cfg if cfg is not None else ModelConfig.from_file(path)
     checkpoint = CheckpointDir(path)
     draft = draft if draft is not None else drafter_in(cfg, checkpoint)
+    if draft == "dspark":
+        cfg = cfg.with_checkpoint_names(checkpoint.tensors)  # DSpark's stage count: its mtp.{s} names
     models = build_models(cfg, resolve_expert_format(cfg, None), _META_DTYPE, "meta", draft)
     table = SlotTable(models)
     writer = WeightWriter(table, quant_layout(cfg), error_type=CheckpointError)

@@ -108,6 +108,8 @@ def load_models(
         raise ConfigError(f"draft: expected one of {DRAFTERS} or None, got {draft!r}")
     fmt = _resolve_load_format(load_format)
     checkpoint = CheckpointDir(path) if fmt == "safetensors" else None
+    if checkpoint is not None and draft == "dspark":
+        cfg = cfg.with_checkpoint_names(checkpoint.tensors)  # DSpark's stage count: its mtp.{s} names
     expert_format = resolve_expert_format(cfg, expert_dtype)
     layout = quant_layout(cfg)
     models = build_models(cfg, expert_format, dtype, device, draft)

@@ -48,6 +48,10 @@ _RENAMES: tuple[tuple[str, str], ...] = (
     (r"\.ffn\.shared_experts\.gate_proj\.", ".ffn.shared_experts.w1."),
     (r"\.ffn\.shared_experts\.up_proj\.", ".ffn.shared_experts.w3."),
     (r"\.ffn\.shared_experts\.down_proj\.", ".ffn.shared_experts.w2."),
+    # DSpark: V4.1-Flash names the Markov head's two matrices embed / head; V4-Flash-DSpark (canonical)
+    # markov_w1 / markov_w2. Both [vocab, rank].
+    (r"^(mtp\.\d+)\.markov_head\.embed\.", r"\1.markov_head.markov_w1."),
+    (r"^(mtp\.\d+)\.markov_head\.head\.", r"\1.markov_head.markov_w2."),
 )
 _COMPILED = tuple((re.compile(p), r) for p, r in _RENAMES)
 
