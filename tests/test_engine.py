@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import reference as ref
 from dsv4 import LLM, SamplingParams
-from dsv4.engine.engine import EngineLimits, cache_bytes_per_sequence
+from dsv4.engine.limits import EngineLimits, cache_bytes_per_sequence
 from dsv4.errors import ConfigError, RequestError
 
 SEED = 5
@@ -74,7 +74,7 @@ def test_admission_control_queues_beyond_slots(llm):
     again = llm.generate(prompts[0], SamplingParams(max_tokens=5, ignore_eos=True, n=2, temperature=1.0, seed=3),
                          use_tqdm=False)
     assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in outs[0].outputs]
-    assert len(llm.engine.free_slots) == llm.limits.max_num_seqs and not llm.engine.requests
+    assert len(llm.engine.scheduler.free_slots) == llm.limits.max_num_seqs and not llm.engine.requests
 
 
 def test_stop_token_ids_and_eos(llm):
@@ -161,7 +161,7 @@ def test_stream_deltas_concatenate_and_abort_frees_slots(llm):
         else:
             assert tokens[rid] == expected.outputs[0].token_ids and finals[rid] == "length"
             assert texts[rid] == expected.outputs[0].text
-    assert len(llm.engine.free_slots) == llm.limits.max_num_seqs and not llm.engine.has_work()
+    assert len(llm.engine.scheduler.free_slots) == llm.limits.max_num_seqs and not llm.engine.has_work()
 
 
 def test_unstreamed_requests_are_reported_once_when_finished(llm):
@@ -182,7 +182,7 @@ def test_unstreamed_requests_are_reported_once_when_finished(llm):
     assert len(reported["loud"]) == 7 and [o.finished for o in reported["loud"]] == [False] * 6 + [True]
     streamed = [t for o in reported["loud"] for t in o.outputs[0].token_ids]
     assert streamed == loud.output(delta=False).outputs[0].token_ids
-    assert len(engine.free_slots) == llm.limits.max_num_seqs
+    assert len(engine.scheduler.free_slots) == llm.limits.max_num_seqs
 
 
 def test_chat_uses_checkpoint_template(llm):

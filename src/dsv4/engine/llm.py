@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import sys
+import threading
+from collections import deque
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -12,16 +14,22 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.engine.chat_template import ChatTemplate
-from dsv4.engine.engine import Engine, EngineLimits
-from dsv4.engine.request import Request, RequestOutput
+from dsv4.engine.engine import PAUSE_ABORT, USER_HOLD, WEIGHTS_HOLD, Engine, check_pause_mode
+from dsv4.engine.limits import EngineLimits
+from dsv4.engine.outputs import RequestOutput
+from dsv4.engine.request import OutputSink, Request
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.errors import ConfigError, RequestError
-from dsv4.model.batch import ForwardBatch
+from dsv4.errors import ConfigError, RequestError, WeightUpdateError
 from dsv4.models import resolve_model
 from dsv4.weights.loader import LoadedModels, load_models
+from dsv4.weights.refit import Bucket, WeightUpdateSession
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 Prompt = str | Seq[int]
+# How long a thread waiting for its requests sleeps between checks when it has no step to run (another
+# thread is stepping, or generation is paused): it is woken as soon as anything changes, so this only
+# bounds the wait after a missed wake-up.
+IDLE_WAIT_S = 0.05
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
@@ -45,7 +53,7 @@ class LLM:
         draft: None, "mtp" or "dspark": also load that drafter from the same checkpoint.
         expert_dtype: override of the routed experts' resident format ("fp4" | "fp8" | "dense").
         max_num_seqs: cache slots, i.e. sequences decoded together (None: as many as memory allows,
-            at most `engine.DEFAULT_MAX_NUM_SEQS`).
+            at most `limits.DEFAULT_MAX_NUM_SEQS`).
         max_num_batched_tokens: tokens per forward step; prompt chunks fill what decodes leave.
         max_model_len: prompt + output tokens per sequence (None: the model's maximum, reduced
             until one sequence's cache fits the memory budget).
@@ -81,7 +89,6 @@ class LLM:
         self.path = Path(path)
         self.tokenizer = _load_tokenizer(self.path)
         self.chat_template = ChatTemplate.from_checkpoint(self.path)
-        self.weights_version = 0
         self.limits = EngineLimits.derive(
             cfg, self.dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len
         )
@@ -91,6 +98,13 @@ class LLM:
         except ValueError as exc:
             raise ConfigError(f"{path}: compile=True: {exc}") from exc
         self._request_counter = itertools.count()
+        self._weight_update: WeightUpdateSession | None = None  # the session begun last (one open at a time)
+        self._weight_update_lock = threading.Lock()  # makes "is a session open? if not, open one" atomic
+
+    @property
+    def weights_version(self) -> int:
+        """The version of the weights now serving: 0 at load, +1 per finished weight update."""
+        return self.engine.weights_version
 
     # ---- generation ----
     def generate(
@@ -101,16 +115,18 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); one RequestOutput per prompt, in order.
         A prompt that cannot be served (too long, bad ids) gets an output with `.error` set and no
-        completions; the others still run. A progress bar shows when stderr is a terminal."""
+        completions; the others still run. A progress bar shows when stderr is a terminal. Safe to call
+        from several threads, and alongside weight updates (see `update_weights`)."""
         requests: list[Request | RequestOutput] = self._add_all(prompts, sampling_params, stream=False)
-        pending = {r.request_id for r in requests if isinstance(r, Request)}
-        bar = _progress_bar(len(pending)) if use_tqdm else None
-        while pending:
-            for out in self.engine.step():
-                if out.finished and out.request_id in pending:
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
+        live = [r for r in requests if isinstance(r, Request)]
+        bar = _progress_bar(len(live)) if use_tqdm else None
+        done = 0
+        while done < len(live):
+            self.engine.step_or_wait(IDLE_WAIT_S)
+            finished = sum(r.finished for r in live)
+            if bar is not None:
+                bar.update(finished - done)
+            done = finished
         if bar is not None:
             bar.close()
         return [r.output(delta=False) if isinstance(r, Request) else r for r in requests]
@@ -120,23 +136,44 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """Yield, step by step, each request's new tokens/text (`RequestOutput` deltas; the last one of a
         request has `finished=True`). `abort(request_id)` from the consuming loop stops a request: its
-        final delta has finish_reason "abort". Rejected prompts are yielded first, with `.error`."""
+        final delta has finish_reason "abort". Rejected prompts are yielded first, with `.error`.
+        Closing the iterator early aborts its requests that are still running."""
+        deltas: deque[RequestOutput] = deque()  # filled by whichever thread runs the step
         pending = set()
-        for r in self._add_all(prompts, sampling_params, stream=True):
+        for r in self._add_all(prompts, sampling_params, stream=True, sink=deltas.append):
             if isinstance(r, Request):
                 pending.add(r.request_id)
             else:
                 yield r
-        while pending:
-            for out in self.engine.step():
-                if out.request_id in pending:
+        try:
+            while pending:
+                self.engine.step_or_wait(IDLE_WAIT_S)
+                while deltas:
+                    out = deltas.popleft()
                     if out.finished:
                         pending.discard(out.request_id)
                     yield out
+        finally:
+            for request_id in pending:  # the consumer stopped listening: free the slots
+                self.engine.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Stop a running or waiting request and free its cache slots; False if it is unknown or done."""
         return self.engine.abort(request_id)
+
+    def pause_generation(self, mode: str = PAUSE_ABORT) -> None:
+        """Pause generation until `resume_generation()`: requests in flight are aborted ("abort"), run to
+        their end ("wait"; this call returns then) or preempted to be recomputed after the pause
+        ("retract"); new requests queue meanwhile. Weight updates may run while paused.
+
+        Raises:
+            ConfigError: an unknown mode.
+        """
+        self.engine.pause(check_pause_mode(mode), hold=USER_HOLD)
+
+    def resume_generation(self) -> None:
+        """End a `pause_generation`; queued and retracted requests run (under the weights now in place)."""
+        self.engine.resume(USER_HOLD)
 
     def chat(
         self,
@@ -156,10 +193,10 @@ class LLM:
 
     def _add_all(
         self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None,
-        stream: bool,
+        stream: bool, sink: OutputSink | None = None,
     ) -> list[Request | RequestOutput]:
         """Queue every prompt; a prompt rejected on its own becomes an error RequestOutput. `stream`: report
-        every step's delta (True) or only the finished output (False)."""
+        every step's delta (True) or only the finished output (False); `sink` receives them."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -174,7 +211,7 @@ class LLM:
             text = prompt if isinstance(prompt, str) else None
             try:
                 ids = self._encode(prompt)
-                added.append(self.engine.add_request(rid, ids, params, text, self.weights_version, stream=stream))
+                added.append(self.engine.add_request(rid, ids, params, text, stream=stream, sink=sink))
             except RequestError as exc:
                 ids = [] if isinstance(prompt, str) else list(prompt)
                 added.append(RequestOutput(rid, text, ids, [], True, self.weights_version, error=str(exc)))
@@ -192,55 +229,42 @@ class LLM:
         return ids
 
     # ---- scoring ----
-    @torch.inference_mode()
     def forward_logprobs(self, token_ids: Seq[Seq[int]]) -> list[torch.Tensor]:
         """Per sequence, fp32 [len, vocab] log-softmax next-token distributions from the engine's own
         (chunked) prefill path, in a scratch cache slot."""
-        model = self.loaded.target
-        scratch = model.allocate_cache(1, max(len(ids) for ids in token_ids) + 1)
-        results = []
-        chunk = self.limits.max_num_batched_tokens
-        for seq_ids in token_ids:
-            ids = self._encode(list(seq_ids))
-            parts = []
-            for start in range(0, len(ids), chunk):
-                batch = ForwardBatch.build([(0, ids[start : start + chunk], start)])
-                streams, _ = model(batch, scratch)
-                parts.append(model.logits(streams).log_softmax(dim=-1))
-            results.append(torch.cat(parts))
-        return results
+        return self.engine.forward_logprobs([self._encode(list(ids)) for ids in token_ids])
 
     # ---- weights ----
-    # Thin wrappers over dsv4.weights.{refit,export,report}; imported here so this block stays self-contained.
-    _weight_update = None  # the session begun last (at most one is open at a time)
-
-    def begin_weight_update(self, atomic: bool = True, full: bool = False):
+    # Thin wrappers over dsv4.weights.{refit,export,report}.
+    def begin_weight_update(self, atomic: bool = True, full: bool = False, pause: str = PAUSE_ABORT):
         """Open a weight update session (see `dsv4.weights.refit`): `load(bucket)` any number of times,
-        then `finish()` (or use it as a context manager). Target and drafters update together."""
-        from dsv4.errors import WeightUpdateError
-        from dsv4.weights.refit import WeightUpdateSession
+        then `finish()` (or use it as a context manager). Target and drafters update together.
 
-        if self._weight_update is not None and self._weight_update.active:
-            raise WeightUpdateError(
-                f"a weight update session is already open ({self._weight_update.buckets} bucket(s) loaded); "
-                f"finish() or abort() it first"
-            )
-        self._weight_update = WeightUpdateSession(
-            self.loaded, self.weights_version, self._commit_weights, atomic=atomic, full=full
-        )
-        return self._weight_update
+        Generation and the update are serialized: the weights change only between engine steps, after
+        the requests in flight were dealt with per `pause` ("abort": they end with finish_reason
+        "abort"; "wait": they run to their end first, new requests queue; "retract": they are preempted
+        and, after the update, recompute their tokens under the new weights and go on). An atomic session
+        pauses at `finish()` (buckets are only staged until then); a fail-stop one (atomic=False) writes
+        as buckets arrive, so it pauses when it begins. Generation resumes when the session ends.
 
-    def _commit_weights(self) -> int:
-        # Requests in flight hold cache state computed with the old weights; rather than continue on a
-        # mix of old and new they end with finish_reason "abort" (their outputs name the old version).
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-        self.weights_version += 1
-        return self.weights_version
+        Raises:
+            WeightUpdateError: another session is open.
+            ConfigError: an unknown pause mode.
+        """
+        check_pause_mode(pause)
+        with self._weight_update_lock:
+            if self._weight_update is not None and self._weight_update.active:
+                raise WeightUpdateError(
+                    f"a weight update session is already open ({self._weight_update.buckets} bucket(s) loaded); "
+                    f"finish() or abort() it first"
+                )
+            self._weight_update = PausingWeightUpdate(self.loaded, self.engine, pause, atomic=atomic, full=full)
+            return self._weight_update
 
-    def update_weights(self, weights, full: bool = False) -> int:
-        """Atomically replace weights with (name, tensor) pairs (one bucket); returns the new version."""
-        with self.begin_weight_update(atomic=True, full=full) as session:
+    def update_weights(self, weights: Bucket, full: bool = False, pause: str = PAUSE_ABORT) -> int:
+        """Atomically replace weights with (name, tensor) pairs (one bucket); returns the new version.
+        `pause`: what happens to requests in flight (see `begin_weight_update`)."""
+        with self.begin_weight_update(atomic=True, full=full, pause=pause) as session:
             session.load(weights)
         return session.version
 
@@ -263,6 +287,56 @@ class LLM:
         from dsv4.weights.export import save_checkpoint
 
         return save_checkpoint(self.loaded, out_dir, layout, dense, experts, copy_from=self.path)
+
+
+class PausingWeightUpdate(WeightUpdateSession):
+    """A weight update session of an engine that may be generating (`LLM.begin_weight_update`).
+
+    It pauses generation (`Engine.pause(mode)`) before the first resident byte is written: at `finish()`
+    in atomic mode, when it begins in fail-stop mode. The write, finalize and version bump then run
+    under the engine's lock, so no step sees a half-written model; `Engine.weights_updated` bumps the
+    version. Generation resumes when the session ends, however it ends.
+    """
+
+    def __init__(self, loaded: LoadedModels, engine: Engine, pause: str, *, atomic: bool, full: bool):
+        super().__init__(loaded, engine.weights_version, engine.weights_updated, atomic=atomic, full=full)
+        self._engine = engine
+        self._pause = pause
+        self._holding = False
+        if not atomic:
+            self._hold()
+
+    def _hold(self) -> None:
+        if not self._holding:
+            self._engine.pause(self._pause, hold=WEIGHTS_HOLD)
+            self._holding = True
+
+    def _release(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._engine.resume(WEIGHTS_HOLD)
+
+    def load(self, bucket: Bucket, origin: str | None = None) -> int:
+        try:
+            return super().load(bucket, origin)
+        finally:
+            if not self.active:  # the bucket failed and closed the session
+                self._release()
+
+    def finish(self) -> int:
+        if self.active:
+            self._hold()
+        try:
+            with self._engine.exclusive():
+                return super().finish()
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        try:
+            super().abort()
+        finally:
+            self._release()
 
 
 def _progress_bar(total: int):
