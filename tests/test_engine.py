@@ -1,11 +1,8 @@
 """The engine and LLM facade: sampling options, stop conditions, logprobs, streaming + abort,
 admission control, per-request errors, default limits and the chat template."""
 
-import json
-
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import reference as ref
 from dsv4 import LLM, SamplingParams
@@ -27,23 +24,13 @@ def _word(i: int) -> str:
     return f"w{i}"
 
 
-def _write_tokenizer(path) -> None:
-    """A word-level tokenizer over the model's 512 ids: id i <-> "w{i}" (whitespace separated)."""
-    vocab = {_word(i): i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=_word(2)))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "w0"}))
-
-
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm(tmp_path_factory, write_word_tokenizer):
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp("engine")
     ref.save_hf_checkpoint(ref.build_reference_model(ref.tiny_config(), SEED), path)
-    _write_tokenizer(path)
+    write_word_tokenizer(path, VOCAB, {"chat_template": CHAT_TEMPLATE, "bos_token": "w0"})
     yield LLM(str(path), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)
     torch.set_num_threads(saved)
 

@@ -389,21 +389,24 @@ class Engine:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """Free what an ended sequence held: its sampling row, the proposer's state, its slot."""
+        """Free what an ended sequence held: its slot (emptied), its sampling row, the proposer's state."""
         if seq.slot is not None:
-            self.sampling.remove(seq.slot)
-            if self.proposer is not None:
-                self.proposer.on_release(seq)
+            self._vacate(seq)
         self.scheduler.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.sampling.remove(seq.slot)
-        if self.proposer is not None:
-            self.proposer.on_release(seq)
+        self._vacate(seq)
         self.scheduler.preempt(seq)
         request = self.requests[seq.request_id]
         if seq.index == 0 and request.prompt_logprobs is None:
             request.prompt_logprobs_parts.clear()  # scored again, whole, when it is recomputed
+
+    def _vacate(self, seq: Sequence) -> None:
+        """`seq` leaves its slot: the slot holds no position any more (its next sequence starts at 0)."""
+        self.runner.rewind(seq.slot, 0)
+        self.sampling.remove(seq.slot)
+        if self.proposer is not None:
+            self.proposer.on_release(seq)
 
     def _unservable(self) -> bool:
         """The weights are not READY and no weight update is under way to fix them."""
