@@ -434,7 +434,9 @@ class Engine:
 
     def pause(self, mode: str, hold: str = USER_HOLD) -> None:
         """Stop admitting sequences and deal with those in flight per `mode` (module docstring); returns
-        once none is running. "wait" runs steps itself until then (other threads may too).
+        once none is running. "wait" runs steps itself until then (other threads may too). If generation
+        is already paused, the first pause decided what became of the requests in flight (retracted ones
+        wait to resume): this one joins it and only waits for any sequence still running.
 
         Args:
             mode: "abort" | "wait" | "retract".
@@ -445,12 +447,13 @@ class Engine:
         """
         check_pause_mode(mode)
         with self._lock:
+            joining = bool(self._holds)
             self._holds.add(hold)
             self.scheduler.admitting = False
-            if mode == PAUSE_ABORT:
+            if not joining and mode == PAUSE_ABORT:
                 for request_id in list(self.requests):
                     self.abort(request_id)
-            elif mode == PAUSE_RETRACT:
+            elif not joining and mode == PAUSE_RETRACT:
                 for seq in reversed(list(self.scheduler.running)):
                     self._preempt(seq)
             self._changed.notify_all()
