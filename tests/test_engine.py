@@ -200,3 +200,29 @@ def test_default_limits_follow_model_and_memory(llm):
         EngineLimits.derive(cfg, torch.float32, "cpu", max_num_seqs=9, max_num_batched_tokens=8)
     with pytest.raises(ConfigError, match="max_model_len must be a positive int"):
         EngineLimits.derive(cfg, torch.float32, "cpu", max_model_len=0)
+
+
+def test_sampling_rows_are_built_once_per_batch_composition(llm):
+    """The sampling settings of a step are rebuilt only when a sequence joins or leaves the batch."""
+    engine = llm.engine
+    builds = engine.sampling.builds
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1)
+    for i in range(3):  # 3 prompts prefilled in one step, then 5 decode steps with the same 3 rows
+        engine.add_request(f"steady{i}", _ids(4, seed=i), params)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps == 2:  # a 4th joins: its rows join at its first sample, and the batch shrinks back later
+            engine.add_request("joiner", _ids(4, seed=9), params)
+    assert steps == 8 and engine.sampling.builds - builds == 3  # (3 rows), (4 rows), (the joiner alone)
+
+
+def test_closing_a_stream_early_aborts_its_requests(llm):
+    stream = llm.stream([_ids(5), _ids(7, seed=1)], GREEDY)
+    first = next(stream)
+    assert not first.finished and llm.engine.stats().running == 2
+    stream.close()
+    assert llm.engine.stats().running == 0 and len(llm.engine.scheduler.free_slots) == llm.limits.max_num_seqs
+    outs = llm.engine.step()
+    assert {o.outputs[0].finish_reason for o in outs} == {"abort"} and not llm.engine.has_work()

@@ -254,11 +254,10 @@ class Engine:
                 outputs.append(request.output(delta=True))
                 if request.finished:
                     self.requests.pop(request.request_id, None)
+                if request.sink is not None:  # under the lock: deltas reach a sink in step order
+                    request.sink(outputs[-1])
             self._changed.notify_all()
-        for request, output in zip(reported.values(), outputs):
-            if request.sink is not None:
-                request.sink(output)
-        return outputs
+            return outputs
 
     def step_or_wait(self, timeout: float) -> list[RequestOutput]:
         """`step()` if it has anything to do, else wait up to `timeout` seconds for a change (a step by

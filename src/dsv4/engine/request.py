@@ -26,8 +26,9 @@ class Request:
     Attributes:
         added_version: the weights version in effect when it was added.
         stream: report a delta every step it progresses (True) or only the final output (False).
-        sink: if set, called (by whichever thread runs the step) with every output `Engine.step` makes
-            for this request, besides returning it; lets several threads drive the engine.
+        sink: if set, called (by whichever thread runs the step, under the engine's lock: it must not
+            block) with every output `Engine.step` makes for this request, besides returning it; lets
+            several threads drive the engine.
         error: why the engine ended it without serving it (its outputs carry it).
     """
 
