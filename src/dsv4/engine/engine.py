@@ -82,20 +82,19 @@ class EngineStats:
     paused: bool
 
 
-@dataclass
+@dataclass(slots=True)
 class _Work:
     """One scheduled chunk on its way through the step."""
 
     seq: Sequence
     chunk: Chunk
     draft: Draft
+    known: int  # the sequence's own tokens in the chunk (the drafts follow them)
     begin: int  # flat row of the chunk's first token
     samples: bool  # the chunk ends with the sequence's last known token (+ drafts): its rows sample
 
-    @property
-    def known(self) -> int:
-        """The sequence's own tokens in the chunk (the drafts excluded)."""
-        return len(self.chunk.token_ids) - len(self.draft.token_ids)
+
+NO_DRAFT = Draft()
 
 
 class Engine:
@@ -280,14 +279,17 @@ class Engine:
         proposed = iter(proposed)
         work, row = [], 0
         for c in chunks:
-            seq = c.seq
-            draft = next(proposed) if c.max_drafts > 0 else Draft()
-            if len(draft.token_ids) > c.max_drafts:
-                probs = None if draft.probs is None else draft.probs[: c.max_drafts]
-                draft = Draft(list(draft.token_ids[: c.max_drafts]), probs)
-            tokens = seq.tokens(seq.computed, seq.computed + c.num_tokens) + list(draft.token_ids)
-            samples = seq.computed + c.num_tokens == seq.num_tokens
-            work.append(_Work(seq, Chunk(seq.slot, tokens, seq.computed), draft, row, samples))
+            seq, start, known = c.seq, c.seq.computed, c.num_tokens
+            tokens = seq.tokens(start, start + known)
+            draft = NO_DRAFT
+            if c.max_drafts > 0:
+                draft = next(proposed)
+                if len(draft.token_ids) > c.max_drafts:
+                    probs = None if draft.probs is None else draft.probs[: c.max_drafts]
+                    draft = Draft(list(draft.token_ids[: c.max_drafts]), probs)
+                tokens = tokens + list(draft.token_ids)
+            samples = start + known == len(seq.prompt_ids) + len(seq.output_ids)  # reaches the last token
+            work.append(_Work(seq, Chunk(seq.slot, tokens, start), draft, known, row, samples))
             row += len(tokens)
         return work
 
@@ -297,7 +299,11 @@ class Engine:
         rows = []
         for w in work:
             if w.samples:
-                rows.extend(range(w.begin + w.known - 1, w.begin + len(w.chunk.token_ids)))
+                last = w.begin + w.known - 1
+                if w.draft.token_ids:
+                    rows.extend(range(last, last + 1 + len(w.draft.token_ids)))
+                else:
+                    rows.append(last)
         return rows
 
     def _score_prompts(self, work: list[_Work], result: StepResult) -> None:
@@ -335,11 +341,16 @@ class Engine:
         tokens: list[int] = []
         logprobs: list = []
         if sampling:
-            slots, indices = [], []
+            slots, indices = [], []  # per row: the sequence's slot, the index of the token it samples
             for w in sampling:
-                rows = 1 + len(w.draft.token_ids)
-                slots.extend([w.seq.slot] * rows)
-                indices.extend(range(len(w.seq.output_ids), len(w.seq.output_ids) + rows))
+                generated = len(w.seq.output_ids)
+                if w.draft.token_ids:
+                    rows = 1 + len(w.draft.token_ids)
+                    slots.extend([w.seq.slot] * rows)
+                    indices.extend(range(generated, generated + rows))
+                else:
+                    slots.append(w.seq.slot)
+                    indices.append(generated)
             out = self.sampler.sample_rows(result.logits, self.sampling.rows(slots), indices)
             tokens, logprobs = out.token_ids.tolist(), out.logprobs
         row = 0
@@ -347,11 +358,12 @@ class Engine:
             seq, start = w.seq, w.chunk.start
             if not w.samples:
                 seq.computed += w.known
-                self._on_commit(seq, start, result.streams[w.begin : w.begin + w.known])
+                if self.proposer is not None:
+                    self.proposer.on_commit(seq, start, result.streams[w.begin : w.begin + w.known])
                 continue
             drafts = w.draft.token_ids
             sampled = tokens[row : row + 1 + len(drafts)]
-            kept = accepted_length(sampled, drafts)
+            kept = accepted_length(sampled, drafts) if drafts else 0
             seq.computed = start + w.known + kept
             for i in range(kept + 1):
                 self._append(seq, sampled[i], logprobs[row + i])
@@ -361,14 +373,12 @@ class Engine:
             if not seq.finished:
                 if kept < len(drafts):
                     self.runner.rewind(seq.slot, seq.computed)
-                self._on_commit(seq, start, result.streams[w.begin : w.begin + w.known + kept])
+                if self.proposer is not None:
+                    self.proposer.on_commit(seq, start, result.streams[w.begin : w.begin + w.known + kept])
             request = self.requests[seq.request_id]
+            request.weights_version = self.weights_version  # it chose tokens: versions only grow
             if request.stream or request.finished:
                 reported[request.request_id] = request
-
-    def _on_commit(self, seq: Sequence, start: int, streams: torch.Tensor) -> None:
-        if self.proposer is not None:
-            self.proposer.on_commit(seq, start, streams)
 
     def _append(self, seq: Sequence, token: int, logprobs) -> None:
         """Record a sampled token and apply the stop conditions."""

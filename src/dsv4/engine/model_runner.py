@@ -73,7 +73,8 @@ class ModelRunner:
 
         Args:
             chunks: per sequence, its slot, new tokens and the position of the first.
-            logit_rows: rows of the flat batch (chunks back to back) whose logits are wanted.
+            logit_rows: rows of the flat batch (chunks back to back) whose logits are wanted, ascending
+                and distinct.
 
         Returns:
             The streams of every row and the logits of `logit_rows`.
@@ -86,8 +87,7 @@ class ModelRunner:
             streams, _ = self.model(batch, self.cache)
         if not logit_rows:
             return StepResult(streams, None)
-        if len(logit_rows) == batch.num_tokens and list(logit_rows) == list(range(batch.num_tokens)):
-            # Every row, in order (a pure decode step): no gather.
+        if len(logit_rows) == batch.num_tokens:  # every row, in order (a pure decode step): no gather
             return StepResult(streams, self.logits(streams) if logits is None else logits)
         picked = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         if logits is not None:

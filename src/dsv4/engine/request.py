@@ -24,7 +24,8 @@ class Request:
     """A queued or running request.
 
     Attributes:
-        added_version: the weights version in effect when it was added.
+        weights_version: the latest weights version that chose any of its tokens (the version in effect
+            when it was added, while it has none).
         stream: report a delta every step it progresses (True) or only the final output (False).
         sink: if set, called (by whichever thread runs the step, under the engine's lock: it must not
             block) with every output `Engine.step` makes for this request, besides returning it; lets
@@ -37,7 +38,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
-    added_version: int = 0
+    weights_version: int = 0
     stream: bool = True
     sink: OutputSink | None = None
     error: str | None = None
@@ -48,11 +49,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(seq.finished for seq in self.seqs)
-
-    @property
-    def weights_version(self) -> int:
-        """The latest weights version that chose any of its tokens (added_version while it has none)."""
-        return max((span[0] for seq in self.seqs for span in seq.weights_spans), default=self.added_version)
 
     def output(self, delta: bool) -> RequestOutput:
         prompt_lp = None

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from dsv4.engine.limits import EngineLimits
 from dsv4.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):  # a tuple: one is made per running sequence and step
     """One sequence's share of a step.
 
     Attributes:
@@ -120,7 +120,9 @@ class Scheduler:
             admitted.append(seq)
 
         budget = self.limits.max_num_batched_tokens
-        decodes = [seq for seq in self.running if seq.pending == 1][:budget]
+        # Known tokens without cache state, per running sequence (`Sequence.pending`, inlined: hot loop).
+        pending = [(seq, len(seq.prompt_ids) + len(seq.output_ids) - seq.computed) for seq in self.running]
+        decodes = [seq for seq, n in pending if n == 1][:budget]
         budget -= len(decodes)
         chunks = []
         for seq in decodes:
@@ -129,11 +131,11 @@ class Scheduler:
                 drafts = min(num_speculative_tokens, budget, self._max_drafts(seq))
                 budget -= drafts
             chunks.append(ScheduledChunk(seq, 1, drafts))
-        for seq in self.running:
+        for seq, n in pending:
             if budget <= 0:
                 break
-            if seq.pending > 1:
-                take = min(seq.pending, budget)
+            if n > 1:
+                take = min(n, budget)
                 chunks.append(ScheduledChunk(seq, take))
                 budget -= take
         return SchedulerOutput(tuple(chunks), tuple(admitted))

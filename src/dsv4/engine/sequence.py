@@ -132,7 +132,7 @@ class Sequence:
         logprobs = None
         if self.params.logprobs is not None:
             logprobs = [lp.top for lp in self.logprobs[tokens_from:]]
-        spans = [(v, max(b, tokens_from), e) for v, b, e in self.weights_spans if e > tokens_from]
+        spans = [(v, b if b > tokens_from else tokens_from, e) for v, b, e in self.weights_spans if e > tokens_from]
         return CompletionOutput(
             index=self.index,
             token_ids=self.output_ids[tokens_from:],
