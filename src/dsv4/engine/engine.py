@@ -22,7 +22,7 @@ Threads: every public method takes the engine's lock, so any thread may add, abo
 step runs whole under the lock, so weights change only between steps: a weight update holds the lock
 while it writes (`exclusive`), after `pause` dealt with the requests in flight:
 
-  abort    every request in flight ends now, finish_reason "abort";
+  abort    every request in flight (running or queued) ends now, finish_reason "abort";
   wait     admission stops (new requests queue) and the running sequences run to their end;
   retract  the running sequences are preempted; after the update they recompute their prompt and
            generated tokens under the new weights and go on.
@@ -187,7 +187,14 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its slots; its final delta (finish_reason "abort") comes out of
-        the next `step()`. False if the request is unknown or already finished."""
+        the next `step()`.
+
+        Args:
+            request_id: the request.
+
+        Returns:
+            False if the request is unknown or already finished.
+        """
         with self._lock:
             request = self.requests.pop(request_id, None)
             if request is None:
@@ -202,7 +209,14 @@ class Engine:
 
     def preempt(self, request_id: str) -> bool:
         """Preempt the request's running sequences: they free their slots, keep their tokens, and go
-        back to the front of the waiting queue to be recomputed. False if none of them was running."""
+        back to the front of the waiting queue, to recompute them when admitted again.
+
+        Args:
+            request_id: the request.
+
+        Returns:
+            False if none of its sequences was running.
+        """
         with self._lock:
             request = self.requests.get(request_id)
             running = [] if request is None else [s for s in request.seqs if s.status is SequenceStatus.RUNNING]
@@ -222,6 +236,7 @@ class Engine:
                         or (self.requests and self._unservable()))
 
     def stats(self) -> EngineStats:
+        """A consistent snapshot of the engine's occupancy, for monitoring."""
         with self._lock:
             return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
                                len(self.scheduler.free_slots), self.weights_version, bool(self._holds))
@@ -259,8 +274,15 @@ class Engine:
             return outputs
 
     def step_or_wait(self, timeout: float) -> list[RequestOutput]:
-        """`step()` if it has anything to do, else wait up to `timeout` seconds for a change (a step by
-        another thread, a new request, an abort, a resume) and return no outputs."""
+        """`step()` if it has anything to do, else wait for a change (a step by another thread, a new
+        request, an abort, a resume): the loop of a thread that drives the engine.
+
+        Args:
+            timeout: the longest wait in seconds.
+
+        Returns:
+            The step's outputs, or none after a wait.
+        """
         with self._lock:
             if not self.has_runnable_work():
                 self._changed.wait(timeout)
@@ -473,7 +495,11 @@ class Engine:
             self.step()
 
     def resume(self, hold: str = USER_HOLD) -> None:
-        """`hold` no longer pauses generation; admission restarts when no one else does."""
+        """End `hold`'s pause; admission restarts when no one else holds one.
+
+        Args:
+            hold: who paused (USER_HOLD, WEIGHTS_HOLD).
+        """
         with self._lock:
             self._holds.discard(hold)
             self.scheduler.admitting = not self._holds
@@ -484,8 +510,12 @@ class Engine:
         return self._lock
 
     def weights_updated(self) -> int:
-        """Called once new weights are in place; returns the new weights version. A sequence still
-        running would continue a cache computed with the old weights: it is recomputed instead."""
+        """Called once new weights are in place (under `exclusive`). A sequence still running would
+        continue a cache computed with the old weights: it is preempted, to recompute under the new ones.
+
+        Returns:
+            The new weights version.
+        """
         with self._lock:
             self.weights_version += 1
             for seq in reversed(list(self.scheduler.running)):
@@ -495,7 +525,17 @@ class Engine:
     # ---- scoring ----
     @torch.inference_mode()
     def forward_logprobs(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
-        """Per sequence, fp32 [len, vocab] next-token log-distributions (`ModelRunner.forward_logprobs`),
-        between steps."""
+        """Per sequence, fp32 [len, vocab] next-token log-distributions, computed between steps in a
+        scratch cache (`ModelRunner.forward_logprobs`).
+
+        Args:
+            token_ids: the sequences.
+
+        Returns:
+            One [len, V] tensor per sequence.
+
+        Raises:
+            WeightsNotReadyError: the weights are not READY.
+        """
         with self._lock:
             return self.runner.forward_logprobs(token_ids, self.limits.max_num_batched_tokens)

@@ -113,10 +113,22 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); one RequestOutput per prompt, in order.
-        A prompt that cannot be served (too long, bad ids) gets an output with `.error` set and no
-        completions; the others still run. A progress bar shows when stderr is a terminal. Safe to call
-        from several threads, and alongside weight updates (see `update_weights`)."""
+        """Generate for every prompt (text or token ids). Safe to call from several threads, and while
+        another thread updates the weights (see `begin_weight_update`).
+
+        Args:
+            prompts: one prompt or a list; a prompt is a string or a list of token ids.
+            sampling_params: one for all prompts, or one per prompt (None: defaults).
+            use_tqdm: show a progress bar (only when stderr is a terminal).
+
+        Returns:
+            One RequestOutput per prompt, in order. A prompt that cannot be served (too long, bad ids)
+            gets an output with `.error` set and no completions; the others still run.
+
+        Raises:
+            RequestError: as many sampling params as prompts were not given.
+            WeightsNotReadyError: a failed weight update left the model unusable.
+        """
         requests: list[Request | RequestOutput] = self._add_all(prompts, sampling_params, stream=False)
         live = [r for r in requests if isinstance(r, Request)]
         bar = _progress_bar(len(live)) if use_tqdm else None
@@ -134,10 +146,19 @@ class LLM:
     def stream(
         self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield, step by step, each request's new tokens/text (`RequestOutput` deltas; the last one of a
-        request has `finished=True`). `abort(request_id)` from the consuming loop stops a request: its
-        final delta has finish_reason "abort". Rejected prompts are yielded first, with `.error`.
-        Closing the iterator early aborts its requests that are still running."""
+        """Yield, step by step, each request's new tokens and text.
+
+        `abort(request_id)` from the consuming loop stops a request: its final delta has finish_reason
+        "abort". Closing the iterator early aborts its requests that are still running.
+
+        Args:
+            prompts: as for `generate`.
+            sampling_params: as for `generate`.
+
+        Yields:
+            `RequestOutput` deltas; the last one of a request has `finished=True`. Rejected prompts come
+            first, with `.error`.
+        """
         deltas: deque[RequestOutput] = deque()  # filled by whichever thread runs the step
         pending = set()
         for r in self._add_all(prompts, sampling_params, stream=True, sink=deltas.append):
@@ -158,13 +179,20 @@ class LLM:
                 self.engine.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a running or waiting request and free its cache slots; False if it is unknown or done."""
+        """Stop a running or waiting request and free its cache slots.
+
+        Returns:
+            False if the request is unknown or done.
+        """
         return self.engine.abort(request_id)
 
     def pause_generation(self, mode: str = PAUSE_ABORT) -> None:
-        """Pause generation until `resume_generation()`: requests in flight are aborted ("abort"), run to
-        their end ("wait"; this call returns then) or preempted to be recomputed after the pause
-        ("retract"); new requests queue meanwhile. Weight updates may run while paused.
+        """Pause generation until `resume_generation()`; new requests queue meanwhile, and weight
+        updates may run (they leave the requests in flight to this pause).
+
+        Args:
+            mode: "abort": requests in flight end now; "wait": they run to their end (this call returns
+                then); "retract": they are preempted and recompute their tokens after the pause.
 
         Raises:
             ConfigError: an unknown mode.
@@ -230,8 +258,17 @@ class LLM:
 
     # ---- scoring ----
     def forward_logprobs(self, token_ids: Seq[Seq[int]]) -> list[torch.Tensor]:
-        """Per sequence, fp32 [len, vocab] log-softmax next-token distributions from the engine's own
-        (chunked) prefill path, in a scratch cache slot."""
+        """Next-token distributions from the engine's own (chunked) prefill path, in a scratch cache.
+
+        Args:
+            token_ids: token id sequences.
+
+        Returns:
+            Per sequence, fp32 [len, vocab] log-softmax.
+
+        Raises:
+            RequestError: ids outside the vocabulary.
+        """
         return self.engine.forward_logprobs([self._encode(list(ids)) for ids in token_ids])
 
     # ---- weights ----
@@ -241,11 +278,20 @@ class LLM:
         then `finish()` (or use it as a context manager). Target and drafters update together.
 
         Generation and the update are serialized: the weights change only between engine steps, after
-        the requests in flight were dealt with per `pause` ("abort": they end with finish_reason
-        "abort"; "wait": they run to their end first, new requests queue; "retract": they are preempted
-        and, after the update, recompute their tokens under the new weights and go on). An atomic session
-        pauses at `finish()` (buckets are only staged until then); a fail-stop one (atomic=False) writes
-        as buckets arrive, so it pauses when it begins. Generation resumes when the session ends.
+        the requests in flight were dealt with per `pause`. An atomic session pauses generation at
+        `finish()` (buckets are only staged until then); a fail-stop one writes as buckets arrive, so it
+        pauses when it begins. Generation resumes when the session ends, however it ends.
+
+        Args:
+            atomic: stage every bucket and apply them at `finish()` (True), or write as they arrive.
+            full: `finish()` requires every tensor.
+            pause: what becomes of the requests in flight: "abort": they end with finish_reason "abort";
+                "wait": they run to their end first (new requests queue); "retract": they are preempted
+                and, after the update, recompute their tokens under the new weights and go on. Ignored
+                while `pause_generation` holds generation paused (that pause decided).
+
+        Returns:
+            The session (`PausingWeightUpdate`).
 
         Raises:
             WeightUpdateError: another session is open.
@@ -262,8 +308,19 @@ class LLM:
             return self._weight_update
 
     def update_weights(self, weights: Bucket, full: bool = False, pause: str = PAUSE_ABORT) -> int:
-        """Atomically replace weights with (name, tensor) pairs (one bucket); returns the new version.
-        `pause`: what happens to requests in flight (see `begin_weight_update`)."""
+        """Atomically replace weights with (name, tensor) pairs (one bucket).
+
+        Args:
+            weights: (name, tensor) pairs or a mapping; native or HF names.
+            full: require every tensor.
+            pause: what becomes of the requests in flight (see `begin_weight_update`).
+
+        Returns:
+            The new weights version.
+
+        Raises:
+            WeightUpdateError: a rejected tensor or an incomplete update; the old weights keep serving.
+        """
         with self.begin_weight_update(atomic=True, full=full, pause=pause) as session:
             session.load(weights)
         return session.version

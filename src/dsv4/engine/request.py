@@ -28,8 +28,8 @@ class Request:
             when it was added, while it has none).
         stream: report a delta every step it progresses (True) or only the final output (False).
         sink: if set, called (by whichever thread runs the step, under the engine's lock: it must not
-            block) with every output `Engine.step` makes for this request, besides returning it; lets
-            several threads drive the engine.
+            block, step or pause the engine) with every output `Engine.step` makes for this request,
+            besides returning it; lets several threads drive the engine.
         error: why the engine ended it without serving it (its outputs carry it).
     """
 
