@@ -87,7 +87,7 @@ LLM_CALLS = {
 def test_llm_methods_refuse_bad_arguments(case, llm, answer_before):
     call, error, builtin, needles = LLM_CALLS[case]
     _refused(lambda: call(llm), error, builtin, needles)
-    assert not llm.engine.requests and len(llm.engine.free_slots) == llm.limits.max_num_seqs
+    assert not llm.engine.requests and len(llm.engine.scheduler.free_slots) == llm.limits.max_num_seqs
 
 
 def test_engine_unchanged_after_refused_calls(llm, answer_before):

@@ -1,15 +1,12 @@
 """The engine and LLM facade: sampling options, stop conditions, logprobs, streaming + abort,
 admission control, per-request errors, default limits and the chat template."""
 
-import json
-
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import reference as ref
 from dsv4 import LLM, SamplingParams
-from dsv4.engine.engine import EngineLimits, cache_bytes_per_sequence
+from dsv4.engine.limits import EngineLimits, cache_bytes_per_sequence
 from dsv4.errors import ConfigError, RequestError
 
 SEED = 5
@@ -27,23 +24,13 @@ def _word(i: int) -> str:
     return f"w{i}"
 
 
-def _write_tokenizer(path) -> None:
-    """A word-level tokenizer over the model's 512 ids: id i <-> "w{i}" (whitespace separated)."""
-    vocab = {_word(i): i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=_word(2)))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "w0"}))
-
-
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def llm(tmp_path_factory, write_word_tokenizer):
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     path = tmp_path_factory.mktemp("engine")
     ref.save_hf_checkpoint(ref.build_reference_model(ref.tiny_config(), SEED), path)
-    _write_tokenizer(path)
+    write_word_tokenizer(path, VOCAB, {"chat_template": CHAT_TEMPLATE, "bos_token": "w0"})
     yield LLM(str(path), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128)
     torch.set_num_threads(saved)
 
@@ -74,7 +61,7 @@ def test_admission_control_queues_beyond_slots(llm):
     again = llm.generate(prompts[0], SamplingParams(max_tokens=5, ignore_eos=True, n=2, temperature=1.0, seed=3),
                          use_tqdm=False)
     assert [c.token_ids for c in again[0].outputs] == [c.token_ids for c in outs[0].outputs]
-    assert len(llm.engine.free_slots) == llm.limits.max_num_seqs and not llm.engine.requests
+    assert len(llm.engine.scheduler.free_slots) == llm.limits.max_num_seqs and not llm.engine.requests
 
 
 def test_stop_token_ids_and_eos(llm):
@@ -161,7 +148,7 @@ def test_stream_deltas_concatenate_and_abort_frees_slots(llm):
         else:
             assert tokens[rid] == expected.outputs[0].token_ids and finals[rid] == "length"
             assert texts[rid] == expected.outputs[0].text
-    assert len(llm.engine.free_slots) == llm.limits.max_num_seqs and not llm.engine.has_work()
+    assert len(llm.engine.scheduler.free_slots) == llm.limits.max_num_seqs and not llm.engine.has_work()
 
 
 def test_unstreamed_requests_are_reported_once_when_finished(llm):
@@ -182,7 +169,7 @@ def test_unstreamed_requests_are_reported_once_when_finished(llm):
     assert len(reported["loud"]) == 7 and [o.finished for o in reported["loud"]] == [False] * 6 + [True]
     streamed = [t for o in reported["loud"] for t in o.outputs[0].token_ids]
     assert streamed == loud.output(delta=False).outputs[0].token_ids
-    assert len(engine.free_slots) == llm.limits.max_num_seqs
+    assert len(engine.scheduler.free_slots) == llm.limits.max_num_seqs
 
 
 def test_chat_uses_checkpoint_template(llm):
@@ -213,3 +200,29 @@ def test_default_limits_follow_model_and_memory(llm):
         EngineLimits.derive(cfg, torch.float32, "cpu", max_num_seqs=9, max_num_batched_tokens=8)
     with pytest.raises(ConfigError, match="max_model_len must be a positive int"):
         EngineLimits.derive(cfg, torch.float32, "cpu", max_model_len=0)
+
+
+def test_sampling_rows_are_built_once_per_batch_composition(llm):
+    """The sampling settings of a step are rebuilt only when a sequence joins or leaves the batch."""
+    engine = llm.engine
+    builds = engine.sampling.builds
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1)
+    for i in range(3):  # 3 prompts prefilled in one step, then 5 decode steps with the same 3 rows
+        engine.add_request(f"steady{i}", _ids(4, seed=i), params)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps == 2:  # a 4th joins: its rows join at its first sample, and the batch shrinks back later
+            engine.add_request("joiner", _ids(4, seed=9), params)
+    assert steps == 8 and engine.sampling.builds - builds == 3  # (3 rows), (4 rows), (the joiner alone)
+
+
+def test_closing_a_stream_early_aborts_its_requests(llm):
+    stream = llm.stream([_ids(5), _ids(7, seed=1)], GREEDY)
+    first = next(stream)
+    assert not first.finished and llm.engine.stats().running == 2
+    stream.close()
+    assert llm.engine.stats().running == 0 and len(llm.engine.scheduler.free_slots) == llm.limits.max_num_seqs
+    outs = llm.engine.step()
+    assert {o.outputs[0].finish_reason for o in outs} == {"abort"} and not llm.engine.has_work()

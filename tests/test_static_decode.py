@@ -95,7 +95,8 @@ def test_compile_refuses_quantized_experts_naming_the_reason(tmp_path):
     with pytest.raises(ConfigError, match=r'compile=True.*fp4 routed experts.*expert_dtype="dense"'):
         LLM(str(tmp_path), dtype="float32", compile=True)
     # The same checkpoint with experts made dense at load compiles.
-    assert LLM(str(tmp_path), dtype="float32", expert_dtype="dense", compile=True).engine.static_decode is not None
+    dense = LLM(str(tmp_path), dtype="float32", expert_dtype="dense", compile=True)
+    assert dense.engine.runner.static_decode is not None
 
 
 PROMPTS = [[5, 9, 31, 2, 77, 3, 8], list(range(40, 75)), [300, 12, 7, 7, 7, 41, 90, 16, 3, 3, 200, 18]]

@@ -1,153 +1,185 @@
-"""The generation loop: admit sequences into cache slots, run one forward per step, sample, retire.
+"""The engine loop: requests in, one forward per step, tokens out.
 
-Every step packs one decode token per running sequence and then prompt chunks (chunked prefill) into
-a single ForwardBatch under a token budget (`max_num_batched_tokens`). Sequences own a preallocated
-cache slot from admission to retirement; a request that finds no free slot waits in FIFO order
-(admission control), it never fails for lack of room. A prompt that cannot fit `max_model_len` is
-rejected on its own, when it is added.
+A step flows through four parts, each in its own file:
 
-`step()` returns, for every streamed request that progressed, what is new since its previous output
-(streaming deltas); finished requests appear one last time with `finished=True`. Requests added with
-`stream=False` appear only then (their one delta is the whole result), so a step builds no output
-objects for the many requests that merely progressed.
+  schedule   `Scheduler` (scheduler.py): admit waiting sequences into free cache slots (FIFO), then
+             plan the step's chunks within the token budget: one token per decoding sequence (plus
+             room for draft tokens when speculating), then chunked prefill.
+  forward    `ModelRunner` (model_runner.py): one `ForwardBatch` for all chunks (the step's metadata,
+             built once), the compiled decode step or the eager forward, logits of the rows that sample.
+  sample     `Sampler` (sampler.py) over the rows' settings, which `SamplingBatch` keeps per cache slot
+             and rebuilds only when the batch's composition changes.
+  commit     here: append the sampled tokens (stop ids, stop strings, max_tokens, max_model_len),
+             advance each sequence's `computed`, finish and free slots, build the outputs.
+
+Speculation (speculation.py) plugs in between schedule and forward (the `Proposer` drafts tokens for the
+room the scheduler left) and in commit (only the accepted prefix plus one token is kept; `computed` and
+the cache slot are rewound past the rejected drafts). Preemption (`preempt`, and `pause("retract")`)
+takes a running sequence's slot; it keeps its tokens and is recomputed by chunked prefill when admitted
+again.
+
+Threads: every public method takes the engine's lock, so any thread may add, abort, step or pause. A
+step runs whole under the lock, so weights change only between steps: a weight update holds the lock
+while it writes (`exclusive`), after `pause` dealt with the requests in flight:
+
+  abort    every request in flight (running or queued) ends now, finish_reason "abort";
+  wait     admission stops (new requests queue) and the running sequences run to their end;
+  retract  the running sequences are preempted; after the update they recompute their prompt and
+           generated tokens under the new weights and go on.
+
+Every generated token is tagged with the weights version that chose it (`CompletionOutput.weights_versions`).
+When several threads may run steps (`pause("wait")` runs them too), give each request a `sink`: outputs
+reach it whichever thread made them.
 """
 
 from __future__ import annotations
 
-import os
-from collections import deque
+import threading
 from dataclasses import dataclass
 
 import torch
 
-from dsv4.config import ModelConfig
 from dsv4.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
-from dsv4.engine.request import ABORT, LENGTH, STOP, Request, RequestOutput, Sequence
-from dsv4.engine.sampler import Sampler, SamplingState, prompt_logprobs
+from dsv4.engine.limits import EngineLimits
+from dsv4.engine.model_runner import Chunk, ModelRunner, StepResult
+from dsv4.engine.outputs import RequestOutput
+from dsv4.engine.request import OutputSink, Request
+from dsv4.engine.sampler import Sampler, SamplingBatch, prompt_logprobs
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.errors import ConfigError, RequestError
-from dsv4.model.batch import ForwardBatch
-from dsv4.model.cache import allocate_layer_cache, cache_tensors
+from dsv4.engine.scheduler import ScheduledChunk, Scheduler
+from dsv4.engine.sequence import ABORT, LENGTH, STOP, Sequence, SequenceStatus
+from dsv4.engine.speculation import Draft, Proposer, accepted_length
+from dsv4.errors import ConfigError, RequestError, WeightsNotReadyError
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.model.static_decode import StaticDecode
 
-# Defaults when the user leaves a limit unset; each is then capped by the model and by memory.
-DEFAULT_MAX_NUM_SEQS = 64
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# Share of the memory available at start-up that the per-sequence caches may take by default
-# (weights are already resident; activations and the allocator need headroom too).
-CACHE_MEMORY_FRACTION = 0.25
+PAUSE_ABORT, PAUSE_WAIT, PAUSE_RETRACT = "abort", "wait", "retract"
+PAUSE_MODES = (PAUSE_ABORT, PAUSE_WAIT, PAUSE_RETRACT)
+# Who holds generation paused: the user (`LLM.pause_generation`) and/or a weight update in progress.
+# Admission resumes when nobody does.
+USER_HOLD, WEIGHTS_HOLD = "user", "weights"
+
+
+def check_pause_mode(mode: object) -> str:
+    """Returns `mode` if it is one of PAUSE_MODES.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    if mode not in PAUSE_MODES:
+        raise ConfigError(f"pause: expected one of {'|'.join(PAUSE_MODES)}, got {mode!r}")
+    return mode  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
-class EngineLimits:
-    max_num_seqs: int  # cache slots
-    max_num_batched_tokens: int  # tokens per forward step
-    max_model_len: int  # prompt + output tokens per sequence
+class EngineStats:
+    """A snapshot for monitoring: sequences running / waiting, free cache slots, the weights version, and
+    whether generation is paused."""
 
-    @classmethod
-    def derive(
-        cls, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-        max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-        memory_bytes: int | None = None,
-    ) -> EngineLimits:
-        """Fill unset limits from the model (max positions) and memory (available bytes * fraction):
-        max_model_len defaults to the model's maximum, reduced until one sequence's cache fits the
-        budget; max_num_seqs defaults to as many such sequences as fit, at most DEFAULT_MAX_NUM_SEQS.
-        Explicit values are honoured (max_model_len is still capped by the model); max_num_seqs never
-        exceeds max_num_batched_tokens."""
-        budget = int((memory_bytes if memory_bytes is not None else available_memory(device)) * CACHE_MEMORY_FRACTION)
-        model_len = cfg.max_position_embeddings
-        if max_model_len is not None:
-            model_len = min(max_model_len, model_len)
-        if max_model_len is None:
-            while model_len > 1 and cache_bytes_per_sequence(cfg, model_len, dtype) > budget:
-                model_len //= 2
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", model_len)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        if max_num_seqs is None:
-            fit = budget // max(1, cache_bytes_per_sequence(cfg, model_len, dtype))
-            # Every running sequence needs one token of the step budget to decode.
-            max_num_seqs = int(max(1, min(DEFAULT_MAX_NUM_SEQS, fit, max_num_batched_tokens)))
-        elif max_num_seqs > max_num_batched_tokens:
-            raise ConfigError(
-                f"max_num_seqs={max_num_seqs} > max_num_batched_tokens={max_num_batched_tokens}: "
-                f"some running sequences could not decode in a step"
-            )
-        return cls(max_num_seqs, max_num_batched_tokens, model_len)
+    running: int
+    waiting: int
+    free_slots: int
+    weights_version: int
+    paused: bool
 
 
-def cache_bytes_per_sequence(cfg: ModelConfig, max_len: int, dtype: torch.dtype) -> int:
-    """Bytes of one cache slot for sequences up to max_len (shapes from a meta-device allocation)."""
-    layers = [allocate_layer_cache(cfg, t, 1, max_len, dtype, "meta") for t in cfg.layer_types]
-    return sum(t.numel() * t.element_size() for t in cache_tensors(layers))
+@dataclass(slots=True)
+class _Work:
+    """One scheduled chunk on its way through the step."""
+
+    seq: Sequence
+    chunk: Chunk
+    draft: Draft
+    known: int  # the sequence's own tokens in the chunk (the drafts follow them)
+    begin: int  # flat row of the chunk's first token
+    samples: bool  # the chunk ends with the sequence's last known token (+ drafts): its rows sample
 
 
-def available_memory(device: str | torch.device) -> int:
-    """Free bytes on `device` now: CUDA's free memory, or the host's MemAvailable (Linux) / total RAM."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+NO_DRAFT = Draft()
 
 
 class Engine:
+    """Continuous batching over preallocated cache slots (module docstring).
+
+    Args:
+        model: the target model.
+        limits: slots, step budget, sequence length.
+        seed: seed of unseeded sampling.
+        eos_token_ids: tokens that end a sequence (unless `ignore_eos`).
+        tokenizer: a `tokenizers.Tokenizer` for text and stop strings, or None.
+        compile_decode: run pure-decode steps through `StaticDecode` compiled with torch.compile.
+        proposer: a drafter for speculative decoding, or None.
+
+    Raises:
+        ValueError: compile_decode for a model the static step cannot run (e.g. FP8/FP4 routed experts).
+    """
+
     def __init__(
         self, model: DeepseekV4, limits: EngineLimits, seed: int, eos_token_ids: tuple[int, ...], tokenizer=None,
-        compile_decode: bool = False,
+        compile_decode: bool = False, proposer: Proposer | None = None,
     ):
-        """compile_decode: run pure-decode steps through `StaticDecode` compiled with torch.compile
-        (raises ValueError when the model cannot use it, e.g. FP8/FP4 routed experts)."""
-        self.model = model
-        self.static_decode = StaticDecode(model, compile=True) if compile_decode else None
         self.limits = limits
-        self.tokenizer = tokenizer
-        self.cache = model.allocate_cache(limits.max_num_seqs, limits.max_model_len)
-        self.free_slots = deque(range(limits.max_num_seqs))
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.requests: dict[str, Request] = {}
+        self.runner = ModelRunner(model, limits, compile_decode)  # allocates every cache slot now
+        self.scheduler = Scheduler(limits)
+        self.sampling = SamplingBatch(limits.max_num_seqs, self.runner.device)  # a row per cache slot
         self.sampler = Sampler(default_seed=seed)
+        self.proposer = proposer
+        self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
+        self.requests: dict[str, Request] = {}  # every request not yet reported finished
+        self.weights_version = 0
         self._aborted: list[Request] = []  # their final outputs go out with the next step
+        self._holds: set[str] = set()  # who paused generation (USER_HOLD, WEIGHTS_HOLD)
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # notified after a step and when work arrives
 
     # ---- requests ----
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        weights_version: int = 0, stream: bool = True,
+        stream: bool = True, sink: OutputSink | None = None,
     ) -> Request:
-        """Queue a request (its n sequences). Raises RequestError for this request only. stream=False:
-        `step()` reports it only when it finishes."""
-        if request_id in self.requests:
-            raise RequestError(f"request {request_id}: id already in use")
-        if not prompt_ids:
-            raise RequestError(f"request {request_id}: empty prompt")
-        if len(prompt_ids) + 1 > self.limits.max_model_len:
-            raise RequestError(
-                f"request {request_id}: prompt of {len(prompt_ids)} tokens leaves no room to generate within "
-                f"max_model_len={self.limits.max_model_len}"
-            )
-        if params.stop and self.tokenizer is None:
-            raise RequestError(f"request {request_id}: stop strings need a tokenizer, and this model has none")
-        seqs = [self._sequence(request_id, i, prompt_ids, params) for i in range(params.n)]
-        request = Request(request_id, prompt, list(prompt_ids), params, seqs, weights_version, stream=stream)
-        self.requests[request_id] = request
-        self.waiting.extend(seqs)
-        return request
+        """Queue a request (its n sequences).
+
+        Args:
+            request_id: unique among the requests in flight.
+            prompt_ids: the prompt's token ids.
+            params: sampling settings.
+            prompt: the prompt text, echoed in outputs.
+            stream: report a delta every step it progresses (True) or only its final output (False).
+            sink: called with each of its outputs by whichever thread runs the step (see `Request`).
+
+        Returns:
+            The queued request.
+
+        Raises:
+            RequestError: this request cannot be served (id in use, empty or too long prompt, stop strings
+                without a tokenizer); nothing is queued.
+            WeightsNotReadyError: a failed weight update left the model unusable.
+        """
+        with self._lock:
+            if request_id in self.requests:
+                raise RequestError(f"request {request_id}: id already in use")
+            if not prompt_ids:
+                raise RequestError(f"request {request_id}: empty prompt")
+            if len(prompt_ids) + 1 > self.limits.max_model_len:
+                raise RequestError(
+                    f"request {request_id}: prompt of {len(prompt_ids)} tokens leaves no room to generate within "
+                    f"max_model_len={self.limits.max_model_len}"
+                )
+            if params.stop and self.tokenizer is None:
+                raise RequestError(f"request {request_id}: stop strings need a tokenizer, and this model has none")
+            if not self._holds:  # during a weight update the request waits for it instead
+                self.runner.require_ready()
+            prompt_ids = list(prompt_ids)  # one copy, shared by the n sequences
+            seqs = [self._sequence(request_id, i, prompt_ids, params) for i in range(params.n)]
+            request = Request(request_id, prompt, prompt_ids, params, seqs, self.weights_version, stream, sink)
+            self.requests[request_id] = request
+            for seq in seqs:
+                self.scheduler.add(seq)
+            self._changed.notify_all()
+            return request
 
     def _sequence(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        seq = Sequence(request_id, index, list(prompt_ids), params, SamplingState.from_params(params, index))
+        seq = Sequence(request_id, index, prompt_ids, params)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids)
             seq.stop_checker = StopStringChecker(params.stop)
@@ -155,100 +187,166 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its slots; its final delta (finish_reason "abort") comes out of
-        the next `step()`. False if the request is unknown or already finished."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return False
-        for seq in request.seqs:
-            if not seq.finished:
-                seq.finish(ABORT)
-            self._release(seq)
-        self._aborted.append(request)
-        return True
+        the next `step()`.
+
+        Args:
+            request_id: the request.
+
+        Returns:
+            False if the request is unknown or already finished.
+        """
+        with self._lock:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                return False
+            for seq in request.seqs:
+                if not seq.finished:
+                    seq.finish(ABORT)
+                self._release(seq)
+            self._aborted.append(request)
+            self._changed.notify_all()
+            return True
+
+    def preempt(self, request_id: str) -> bool:
+        """Preempt the request's running sequences: they free their slots, keep their tokens, and go
+        back to the front of the waiting queue, to recompute them when admitted again.
+
+        Args:
+            request_id: the request.
+
+        Returns:
+            False if none of its sequences was running.
+        """
+        with self._lock:
+            request = self.requests.get(request_id)
+            running = [] if request is None else [s for s in request.seqs if s.status is SequenceStatus.RUNNING]
+            for seq in reversed(running):  # each goes to the front: keep their order
+                self._preempt(seq)
+            return bool(running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborted)
+        """Whether any request is in flight (waiting, running, or with a final output still to report)."""
+        with self._lock:
+            return bool(self.scheduler.waiting or self.scheduler.running or self._aborted)
+
+    def has_runnable_work(self) -> bool:
+        """Whether `step()` would do anything now (not so for requests queued while paused)."""
+        with self._lock:
+            return bool(self._aborted or self.scheduler.running or self.scheduler.can_admit()
+                        or (self.requests and self._unservable()))
+
+    def stats(self) -> EngineStats:
+        """A consistent snapshot of the engine's occupancy, for monitoring."""
+        with self._lock:
+            return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                               len(self.scheduler.free_slots), self.weights_version, bool(self._holds))
 
     # ---- one step ----
-    def _admit(self) -> None:
-        while self.waiting and self.free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.free_slots.popleft()
-            self.running.append(seq)
-
-    def _schedule(self) -> list[tuple[Sequence, list[int]]]:
-        """Decode tokens first (one per sequence past its prompt), then prompt chunks up to the budget."""
-        budget = self.limits.max_num_batched_tokens
-        work = []
-        for seq in self.running:
-            if seq.computed >= len(seq.prompt_ids) and budget > 0:
-                work.append((seq, [seq.token_at(seq.computed)]))
-                budget -= 1
-        for seq in self.running:
-            if seq.computed < len(seq.prompt_ids) and budget > 0:
-                chunk = seq.prompt_ids[seq.computed : seq.computed + budget]
-                work.append((seq, chunk))
-                budget -= len(chunk)
-        return work
-
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one forward and sample; returns the deltas of the requests that progressed."""
-        outputs = [request.output(delta=True) for request in self._aborted]
-        self._aborted.clear()
-        self._admit()
-        work = self._schedule()
-        if not work:
+        """Schedule, run one forward, sample and commit (module docstring).
+
+        Returns:
+            For every streamed request that progressed, its delta; for every request that finished, its
+            last delta (`finished=True`). Each also goes to its request's sink.
+        """
+        with self._lock:
+            reported = {r.request_id: r for r in self._aborted}
+            self._aborted.clear()
+            if self.requests and self._unservable():
+                self._fail_all(reported)
+            plan = self.scheduler.schedule(self.proposer.num_speculative_tokens if self.proposer else 0)
+            for seq in plan.admitted:
+                self.sampling.add(seq.slot, seq.params, seq.seed)
+            if plan.chunks:
+                work = self._prepare(plan.chunks)
+                result = self.runner.execute([w.chunk for w in work], self._logit_rows(work))
+                self._score_prompts(work, result)
+                self._commit(work, result, reported)
+            outputs = []
+            for request in reported.values():
+                outputs.append(request.output(delta=True))
+                if request.finished:
+                    self.requests.pop(request.request_id, None)
+                if request.sink is not None:  # under the lock: deltas reach a sink in step order
+                    request.sink(outputs[-1])
+            self._changed.notify_all()
             return outputs
-        batch = ForwardBatch.build([(seq.slot, chunk, seq.computed) for seq, chunk in work], device=self._device)
-        logits = None  # [T, V], when the forward already computed every row's logits
-        if self.static_decode is not None and self.static_decode.serves(batch):
-            streams, logits = self.static_decode(batch, self.cache)
-        else:
-            streams, _ = self.model(batch, self.cache)
-        sampling: list[Sequence] = []  # sequences whose last known token is in the step
-        rows: list[int] = []  # the flat row of that token: its logits pick the next one
-        for (seq, chunk), segment in zip(work, batch.segments):
-            if seq.params.prompt_logprobs is not None and seq.index == 0 and seq.computed < len(seq.prompt_ids):
-                self._score_prompt_chunk(seq, streams[segment.begin : segment.end])
-            seq.computed += len(chunk)
-            if seq.computed == seq.num_tokens:
-                sampling.append(seq)
-                rows.append(segment.end - 1)
-        if not sampling:
-            return outputs
-        if len(rows) < batch.num_tokens:
-            picked = torch.tensor(rows, device=self._device)
-            streams = streams.index_select(0, picked)
-            logits = None if logits is None else logits.index_select(0, picked)
-        # else every row samples (a pure decode step): rows are 0..T-1 in order, no gather needed.
-        logits = self.model.logits(streams) if logits is None else logits
-        out = self.sampler.sample(logits, [seq.state for seq in sampling])
-        reported: dict[str, Request] = {}  # streamed requests that progressed, and finished ones
-        for seq, token, lp in zip(sampling, out.token_ids.tolist(), out.logprobs):
-            self._append(seq, token, lp)
+
+    def step_or_wait(self, timeout: float) -> list[RequestOutput]:
+        """`step()` if it has anything to do, else wait for a change (a step by another thread, a new
+        request, an abort, a resume): the loop of a thread that drives the engine.
+
+        Args:
+            timeout: the longest wait in seconds.
+
+        Returns:
+            The step's outputs, or none after a wait.
+        """
+        with self._lock:
+            if not self.has_runnable_work():
+                self._changed.wait(timeout)
+                return []
+        return self.step()
+
+    def _prepare(self, chunks: tuple[ScheduledChunk, ...]) -> list[_Work]:
+        """Each chunk's tokens, with the proposer's drafts appended to verify chunks."""
+        verifying = [c for c in chunks if c.max_drafts > 0]
+        proposed = []
+        if verifying:
+            proposed = self.proposer.propose([c.seq for c in verifying], [c.max_drafts for c in verifying])
+        if len(proposed) != len(verifying):
+            raise ValueError(f"{type(self.proposer).__name__}.propose returned {len(proposed)} drafts for "
+                             f"{len(verifying)} sequences")
+        proposed = iter(proposed)
+        work, row = [], 0
+        for c in chunks:
+            seq, start, known = c.seq, c.seq.computed, c.num_tokens
+            tokens = seq.tokens(start, start + known)
+            draft = NO_DRAFT
+            if c.max_drafts > 0:
+                draft = next(proposed)
+                if len(draft.token_ids) > c.max_drafts:
+                    probs = None if draft.probs is None else draft.probs[: c.max_drafts]
+                    draft = Draft(list(draft.token_ids[: c.max_drafts]), probs)
+                tokens = tokens + list(draft.token_ids)
+            samples = start + known == len(seq.prompt_ids) + len(seq.output_ids)  # reaches the last token
+            work.append(_Work(seq, Chunk(seq.slot, tokens, start), draft, known, row, samples))
+            row += len(tokens)
+        return work
+
+    @staticmethod
+    def _logit_rows(work: list[_Work]) -> list[int]:
+        """The rows that sample: the last known token of each sampling chunk, then its drafts' rows."""
+        rows = []
+        for w in work:
+            if w.samples:
+                last = w.begin + w.known - 1
+                if w.draft.token_ids:
+                    rows.extend(range(last, last + 1 + len(w.draft.token_ids)))
+                else:
+                    rows.append(last)
+        return rows
+
+    def _score_prompts(self, work: list[_Work], result: StepResult) -> None:
+        """Prompt logprobs of the prompt chunks of requests that asked for them (first completion only:
+        the n sequences share the prompt)."""
+        for w in work:
+            seq = w.seq
             request = self.requests[seq.request_id]
-            if request.stream or (seq.finished and request.finished):
-                reported[seq.request_id] = request
-        for request in reported.values():
-            outputs.append(request.output(delta=True))
-            if request.finished:
-                del self.requests[request.request_id]
-        return outputs
+            if (seq.params.prompt_logprobs is None or seq.index != 0 or request.prompt_logprobs is not None
+                    or w.chunk.start >= len(seq.prompt_ids)):
+                continue
+            self._score_prompt_chunk(request, seq, w.chunk.start, result.streams[w.begin : w.begin + w.known])
 
-    @property
-    def _device(self) -> torch.device:
-        return self.model.embed.weight.device
-
-    def _score_prompt_chunk(self, seq: Sequence, streams: torch.Tensor) -> None:
-        """Prompt logprobs for the chunk starting at seq.computed: row t predicts prompt token t+1."""
-        request = self.requests[seq.request_id]
-        start, n_prompt = seq.computed, len(seq.prompt_ids)
+    def _score_prompt_chunk(self, request: Request, seq: Sequence, start: int, streams: torch.Tensor) -> None:
+        """Prompt logprobs for the chunk starting at `start`: row t predicts prompt token t+1."""
+        n_prompt = len(seq.prompt_ids)
         rows = min(streams.shape[0], n_prompt - 1 - start)  # the last prompt row predicts an output token
         params = seq.params
         parts = []
         if rows > 0:
-            logits = self.model.logits(streams[:rows])
+            logits = self.runner.logits(streams[:rows])
             next_ids = torch.tensor(seq.prompt_ids[start + 1 : start + 1 + rows], device=logits.device)
             parts = prompt_logprobs(logits, next_ids, params.prompt_logprobs, params.logprobs_mode, params)
             parts = parts if start == 0 else parts[1:]  # the leading None belongs to prompt token 0 only
@@ -258,29 +356,186 @@ class Engine:
         if start + streams.shape[0] >= n_prompt:
             request.prompt_logprobs = request.prompt_logprobs_parts
 
+    def _commit(self, work: list[_Work], result: StepResult, reported: dict[str, Request]) -> None:
+        """Sample the sampling rows, keep each verify chunk's accepted prefix plus one token, advance
+        `computed` (rewinding slots past rejected drafts), and note the requests to report."""
+        sampling = [w for w in work if w.samples]
+        tokens: list[int] = []
+        logprobs: list = []
+        if sampling:
+            slots, indices = [], []  # per row: the sequence's slot, the index of the token it samples
+            for w in sampling:
+                generated = len(w.seq.output_ids)
+                if w.draft.token_ids:
+                    rows = 1 + len(w.draft.token_ids)
+                    slots.extend([w.seq.slot] * rows)
+                    indices.extend(range(generated, generated + rows))
+                else:
+                    slots.append(w.seq.slot)
+                    indices.append(generated)
+            out = self.sampler.sample_rows(result.logits, self.sampling.rows(slots), indices)
+            tokens, logprobs = out.token_ids.tolist(), out.logprobs
+        row = 0
+        for w in work:
+            seq, start = w.seq, w.chunk.start
+            if not w.samples:
+                seq.computed += w.known
+                if self.proposer is not None:
+                    self.proposer.on_commit(seq, start, result.streams[w.begin : w.begin + w.known])
+                continue
+            drafts = w.draft.token_ids
+            sampled = tokens[row : row + 1 + len(drafts)]
+            kept = accepted_length(sampled, drafts) if drafts else 0
+            seq.computed = start + w.known + kept
+            for i in range(kept + 1):
+                self._append(seq, sampled[i], logprobs[row + i])
+                if seq.finished:
+                    break
+            row += 1 + len(drafts)
+            if not seq.finished:
+                if kept < len(drafts):
+                    self.runner.rewind(seq.slot, seq.computed)
+                if self.proposer is not None:
+                    self.proposer.on_commit(seq, start, result.streams[w.begin : w.begin + w.known + kept])
+            request = self.requests[seq.request_id]
+            request.weights_version = self.weights_version  # it chose tokens: versions only grow
+            if request.stream or request.finished:
+                reported[request.request_id] = request
+
     def _append(self, seq: Sequence, token: int, logprobs) -> None:
-        seq.output_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
+        """Record a sampled token and apply the stop conditions."""
+        seq.append(token, logprobs, self.weights_version)
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self._finish(seq, STOP, token)
-        else:
-            stop = seq.add_text(token)
-            if stop is not None:
-                self._finish(seq, STOP, stop)
-            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.limits.max_model_len:
-                self._finish(seq, LENGTH)
+            return
+        stop = seq.add_text(token)
+        if stop is not None:
+            self._finish(seq, STOP, stop)
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.limits.max_model_len:
+            self._finish(seq, LENGTH)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         seq.finish(reason, stop_reason)
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        """Free what an ended sequence held: its slot (emptied), its sampling row, the proposer's state."""
         if seq.slot is not None:
-            self.free_slots.append(seq.slot)
-            seq.slot = None
+            self._vacate(seq)
+        self.scheduler.release(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._vacate(seq)
+        self.scheduler.preempt(seq)
+        request = self.requests[seq.request_id]
+        if seq.index == 0 and request.prompt_logprobs is None:
+            request.prompt_logprobs_parts.clear()  # scored again, whole, when it is recomputed
+
+    def _vacate(self, seq: Sequence) -> None:
+        """`seq` leaves its slot: the slot holds no position any more (its next sequence starts at 0)."""
+        self.runner.rewind(seq.slot, 0)
+        self.sampling.remove(seq.slot)
+        if self.proposer is not None:
+            self.proposer.on_release(seq)
+
+    def _unservable(self) -> bool:
+        """The weights are not READY and no weight update is under way to fix them."""
+        return not self.runner.ready and WEIGHTS_HOLD not in self._holds
+
+    def _fail_all(self, reported: dict[str, Request]) -> None:
+        """End every request with an error: a failed weight update left the model unusable."""
+        try:
+            self.runner.require_ready()
+            return
+        except WeightsNotReadyError as exc:  # it names the model
+            message = str(exc)
+        for request in list(self.requests.values()):
+            request.error = message
+            for seq in request.seqs:
+                if not seq.finished:
+                    seq.finish(ABORT)
+                self._release(seq)
+            reported[request.request_id] = request
+
+    # ---- pausing, for weight updates ----
+    @property
+    def paused(self) -> bool:
+        return bool(self._holds)
+
+    def pause(self, mode: str, hold: str = USER_HOLD) -> None:
+        """Stop admitting sequences and deal with those in flight per `mode` (module docstring); returns
+        once none is running. "wait" runs steps itself until then (other threads may too). If generation
+        is already paused, the first pause decided what became of the requests in flight (retracted ones
+        wait to resume): this one joins it and only waits for any sequence still running.
+
+        Args:
+            mode: "abort" | "wait" | "retract".
+            hold: who pauses (generation resumes when every holder called `resume`).
+
+        Raises:
+            ConfigError: an unknown mode.
+        """
+        check_pause_mode(mode)
+        with self._lock:
+            joining = bool(self._holds)
+            self._holds.add(hold)
+            self.scheduler.admitting = False
+            if not joining and mode == PAUSE_ABORT:
+                for request_id in list(self.requests):
+                    self.abort(request_id)
+            elif not joining and mode == PAUSE_RETRACT:
+                for seq in reversed(list(self.scheduler.running)):
+                    self._preempt(seq)
+            self._changed.notify_all()
+        while True:
+            with self._lock:
+                if not self.scheduler.running:
+                    return
+            self.step()
+
+    def resume(self, hold: str = USER_HOLD) -> None:
+        """End `hold`'s pause; admission restarts when no one else holds one.
+
+        Args:
+            hold: who paused (USER_HOLD, WEIGHTS_HOLD).
+        """
+        with self._lock:
+            self._holds.discard(hold)
+            self.scheduler.admitting = not self._holds
+            self._changed.notify_all()
+
+    def exclusive(self) -> threading.RLock:
+        """The engine's lock, as a context manager: no step runs while it is held (weight writes)."""
+        return self._lock
+
+    def weights_updated(self) -> int:
+        """Called once new weights are in place (under `exclusive`). A sequence still running would
+        continue a cache computed with the old weights: it is preempted, to recompute under the new ones.
+
+        Returns:
+            The new weights version.
+        """
+        with self._lock:
+            self.weights_version += 1
+            for seq in reversed(list(self.scheduler.running)):
+                self._preempt(seq)
+            return self.weights_version
+
+    # ---- scoring ----
+    @torch.inference_mode()
+    def forward_logprobs(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Per sequence, fp32 [len, vocab] next-token log-distributions, computed between steps in a
+        scratch cache (`ModelRunner.forward_logprobs`).
+
+        Args:
+            token_ids: the sequences.
+
+        Returns:
+            One [len, V] tensor per sequence.
+
+        Raises:
+            WeightsNotReadyError: the weights are not READY.
+        """
+        with self._lock:
+            return self.runner.forward_logprobs(token_ids, self.limits.max_num_batched_tokens)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import threading
+from collections import deque
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -12,8 +14,10 @@ import torch
 from dsv4.config import ModelConfig
 from dsv4.embedded import resolve_model
 from dsv4.engine.chat_template import ChatTemplate
-from dsv4.engine.engine import Engine, EngineLimits
-from dsv4.engine.request import Request, RequestOutput
+from dsv4.engine.engine import PAUSE_ABORT, USER_HOLD, WEIGHTS_HOLD, Engine, check_pause_mode
+from dsv4.engine.limits import EngineLimits
+from dsv4.engine.outputs import RequestOutput
+from dsv4.engine.request import OutputSink, Request
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.tokenizer import load_tokenizer
 from dsv4.engine.validation import (
@@ -28,13 +32,17 @@ from dsv4.engine.validation import (
     require_bool,
     require_str,
 )
-from dsv4.errors import ConfigError, RequestError
-from dsv4.model.batch import ForwardBatch
+from dsv4.errors import ConfigError, RequestError, WeightUpdateError
 from dsv4.progress import Progress
 from dsv4.weights.loader import LoadedModels, load_models
+from dsv4.weights.refit import Bucket, WeightUpdateSession
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 Prompt = str | Seq[int]
+# How long a thread waiting for its requests sleeps between checks when it has no step to run (another
+# thread is stepping, or generation is paused): it is woken as soon as anything changes, so this only
+# bounds the wait after a missed wake-up.
+IDLE_WAIT_S = 0.05
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
@@ -58,7 +66,7 @@ class LLM:
         draft: None, "mtp" or "dspark": also load that drafter from the same checkpoint.
         expert_dtype: override of the routed experts' resident format ("fp4" | "fp8" | "dense").
         max_num_seqs: cache slots, i.e. sequences decoded together (None: as many as memory allows,
-            at most `engine.DEFAULT_MAX_NUM_SEQS`).
+            at most `limits.DEFAULT_MAX_NUM_SEQS`).
         max_num_batched_tokens: tokens per forward step; prompt chunks fill what decodes leave.
         max_model_len: prompt + output tokens per sequence (None: the model's maximum, reduced
             until one sequence's cache fits the memory budget).
@@ -100,7 +108,6 @@ class LLM:
             expert_dtype=expert_dtype, seed=seed,
         )
         self.config = self.loaded.config
-        self.weights_version = 0
         self.limits = EngineLimits.derive(
             cfg, self.dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len
         )
@@ -110,6 +117,13 @@ class LLM:
         except ValueError as exc:
             raise ConfigError(f"{path}: compile=True: {exc}") from exc
         self._request_counter = itertools.count()
+        self._weight_update: WeightUpdateSession | None = None  # the session begun last (one open at a time)
+        self._weight_update_lock = threading.Lock()  # makes "is a session open? if not, open one" atomic
+
+    @property
+    def weights_version(self) -> int:
+        """The version of the weights now serving: 0 at load, +1 per finished weight update."""
+        return self.engine.weights_version
 
     # ---- generation ----
     def generate(
@@ -118,48 +132,99 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); one RequestOutput per prompt, in order.
-        A prompt that cannot be served (too long, bad ids) gets an output with `.error` set and no
-        completions; the others still run. With `use_tqdm`, progress shows as a bar when stderr is a
-        terminal and as periodic log lines otherwise (`dsv4.progress`)."""
+        """Generate for every prompt (text or token ids). Safe to call from several threads, and while
+        another thread updates the weights (see `begin_weight_update`).
+
+        Args:
+            prompts: one prompt or a list; a prompt is a string or a list of token ids.
+            sampling_params: one for all prompts, or one per prompt (None: defaults).
+            use_tqdm: show a progress bar (only when stderr is a terminal).
+
+        Returns:
+            One RequestOutput per prompt, in order. A prompt that cannot be served (too long, bad ids)
+            gets an output with `.error` set and no completions; the others still run.
+
+        Raises:
+            RequestError: as many sampling params as prompts were not given.
+            WeightsNotReadyError: a failed weight update left the model unusable.
+        """
         prompts = normalize_prompts(prompts, "generate")
         params = normalize_sampling_params(sampling_params, len(prompts), "generate")
         require_bool("generate: use_tqdm", use_tqdm)
         requests: list[Request | RequestOutput] = self._add_all(prompts, params, stream=False)
-        pending = {r.request_id for r in requests if isinstance(r, Request)}
-        with Progress(len(pending), "generate", "req", enabled=use_tqdm) as progress:
-            while pending:
-                for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        pending.discard(out.request_id)
-                        progress.update()
+        live = [r for r in requests if isinstance(r, Request)]
+        done = 0
+        with Progress(len(live), "generate", "req", enabled=use_tqdm) as progress:
+            while done < len(live):
+                self.engine.step_or_wait(IDLE_WAIT_S)
+                finished = sum(r.finished for r in live)
+                for _ in range(finished - done):
+                    progress.update()
+                done = finished
         return [r.output(delta=False) if isinstance(r, Request) else r for r in requests]
 
     def stream(
         self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield, step by step, each request's new tokens/text (`RequestOutput` deltas; the last one of a
-        request has `finished=True`). `abort(request_id)` from the consuming loop stops a request: its
-        final delta has finish_reason "abort". Rejected prompts are yielded first, with `.error`."""
+        """Yield, step by step, each request's new tokens and text.
+
+        `abort(request_id)` from the consuming loop stops a request: its final delta has finish_reason
+        "abort". Closing the iterator early aborts its requests that are still running.
+
+        Args:
+            prompts: as for `generate`.
+            sampling_params: as for `generate`.
+
+        Yields:
+            `RequestOutput` deltas; the last one of a request has `finished=True`. Rejected prompts come
+            first, with `.error`.
+        """
         prompts = normalize_prompts(prompts, "stream")
         params = normalize_sampling_params(sampling_params, len(prompts), "stream")
+        deltas: deque[RequestOutput] = deque()  # filled by whichever thread runs the step
         pending = set()
-        for r in self._add_all(prompts, params, stream=True):
+        for r in self._add_all(prompts, params, stream=True, sink=deltas.append):
             if isinstance(r, Request):
                 pending.add(r.request_id)
             else:
                 yield r
-        while pending:
-            for out in self.engine.step():
-                if out.request_id in pending:
+        try:
+            while pending:
+                self.engine.step_or_wait(IDLE_WAIT_S)
+                while deltas:
+                    out = deltas.popleft()
                     if out.finished:
                         pending.discard(out.request_id)
                     yield out
+        finally:
+            for request_id in pending:  # the consumer stopped listening: free the slots
+                self.engine.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a running or waiting request and free its cache slots; False if it is unknown or done."""
+        """Stop a running or waiting request and free its cache slots.
+
+        Returns:
+            False if the request is unknown or done.
+        """
         require_str("abort: request_id", request_id)
         return self.engine.abort(request_id)
+
+    def pause_generation(self, mode: str = PAUSE_ABORT) -> None:
+        """Pause generation until `resume_generation()`; new requests queue meanwhile, and weight
+        updates may run (they leave the requests in flight to this pause).
+
+        Args:
+            mode: "abort": requests in flight end now; "wait": they run to their end (this call returns
+                then); "retract": they are preempted and recompute their tokens after the pause.
+
+        Raises:
+            ConfigError: an unknown mode.
+        """
+        self.engine.pause(check_pause_mode(mode), hold=USER_HOLD)
+
+    def resume_generation(self) -> None:
+        """End a `pause_generation`; queued and retracted requests run (under the weights now in place)."""
+        self.engine.resume(USER_HOLD)
 
     def chat(
         self,
@@ -179,17 +244,17 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm)
 
     def _add_all(
-        self, prompts: list[Prompt], params_list: list[SamplingParams], stream: bool,
+        self, prompts: list[Prompt], params_list: list[SamplingParams], stream: bool, sink: OutputSink | None = None,
     ) -> list[Request | RequestOutput]:
         """Queue every prompt; a prompt rejected on its own becomes an error RequestOutput. `stream`: report
-        every step's delta (True) or only the finished output (False)."""
+        every step's delta (True) or only the finished output (False); `sink` receives them."""
         added: list[Request | RequestOutput] = []
         for prompt, params in zip(prompts, params_list):
             rid = str(next(self._request_counter))
             text = prompt if isinstance(prompt, str) else None
             try:
                 ids = self._encode(prompt, rid)
-                added.append(self.engine.add_request(rid, ids, params, text, self.weights_version, stream=stream))
+                added.append(self.engine.add_request(rid, ids, params, text, stream=stream, sink=sink))
             except RequestError as exc:
                 ids = [] if isinstance(prompt, str) else list(prompt)
                 added.append(RequestOutput(rid, text, ids, [], True, self.weights_version, error=str(exc)))
@@ -209,60 +274,77 @@ class LLM:
         return ids
 
     # ---- scoring ----
-    @torch.inference_mode()
     def forward_logprobs(self, token_ids: Seq[Seq[int]]) -> list[torch.Tensor]:
-        """Per sequence, fp32 [len, vocab] log-softmax next-token distributions from the engine's own
-        (chunked) prefill path, in a scratch cache slot."""
+        """Next-token distributions from the engine's own (chunked) prefill path, in a scratch cache.
+
+        Args:
+            token_ids: token id sequences.
+
+        Returns:
+            Per sequence, fp32 [len, vocab] log-softmax.
+
+        Raises:
+            RequestError: ids outside the vocabulary.
+        """
         token_ids = normalize_token_sequences(
             token_ids, self.config.vocab_size, self.limits.max_model_len, "forward_logprobs"
         )
-        model = self.loaded.target
-        scratch = model.allocate_cache(1, max(len(ids) for ids in token_ids) + 1)
-        results = []
-        chunk = self.limits.max_num_batched_tokens
-        for ids in token_ids:
-            parts = []
-            for start in range(0, len(ids), chunk):
-                batch = ForwardBatch.build([(0, ids[start : start + chunk], start)])
-                streams, _ = model(batch, scratch)
-                parts.append(model.logits(streams).log_softmax(dim=-1))
-            results.append(torch.cat(parts))
-        return results
+        return self.engine.forward_logprobs(token_ids)
 
     # ---- weights ----
-    # Thin wrappers over dsv4.weights.{refit,export,report}; imported here so this block stays self-contained.
-    _weight_update = None  # the session begun last (at most one is open at a time)
-
-    def begin_weight_update(self, atomic: bool = True, full: bool = False):
+    # Thin wrappers over dsv4.weights.{refit,export,report}.
+    def begin_weight_update(self, atomic: bool = True, full: bool = False, pause: str = PAUSE_ABORT):
         """Open a weight update session (see `dsv4.weights.refit`): `load(bucket)` any number of times,
-        then `finish()` (or use it as a context manager). Target and drafters update together."""
+        then `finish()` (or use it as a context manager). Target and drafters update together.
+
+        Generation and the update are serialized: the weights change only between engine steps, after
+        the requests in flight were dealt with per `pause`. An atomic session pauses generation at
+        `finish()` (buckets are only staged until then); a fail-stop one writes as buckets arrive, so it
+        pauses when it begins. Generation resumes when the session ends, however it ends.
+
+        Args:
+            atomic: stage every bucket and apply them at `finish()` (True), or write as they arrive.
+            full: `finish()` requires every tensor.
+            pause: what becomes of the requests in flight: "abort": they end with finish_reason "abort";
+                "wait": they run to their end first (new requests queue); "retract": they are preempted
+                and, after the update, recompute their tokens under the new weights and go on. Ignored
+                while `pause_generation` holds generation paused (that pause decided).
+
+        Returns:
+            The session (`PausingWeightUpdate`).
+
+        Raises:
+            WeightUpdateError: another session is open.
+            ConfigError: an unknown pause mode.
+        """
         require_bool("begin_weight_update: atomic", atomic)
         require_bool("begin_weight_update: full", full)
-        from dsv4.errors import WeightUpdateError
-        from dsv4.weights.refit import WeightUpdateSession
+        check_pause_mode(pause)
+        with self._weight_update_lock:
+            if self._weight_update is not None and self._weight_update.active:
+                raise WeightUpdateError(
+                    f"a weight update session is already open ({self._weight_update.buckets} bucket(s) loaded); "
+                    f"finish() or abort() it first"
+                )
+            self._weight_update = PausingWeightUpdate(self.loaded, self.engine, pause, atomic=atomic, full=full)
+            return self._weight_update
 
-        if self._weight_update is not None and self._weight_update.active:
-            raise WeightUpdateError(
-                f"a weight update session is already open ({self._weight_update.buckets} bucket(s) loaded); "
-                f"finish() or abort() it first"
-            )
-        self._weight_update = WeightUpdateSession(
-            self.loaded, self.weights_version, self._commit_weights, atomic=atomic, full=full
-        )
-        return self._weight_update
+    def update_weights(self, weights: Bucket, full: bool = False, pause: str = PAUSE_ABORT) -> int:
+        """Atomically replace weights with (name, tensor) pairs (one bucket).
 
-    def _commit_weights(self) -> int:
-        # Requests in flight hold cache state computed with the old weights; rather than continue on a
-        # mix of old and new they end with finish_reason "abort" (their outputs name the old version).
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-        self.weights_version += 1
-        return self.weights_version
+        Args:
+            weights: (name, tensor) pairs or a mapping; native or HF names.
+            full: require every tensor.
+            pause: what becomes of the requests in flight (see `begin_weight_update`).
 
-    def update_weights(self, weights, full: bool = False) -> int:
-        """Atomically replace weights with (name, tensor) pairs (one bucket); returns the new version."""
+        Returns:
+            The new weights version.
+
+        Raises:
+            WeightUpdateError: a rejected tensor or an incomplete update; the old weights keep serving.
+        """
         check_weight_pairs(weights, "update_weights")
-        with self.begin_weight_update(atomic=True, full=full) as session:
+        with self.begin_weight_update(atomic=True, full=full, pause=pause) as session:
             session.load(weights)
         return session.version
 
@@ -289,3 +371,52 @@ class LLM:
 
         return save_checkpoint(self.loaded, out_dir, layout, dense, experts, copy_from=self.path)
 
+
+class PausingWeightUpdate(WeightUpdateSession):
+    """A weight update session of an engine that may be generating (`LLM.begin_weight_update`).
+
+    It pauses generation (`Engine.pause(mode)`) before the first resident byte is written: at `finish()`
+    in atomic mode, when it begins in fail-stop mode. The write, finalize and version bump then run
+    under the engine's lock, so no step sees a half-written model; `Engine.weights_updated` bumps the
+    version. Generation resumes when the session ends, however it ends.
+    """
+
+    def __init__(self, loaded: LoadedModels, engine: Engine, pause: str, *, atomic: bool, full: bool):
+        super().__init__(loaded, engine.weights_version, engine.weights_updated, atomic=atomic, full=full)
+        self._engine = engine
+        self._pause = pause
+        self._holding = False
+        if not atomic:
+            self._hold()
+
+    def _hold(self) -> None:
+        if not self._holding:
+            self._engine.pause(self._pause, hold=WEIGHTS_HOLD)
+            self._holding = True
+
+    def _release(self) -> None:
+        if self._holding:
+            self._holding = False
+            self._engine.resume(WEIGHTS_HOLD)
+
+    def load(self, bucket: Bucket, origin: str | None = None) -> int:
+        try:
+            return super().load(bucket, origin)
+        finally:
+            if not self.active:  # the bucket failed and closed the session
+                self._release()
+
+    def finish(self) -> int:
+        if self.active:
+            self._hold()
+        try:
+            with self._engine.exclusive():
+                return super().finish()
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        try:
+            super().abort()
+        finally:
+            self._release()

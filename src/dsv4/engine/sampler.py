@@ -1,14 +1,14 @@
-"""Token sampling for one decode step, plus logprob extraction.
+"""Token sampling for one step, plus logprob extraction.
 
 The sampler turns a batch of next-token logits into one token per row. Each
-row carries its own settings (`SamplingParams`) and its own random state
-(`SamplingState`), so that:
+row carries its own settings (`SamplingParams`) and seed, so that:
 
 * greedy rows (temperature 0) are an exact, batched ``argmax``;
-* seeded rows draw their randomness only from their own ``torch.Generator``,
-  and consume a fixed amount of it per step (one exponential per vocab entry),
-  so their samples are identical whether they run alone or in any batch, at any
-  batch position;
+* seeded rows draw the randomness of a token from a generator seeded with
+  (seed, index of the token in its completion) (`draw_seed`), a fixed amount
+  per token (one exponential per vocab entry). A token's sample is therefore
+  the same whether the row runs alone or in any batch, at any batch position,
+  after a preemption, or as one of several rows of a speculative verify chunk;
 * unseeded rows draw from a per-device generator owned by the `Sampler` and
   seeded from the constructor's ``default_seed`` (no global RNG is touched).
 
@@ -16,12 +16,18 @@ Sampling uses the exponential race ("Gumbel-max" in exponential form): with
 ``q_i ~ Exp(1)`` i.i.d., ``argmax_i p_i / q_i`` is distributed as ``p``. Unlike
 ``torch.multinomial`` it needs no per-row kernel beyond drawing ``q``, and the
 division plus ``argmax`` run batched over all random rows.
+
+The per-row settings of a step (`SamplingRows`: parameter tensors, which rows
+are greedy / random / want logprobs) are built once per batch composition:
+the engine keeps a `SamplingBatch`, one row per cache slot, written when a
+sequence takes a slot and cleared when it leaves, and asks it for the rows of
+a step; the same slots as the previous step reuse the previous step's rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -41,19 +47,18 @@ _NEG_INF = float("-inf")
 
 @dataclass
 class SamplingState:
-    """Per-request sampling state the caller keeps alive across steps.
+    """The sampling identity of one completion, for callers that sample row by row (`Sampler.sample`).
 
-    Holds the request's params and, when the request is seeded, its private
-    random generator (created lazily on the device of the first logits it
-    samples from, because a ``torch.Generator`` is bound to one device).
-
-    Create with `SamplingState.from_params`.
+    Holds the request's params, the completion's seed and how many tokens it has drawn (the index of the
+    next token's draws). Create with `SamplingState.from_params`. The engine does not use it: it keeps
+    params and seeds per cache slot (`SamplingBatch`) and passes token indices itself.
     """
 
     params: SamplingParams
-    #: Seed of this sequence's generator, or None to use the sampler's default.
+    #: Seed of this completion, or None to use the sampler's default generator.
     seed: int | None = None
-    _generator: torch.Generator | None = field(default=None, init=False, repr=False, compare=False)
+    #: Tokens sampled so far; `Sampler.sample` advances it by one per call.
+    drawn: int = 0
 
     @classmethod
     def from_params(cls, params: SamplingParams, sample_index: int = 0) -> SamplingState:
@@ -62,25 +67,43 @@ class SamplingState:
         With ``params.n > 1`` and a seed, completion ``i`` is seeded with
         ``seed + i`` (as vLLM does) so the ``n`` completions differ but each is
         reproducible.
+
+        Raises:
+            ValueError: ``sample_index`` outside ``[0, params.n)``.
         """
         if not 0 <= sample_index < params.n:
             raise ValueError(f"sample_index must be in [0, {params.n}), got {sample_index}")
         seed = None if params.seed is None else params.seed + sample_index
         return cls(params=params, seed=seed)
 
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """This request's generator on ``device``, or None if it is unseeded."""
-        if self.seed is None:
-            return None
-        if self._generator is None:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
-        elif self._generator.device != torch.device(device):
-            # Silently reseeding on another device would replay the sequence.
-            raise ValueError(
-                f"SamplingState generator lives on {self._generator.device}, got logits on {device}"
-            )
-        return self._generator
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1  # torch.Generator.manual_seed takes a signed 64-bit value
+
+
+def _splitmix64(x: int) -> int:
+    """The splitmix64 finalizer: a bijective 64-bit mix in which every output bit depends on every input bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed for token ``index`` of a completion seeded with ``seed``.
+
+    Mixed so that neighbouring (seed, index) pairs give unrelated streams; the high half is folded into
+    the low 32 bits because a CPU generator's Mersenne Twister only reads those.
+
+    Args:
+        seed: the completion's seed (any int).
+        index: the token's index among the completion's generated tokens.
+
+    Returns:
+        A non-negative seed for `torch.Generator.manual_seed`.
+    """
+    mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ index)
+    return (mixed ^ (mixed >> 32)) & _MASK63
 
 
 @dataclass(frozen=True)
@@ -184,24 +207,27 @@ def process_logits(
     return torch.empty_like(scaled).scatter_(1, sorted_ids, sorted_logits)
 
 
-def _param_tensors(
-    params: Sequence[SamplingParams], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[R] temperature / top_k / top_p / min_p tensors for `process_logits`.
+def _param_values(p: SamplingParams) -> tuple[float, int, float, float]:
+    """(temperature, top_k, top_p, min_p) as `process_logits` takes them.
 
     Greedy rows get temperature 1: they only reach processing when they ask
     for "processed" logprobs, which are then those of the unscaled,
     filtered distribution (the vLLM convention).
     """
-    temperature = torch.tensor(
-        [p.temperature if p.temperature > 0 else 1.0 for p in params],
-        dtype=torch.float32,
-        device=device,
+    return (p.temperature if p.temperature > 0 else 1.0), p.top_k, p.top_p, p.min_p
+
+
+def _param_tensors(
+    params: Sequence[SamplingParams], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[R] temperature / top_k / top_p / min_p tensors for `process_logits`."""
+    temperature, top_k, top_p, min_p = zip(*(_param_values(p) for p in params))
+    return (
+        torch.tensor(temperature, dtype=torch.float32, device=device),
+        torch.tensor(top_k, dtype=torch.int64, device=device),
+        torch.tensor(top_p, dtype=torch.float32, device=device),
+        torch.tensor(min_p, dtype=torch.float32, device=device),
     )
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-    return temperature, top_k, top_p, min_p
 
 
 # ---------------------------------------------------------------------------
@@ -288,6 +314,151 @@ def prompt_logprobs(
 
 
 # ---------------------------------------------------------------------------
+# The rows of a step
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class SamplingRows:
+    """Everything the sampler needs to know about the rows of one call, besides the logits and the
+    token indices: built once per batch composition (`SamplingBatch.rows`), not per step.
+
+    Attributes:
+        params: per row, the request's settings.
+        seeds: per row, the completion's seed (None: the sampler's default generator).
+        greedy_rows / random_rows: the rows chosen by argmax / by a random draw.
+        processed_rows: rows whose processed distribution is needed (random rows, and rows that want
+            "processed" logprobs), ascending; processed_pos maps a row to its place among them.
+        processed_params: [P] temperature / top_k / top_p / min_p tensors of the processed rows.
+        greedy_index / random_index / processed_index: the same row lists as device tensors.
+        random_pos: place of each random row among the processed rows (None when they are the same rows).
+    """
+
+    params: tuple[SamplingParams, ...]
+    seeds: tuple[int | None, ...]
+    greedy_rows: list[int]
+    random_rows: list[int]
+    processed_rows: list[int]
+    processed_pos: dict[int, int]
+    processed_params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    greedy_index: torch.Tensor
+    random_index: torch.Tensor
+    processed_index: torch.Tensor
+    random_pos: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls, params: Sequence[SamplingParams], seeds: Sequence[int | None], device: torch.device,
+        processed_params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> SamplingRows:
+        """Classify the rows and build their index and parameter tensors.
+
+        Args:
+            params: per row, the request's settings.
+            seeds: per row, the completion's seed or None.
+            device: the logits' device.
+            processed_params: the [P] parameter tensors of the processed rows when the caller already
+                holds them (`SamplingBatch`), else built here.
+
+        Returns:
+            The rows.
+        """
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        wants_processed = [i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "processed"]
+        processed_rows = sorted(set(random_rows) | set(wants_processed))
+        processed_pos = {row: j for j, row in enumerate(processed_rows)}
+        if processed_rows and processed_params is None:
+            processed_params = _param_tensors([params[i] for i in processed_rows], device)
+        same = random_rows == processed_rows
+        return cls(
+            params=tuple(params),
+            seeds=tuple(seeds),
+            greedy_rows=greedy_rows,
+            random_rows=random_rows,
+            processed_rows=processed_rows,
+            processed_pos=processed_pos,
+            processed_params=processed_params if processed_rows else None,
+            greedy_index=torch.tensor(greedy_rows, dtype=torch.int64, device=device),
+            random_index=torch.tensor(random_rows, dtype=torch.int64, device=device),
+            processed_index=torch.tensor(processed_rows, dtype=torch.int64, device=device),
+            random_pos=None if same else torch.tensor([processed_pos[i] for i in random_rows], device=device),
+        )
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+class SamplingBatch:
+    """The sampling settings of the sequences that hold cache slots, one row per slot, kept across steps.
+
+    `add` writes a slot's row when a sequence takes it (admission), `remove` clears it when the
+    sequence leaves (finish, abort, preemption). `rows(slots)` returns the `SamplingRows` of a step
+    whose rows belong to those slots, in that order; while no slot joined or left and the step's slots
+    are the same as the previous step's, it returns the previous rows without building anything.
+
+    Args:
+        num_slots: cache slots.
+        device: the device the logits live on.
+    """
+
+    def __init__(self, num_slots: int, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._params: list[SamplingParams | None] = [None] * num_slots
+        self._seeds: list[int | None] = [None] * num_slots
+        # Per-slot parameter tensors, written in place on join; a step gathers its processed rows' entries.
+        self._temperature = torch.ones(num_slots, dtype=torch.float32, device=self.device)
+        self._top_k = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        self._top_p = torch.ones(num_slots, dtype=torch.float32, device=self.device)
+        self._min_p = torch.zeros(num_slots, dtype=torch.float32, device=self.device)
+        self._last: tuple[tuple[int, ...], SamplingRows] | None = None
+        self.builds = 0  # how many times `rows` built new rows (for tests: reuse is observable)
+
+    def add(self, slot: int, params: SamplingParams, seed: int | None) -> None:
+        """A sequence took `slot`: its settings become that slot's row."""
+        self._params[slot], self._seeds[slot] = params, seed
+        temperature, top_k, top_p, min_p = _param_values(params)
+        self._temperature[slot] = temperature
+        self._top_k[slot] = top_k
+        self._top_p[slot] = top_p
+        self._min_p[slot] = min_p
+        self._last = None
+
+    def remove(self, slot: int) -> None:
+        """The sequence holding `slot` left it."""
+        self._params[slot] = self._seeds[slot] = None
+        self._last = None
+
+    def rows(self, slots: Sequence[int]) -> SamplingRows:
+        """The rows of a step whose row i samples for the sequence in `slots[i]` (a slot may repeat:
+        a verify chunk samples several rows of one sequence).
+
+        Raises:
+            ValueError: a slot that holds no sequence.
+        """
+        key = tuple(slots)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        params = []
+        for slot in key:
+            p = self._params[slot]
+            if p is None:
+                raise ValueError(f"sampling row requested for cache slot {slot}, which holds no sequence")
+            params.append(p)
+        processed = [i for i, p in enumerate(params)
+                     if not p.greedy or (p.logprobs is not None and p.logprobs_mode == "processed")]
+        tensors = None
+        if processed:
+            index = torch.tensor([key[i] for i in processed], dtype=torch.int64, device=self.device)
+            per_slot = (self._temperature, self._top_k, self._top_p, self._min_p)
+            tensors = tuple(t.index_select(0, index) for t in per_slot)
+        rows = SamplingRows.build(params, [self._seeds[s] for s in key], self.device, tensors)
+        self._last = (key, rows)
+        self.builds += 1
+        return rows
+
+
+# ---------------------------------------------------------------------------
 # Sampler
 # ---------------------------------------------------------------------------
 
@@ -303,6 +474,8 @@ class Sampler:
     def __init__(self, default_seed: int = 0) -> None:
         self.default_seed = default_seed
         self._default_generators: dict[torch.device, torch.Generator] = {}
+        # One generator per device for seeded rows, re-seeded for every token it draws.
+        self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         generator = self._default_generators.get(device)
@@ -312,13 +485,18 @@ class Sampler:
             self._default_generators[device] = generator
         return generator
 
+    def _seeded_generator(self, device: torch.device, seed: int, index: int) -> torch.Generator:
+        generator = self._seeded_generators.get(device)
+        if generator is None:
+            generator = self._seeded_generators[device] = torch.Generator(device=device)
+        return generator.manual_seed(draw_seed(seed, index))
+
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
-        """Pick one token per row.
+        """Pick one token per row, each row's settings and token index from its state.
 
         Args:
             logits: [B, V] next-token logits (fp32; other float dtypes are upcast).
-            states: B per-request states, in row order. Seeded states' generators
-                advance by exactly one step's worth of randomness per call.
+            states: B per-completion states, in row order; each one's `drawn` advances by one.
 
         Returns:
             `SamplerOutput` with [B] token ids and B optional logprob records.
@@ -327,75 +505,80 @@ class Sampler:
             raise ValueError(
                 f"expected logits [B, V] with B = len(states) = {len(states)}, got {tuple(logits.shape)}"
             )
-        logits = logits.float()
-        device = logits.device
-        batch = logits.shape[0]
-        params = [s.params for s in states]
-
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        wants_processed = [
-            i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "processed"
-        ]
-        # Rows whose processed distribution is needed, and where each sits in it.
-        processed_rows = sorted(set(random_rows) | set(wants_processed))
-        processed_pos = {row: j for j, row in enumerate(processed_rows)}
-
-        token_ids = torch.empty(batch, dtype=torch.int64, device=device)
-
-        if len(greedy_rows) == batch:  # all greedy (the common offline case): one argmax, no row gathers
-            token_ids = logits.max(dim=-1).indices  # first max on ties, like argmax; ~2x faster on CPU
-        elif greedy_rows:
-            # Greedy uses the raw logits: temperature 0 is the limit of sharpening,
-            # and top-k/top-p/min-p always keep the top token, so they cannot
-            # change the argmax. torch.argmax returns the first (lowest) id on ties.
-            greedy_index = torch.tensor(greedy_rows, device=device)
-            token_ids[greedy_index] = logits.index_select(0, greedy_index).argmax(dim=-1)
-
-        processed = None
-        if processed_rows:
-            rows_index = torch.tensor(processed_rows, device=device)
-            subset = logits if len(processed_rows) == batch else logits.index_select(0, rows_index)
-            processed = process_logits(
-                subset, *_param_tensors([params[i] for i in processed_rows], device)
-            )
-
-        if random_rows:
-            if len(random_rows) == len(processed_rows):
-                random_logits = processed  # same rows, same order: no copy needed
-            else:
-                random_pos = torch.tensor([processed_pos[i] for i in random_rows], device=device)
-                random_logits = processed.index_select(0, random_pos)
-            probs = random_logits.softmax(dim=-1)  # [R, V]
-            token_ids[torch.tensor(random_rows, device=device)] = self._race(
-                probs, [states[i] for i in random_rows]
-            )
-
-        return SamplerOutput(
-            token_ids=token_ids,
-            logprobs=self._logprobs(logits, processed, processed_pos, token_ids, params),
-        )
+        rows = SamplingRows.build([s.params for s in states], [s.seed for s in states], logits.device)
+        out = self.sample_rows(logits, rows, [s.drawn for s in states])
+        for state in states:
+            state.drawn += 1
+        return out
 
     __call__ = sample
 
-    def _race(self, probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    def sample_rows(self, logits: torch.Tensor, rows: SamplingRows, token_indices: Sequence[int]) -> SamplerOutput:
+        """Pick one token per row.
+
+        Args:
+            logits: [B, V] next-token logits (fp32; other float dtypes are upcast).
+            rows: the B rows' settings (`SamplingRows.build` or `SamplingBatch.rows`).
+            token_indices: per row, the index of the token it samples among its completion's generated
+                tokens (seeded rows draw from (seed, index)).
+
+        Returns:
+            `SamplerOutput` with [B] token ids and B optional logprob records.
+
+        Raises:
+            ValueError: logits or token_indices that do not have one entry per row.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or len(token_indices) != len(rows):
+            raise ValueError(
+                f"expected logits [B, V] and B token indices with B = {len(rows)} rows, got logits "
+                f"{tuple(logits.shape)} and {len(token_indices)} indices"
+            )
+        logits = logits.float()
+        batch = logits.shape[0]
+
+        if len(rows.greedy_rows) == batch:  # all greedy (the common offline case): one argmax, no row gathers
+            token_ids = logits.max(dim=-1).indices  # first max on ties, like argmax; ~2x faster on CPU
+        else:
+            token_ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
+            if rows.greedy_rows:
+                # Greedy uses the raw logits: temperature 0 is the limit of sharpening,
+                # and top-k/top-p/min-p always keep the top token, so they cannot
+                # change the argmax. torch.argmax returns the first (lowest) id on ties.
+                token_ids[rows.greedy_index] = logits.index_select(0, rows.greedy_index).argmax(dim=-1)
+
+        processed = None
+        if rows.processed_rows:
+            subset = logits if len(rows.processed_rows) == batch else logits.index_select(0, rows.processed_index)
+            processed = process_logits(subset, *rows.processed_params)
+
+        if rows.random_rows:
+            # Same rows in the same order: no copy needed.
+            random_logits = processed if rows.random_pos is None else processed.index_select(0, rows.random_pos)
+            probs = random_logits.softmax(dim=-1)  # [R, V]
+            draws = [(rows.seeds[i], token_indices[i]) for i in rows.random_rows]
+            token_ids[rows.random_index] = self._race(probs, draws)
+
+        return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(logits, processed, rows, token_ids))
+
+    def _race(self, probs: torch.Tensor, draws: Sequence[tuple[int | None, int]]) -> torch.Tensor:
         """Exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per row.
 
         Args:
             probs: [R, V] probabilities (zeros for filtered tokens).
-            states: the R rows' states, supplying each row's generator.
+            draws: per row, (seed, token index): a seeded row's draws come from a generator seeded for
+                exactly this token, so they do not depend on the rows around it; an unseeded row (seed
+                None) draws from the sampler's default generator.
 
         Returns:
             [R] int64 sampled token ids.
         """
         q = torch.empty_like(probs)
-        for row, state in enumerate(states):
-            # Each row draws exactly V numbers from its own generator, which is
-            # what makes seeded rows independent of the batch around them.
-            generator = state.generator(probs.device)
-            if generator is None:
+        for row, (seed, index) in enumerate(draws):
+            if seed is None:
                 generator = self._default_generator(probs.device)
-            q[row].exponential_(generator=generator)
+            else:
+                generator = self._seeded_generator(probs.device, seed, index)
+            q[row].exponential_(generator=generator)  # exactly V numbers per row
         # exponential_ may return exactly 0; 0/0 would be NaN, which argmax
         # treats as the maximum and could pick a filtered-out token.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
@@ -403,30 +586,23 @@ class Sampler:
 
     @staticmethod
     def _logprobs(
-        logits: torch.Tensor,
-        processed: torch.Tensor | None,
-        processed_pos: dict[int, int],
-        token_ids: torch.Tensor,
-        params: Sequence[SamplingParams],
+        logits: torch.Tensor, processed: torch.Tensor | None, rows: SamplingRows, token_ids: torch.Tensor,
     ) -> list[TokenLogprobs | None]:
         """Per-row logprob records for the rows that asked for them."""
+        params = rows.params
         out: list[TokenLogprobs | None] = [None] * len(params)
         device = logits.device
         raw_rows = [i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "raw"]
-        proc_rows = [
-            i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "processed"
-        ]
-        for rows, source, source_rows in (
+        proc_rows = [i for i, p in enumerate(params) if p.logprobs is not None and p.logprobs_mode == "processed"]
+        for wanted, source, source_rows in (
             (raw_rows, logits, raw_rows),
-            (proc_rows, processed, [processed_pos[i] for i in proc_rows]),
+            (proc_rows, processed, [rows.processed_pos[i] for i in proc_rows]),
         ):
-            if not rows:
+            if not wanted:
                 continue
             selected = source.index_select(0, torch.tensor(source_rows, device=device))
-            chosen = token_ids.index_select(0, torch.tensor(rows, device=device))
-            records = _token_logprobs(
-                selected.log_softmax(dim=-1), chosen, [params[i].logprobs for i in rows]
-            )
-            for row, record in zip(rows, records):
+            chosen = token_ids.index_select(0, torch.tensor(wanted, device=device))
+            records = _token_logprobs(selected.log_softmax(dim=-1), chosen, [params[i].logprobs for i in wanted])
+            for row, record in zip(wanted, records):
                 out[row] = record
         return out

@@ -1,0 +1,133 @@
+"""The model runner: the engine's one door into the model.
+
+It owns the per-sequence caches (`ModelCache`, one slot per running sequence) and, for a step, turns the
+scheduled chunks into one `ForwardBatch` (the step's metadata, built once and handed to every layer),
+runs the compiled decode step (`StaticDecode`, pure-decode steps when `compile_decode`) or the eager
+forward, and returns the streams of every row and the logits of the rows the engine asked for: the
+last row of each sequence that samples, or every row of a verify chunk.
+
+Speculation rolls a slot back with `rewind` after the engine has kept the accepted prefix of a verify
+chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from dsv4.engine.limits import EngineLimits
+from dsv4.model.batch import ForwardBatch
+from dsv4.model.deepseek_v4 import DeepseekV4
+from dsv4.model.static_decode import StaticDecode
+
+
+class Chunk(NamedTuple):
+    """One sequence's tokens in a step: they sit at positions [start, start + len(token_ids)) of `slot`."""
+
+    slot: int
+    token_ids: list[int]
+    start: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """streams: [T, hc, D] pre-head streams of every row of the step; logits: fp32 [len(rows), V] for
+    the rows asked for, in that order (None when none were)."""
+
+    streams: torch.Tensor
+    logits: torch.Tensor | None
+
+
+class ModelRunner:
+    """Runs the target model over cache slots (module docstring).
+
+    Args:
+        model: the target model (READY or not: forward checks).
+        limits: slots and sequence length of the caches.
+        compile_decode: run pure-decode steps through `StaticDecode` compiled with torch.compile.
+
+    Raises:
+        ValueError: compile_decode for a model the static step cannot run (e.g. FP8/FP4 routed experts).
+    """
+
+    def __init__(self, model: DeepseekV4, limits: EngineLimits, compile_decode: bool = False):
+        self.model = model
+        self.static_decode = StaticDecode(model, compile=True) if compile_decode else None
+        self.cache = model.allocate_cache(limits.max_num_seqs, limits.max_model_len)
+        self.device = model.embed.weight.device
+
+    @property
+    def ready(self) -> bool:
+        """Whether the weights are READY (a failed fail-stop refit leaves them not)."""
+        return self.model.ready
+
+    def require_ready(self) -> None:
+        """Raises WeightsNotReadyError (naming the model) unless the weights are READY."""
+        self.model.require_ready()
+
+    def execute(self, chunks: Sequence[Chunk], logit_rows: Sequence[int]) -> StepResult:
+        """One forward over the chunks; extends each chunk's slot through its last position.
+
+        Args:
+            chunks: per sequence, its slot, new tokens and the position of the first.
+            logit_rows: rows of the flat batch (chunks back to back) whose logits are wanted, ascending
+                and distinct.
+
+        Returns:
+            The streams of every row and the logits of `logit_rows`.
+        """
+        batch = ForwardBatch.build(list(chunks), device=self.device)
+        logits = None  # [T, V], when the forward already computed every row's logits
+        if self.static_decode is not None and self.static_decode.serves(batch):
+            streams, logits = self.static_decode(batch, self.cache)
+        else:
+            streams, _ = self.model(batch, self.cache)
+        if not logit_rows:
+            return StepResult(streams, None)
+        if len(logit_rows) == batch.num_tokens:  # every row, in order (a pure decode step): no gather
+            return StepResult(streams, self.logits(streams) if logits is None else logits)
+        picked = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+        if logits is not None:
+            return StepResult(streams, logits.index_select(0, picked))
+        return StepResult(streams, self.logits(streams.index_select(0, picked)))
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Pre-head streams [N, hc, D] -> fp32 logits [N, V]."""
+        return self.model.logits(streams)
+
+    def rewind(self, slot: int, length: int) -> None:
+        """Forget positions >= length of `slot`: a verify chunk wrote draft tokens there that were not
+        accepted; the next chunk of that slot starts at `length` and overwrites them.
+
+        Only the slot's length goes back here: the window and compressor rings hold exactly their
+        window, so draft rows written past a ring's wrap point are not restored. The model cache's own
+        rewind (rings sized for the rollback, issue 12) replaces this body.
+        """
+        self.cache.lengths[slot] = min(self.cache.lengths[slot], length)
+
+    def forward_logprobs(self, token_ids: Sequence[Sequence[int]], chunk_tokens: int) -> list[torch.Tensor]:
+        """Per sequence, fp32 [len, vocab] log-softmax next-token distributions from the chunked prefill
+        path, in a scratch cache slot (the engine's slots are untouched).
+
+        Args:
+            token_ids: the sequences.
+            chunk_tokens: tokens per forward (the engine's step budget).
+
+        Returns:
+            One [len, V] tensor per sequence.
+        """
+        self.require_ready()
+        scratch = self.model.allocate_cache(1, max(len(ids) for ids in token_ids) + 1)
+        results = []
+        for ids in token_ids:
+            parts = []
+            for start in range(0, len(ids), chunk_tokens):
+                batch = ForwardBatch.build([Chunk(0, list(ids[start : start + chunk_tokens]), start)],
+                                           device=self.device)
+                streams, _ = self.model(batch, scratch)
+                parts.append(self.logits(streams).log_softmax(dim=-1))
+            results.append(torch.cat(parts))
+        return results
