@@ -328,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_arguments(eval_parser)
     eval_parser.set_defaults(func=evaluate.run)
 
+    from dsv4.rl import metrics
+
+    agreement = sub.add_parser("agreement", help="rollout-vs-trainer agreement metrics of a logprob file")
+    metrics.add_arguments(agreement)
+    agreement.set_defaults(func=metrics.run)
+
     env = sub.add_parser("env", help="print the runtime environment")
     env.set_defaults(func=cmd_env)
     return parser

@@ -23,3 +23,13 @@ class WeightUpdateError(Dsv4Error, ValueError):
 
 class RequestError(Dsv4Error, ValueError):
     """A request that cannot be served (too long, bad parameters); other requests are unaffected."""
+
+
+class WeightTransferError(Dsv4Error, RuntimeError):
+    """A weight transfer between processes that broke: a peer unreachable, dead or too slow (timeout), or a
+    transfer group whose members disagree (world size, rank, backend). The message names the group and peer."""
+
+
+class AgreementError(Dsv4Error, ValueError):
+    """Log-probabilities the agreement metrics cannot compare (shapes that differ, no token selected by the
+    mask, non-finite values) or an unreadable agreement file; the message names the argument or file."""

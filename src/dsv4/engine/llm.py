@@ -244,6 +244,49 @@ class LLM:
             session.load(weights)
         return session.version
 
+    # ---- weights from a trainer process (dsv4.weights.transfer; the trainer side is dsv4.rl) ----
+    _weight_receiver = None  # this engine's membership of a transfer group, once init_weight_transfer ran
+
+    def init_weight_transfer(
+        self, master_address: str, master_port: int, rank_offset: int = 1, world_size: int = 2,
+        group_name: str = "dsv4", backend: str = "gloo", timeout: float = 120.0,
+    ) -> dict:
+        """Join a trainer's transfer group as rank `rank_offset` (the trainer, `dsv4.rl.WeightSender`, is
+        rank 0 and hosts the group at master_address:master_port). Blocks until every member joined.
+        Returns {"group", "rank", "world_size", "backend", "usable"}. Raises ConfigError for a bad argument,
+        WeightTransferError when the trainer is unreachable or a member disagrees (world size, backend)."""
+        from dsv4.weights.transfer import WeightReceiver
+
+        self._weight_receiver = None  # a failed join leaves no group behind
+        self._weight_receiver = WeightReceiver(
+            master_address, master_port, rank_offset, world_size, group_name, backend, timeout
+        )
+        return self._weight_receiver.describe()
+
+    def update_weights_from_distributed(self, metadata: dict, atomic: bool = True, full: bool = False) -> dict:
+        """Receive the update `metadata` describes (`WeightSender.plan`) while the trainer runs `send`, as one
+        refit session (`begin_weight_update(atomic, full)`): a wrong base version is refused before a byte
+        moves, every bucket's checksum is verified before it is staged. Returns {"version", "update_id",
+        "buckets", "tensors", "bytes", "seconds", ...}. Raises WeightUpdateError (refused or failed: atomic
+        mode keeps the previous weights serving) or WeightTransferError (trainer dead or too slow)."""
+        from dsv4.errors import WeightTransferError
+        from dsv4.weights.transfer import max_update_bytes
+
+        if self._weight_receiver is None:
+            raise WeightTransferError("no weight transfer group: call init_weight_transfer(...) first")
+        begin = lambda: self.begin_weight_update(atomic=atomic, full=full)
+        return self._weight_receiver.update(metadata, self.weights_version, begin, max_update_bytes(self.loaded))
+
+    def update_weights_from_shared(
+        self, metadata: dict, handle: dict, atomic: bool = True, full: bool = False
+    ) -> dict:
+        """The same update from a colocated trainer's shared memory (`dsv4.rl.ColocatedWeightSender`):
+        `metadata` as for `update_weights_from_distributed`, `handle` from `sender.share(...)`."""
+        from dsv4.weights.transfer import max_update_bytes, update_from_shared
+
+        begin = lambda: self.begin_weight_update(atomic=atomic, full=full)
+        return update_from_shared(metadata, handle, self.weights_version, begin, max_update_bytes(self.loaded))
+
     def iter_weights(self):
         """Every loadable tensor as (native name, resident-format view); feeds another engine's update."""
         from dsv4.weights.export import iter_weights
