@@ -23,7 +23,7 @@ import reference as ref
 from dsv4 import LLM, SamplingParams
 from dsv4.errors import ConfigError, WeightsNotReadyError, WeightTransferError, WeightUpdateError
 from dsv4.rl import ColocatedWeightSender
-from weight_trainer import DIE_EXIT_CODE, UNKNOWN_TENSOR, free_port, run_trainer
+from weight_trainer import DIE_EXIT_CODE, UNKNOWN_TENSOR, free_port, run_trainer, wait_listening
 
 OLD_SEED, NEW_SEED, OLD_MTP_SEED, NEW_MTP_SEED = 1, 2, 11, 12
 ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 64, "draft": "mtp"}
@@ -69,12 +69,12 @@ def _pointers(llm: LLM) -> dict[str, int]:
 class Trainer:
     """The trainer process (rank 0), started on enter, killed on exit whatever happened."""
 
-    def __init__(self, tensors: Path, steps: list[dict], world_size: int = 2, port: int | None = None):
-        self.port = port or free_port()
+    def __init__(self, tensors: Path, steps: list[dict], world_size: int = 2, timeout: float = GROUP_TIMEOUT_S):
+        self.port, self.timeout = free_port(), timeout
         context = multiprocessing.get_context("spawn")
         self.out = context.Queue()
         self.process = context.Process(
-            target=run_trainer, args=(self.port, world_size, str(tensors), steps, self.out, GROUP_TIMEOUT_S),
+            target=run_trainer, args=(self.port, world_size, str(tensors), steps, self.out, timeout),
             daemon=True,
         )
 
@@ -96,7 +96,7 @@ class Trainer:
         return payload
 
     def join(self, engine: LLM, **kwargs) -> None:
-        engine.init_weight_transfer("127.0.0.1", self.port, timeout=GROUP_TIMEOUT_S, **kwargs)
+        engine.init_weight_transfer("127.0.0.1", self.port, timeout=self.timeout, **kwargs)
         self.next("joined")
 
 
@@ -187,6 +187,22 @@ def test_a_trainer_dying_mid_transfer_fails_fast_and_nothing_half_applied_serves
         assert llm.update_weights_from_distributed(trainer.next("meta"), atomic=False)["version"] == 1
         trainer.next("sent")
     assert llm.weight_report()["ready"] and _checksums(llm) == fresh_new["checksums"]
+
+
+def test_a_trainer_that_never_sends_times_out_and_leaves_no_session_open(ckpts):
+    llm = LLM(ckpts.old, **ENGINE)
+    before = _checksums(llm)
+    timeout = 3.0
+    with Trainer(ckpts.new_tensors, [_step(skip_send=True)]) as trainer:
+        wait_listening(trainer.port, QUEUE_WAIT_S)  # the engine's short timeout starts once the trainer is up
+        llm.init_weight_transfer("127.0.0.1", trainer.port, timeout=timeout)
+        trainer.next("joined")
+        start = time.perf_counter()
+        with pytest.raises(WeightTransferError, match="waiting 3 s for rank 0's acceptance"):
+            llm.update_weights_from_distributed(trainer.next("meta"))
+        assert time.perf_counter() - start < 5 * timeout
+    assert _checksums(llm) == before and llm.weight_report()["ready"]
+    assert llm.update_weights([]) == 0  # no session was left open: a new one begins (and, empty, changes nothing)
 
 
 # ---- joining ----

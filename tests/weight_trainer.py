@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 
 import torch
@@ -30,10 +31,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_listening(port: int, deadline_s: float) -> None:
+    """Wait until something accepts connections on loopback `port` (the trainer's store is up)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {deadline_s} s") from None
+            time.sleep(0.1)
+
+
 def run_trainer(port: int, world_size: int, tensors_path: str, steps: list[dict], out, timeout: float) -> None:
     """Each step: {"base_version": int | None, "bucket_bytes": int, "change_after_plan": bool (a tensor
     changes between plan and send), "unknown_tensor": bool (the update also carries a name the model does
-    not have), "die_at_bucket": int | None (the process exits while packing that bucket)}."""
+    not have), "die_at_bucket": int | None (the process exits while packing that bucket), "skip_send": bool (the
+    metadata goes out, the bytes never do)}."""
     torch.set_num_threads(1)
     try:
         tensors = load_file(tensors_path)
@@ -49,6 +64,8 @@ def run_trainer(port: int, world_size: int, tensors_path: str, steps: list[dict]
                 sent[name] = tensors[name] + 1.0
             if step.get("die_at_bucket") is not None:
                 _die_at(step["die_at_bucket"])
+            if step.get("skip_send"):
+                continue
             try:
                 out.put(("sent", sender.send(sent, meta)))
             except Exception as exc:

@@ -161,6 +161,11 @@ class TransferGroup:
         self.broken = reason
         return WeightTransferError(f"{self.where}: {self.role} rank {self.rank}: {reason}")
 
+    def close(self) -> None:
+        """Leave the group: drop the backend and the store connection; any later use refuses."""
+        self.broken = self.broken or "closed by this member"
+        self._pg = self._store = None
+
     def check_usable(self) -> None:
         if self.broken is not None:
             raise WeightTransferError(

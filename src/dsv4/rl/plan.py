@@ -20,6 +20,7 @@ update applies to (None: any); the engine refuses any other before receiving a b
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# Update ids name keys in the transfer group's store: plain letters and digits (plan() uses a uuid4 hex).
+_UPDATE_ID = re.compile(r"[A-Za-z0-9]{1,64}")
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
 
@@ -277,6 +280,10 @@ def _parse_plan(meta: object) -> WeightSyncPlan:
     if protocol != PROTOCOL:
         raise WeightUpdateError(f"weight update metadata: protocol {protocol!r} is not {PROTOCOL!r}")
     update_id = _field(meta, "update_id", str, "plan")
+    if not _UPDATE_ID.fullmatch(update_id):
+        raise WeightUpdateError(
+            f"weight update metadata: update_id must be 1-64 letters or digits, got {update_id!r:.80}"
+        )
     base_version = meta.get("base_version")
     if base_version is not None and (not _is_int(base_version) or base_version < 0):
         raise WeightUpdateError(

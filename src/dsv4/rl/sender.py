@@ -135,7 +135,7 @@ class WeightSender:
     def close(self) -> None:
         """Drop the group and the packing buffers."""
         self._buffers = []
-        self.group = None  # type: ignore[assignment]
+        self.group.close()
 
     def __enter__(self) -> WeightSender:
         return self

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dsv4.errors import WeightTransferError, WeightUpdateError
+from dsv4.errors import WeightUpdateError
 from dsv4.rl.checksum import bucket_checksum
 from dsv4.rl.colocated import open_shared_buckets
 from dsv4.rl.group import TransferGroup
@@ -135,27 +135,24 @@ class WeightReceiver:
             session = begin()
         except WeightUpdateError as exc:
             refusal = str(exc)
-        problem = self.group.agree(update_id, plan.digest() if plan else "unreadable", refusal)
-        if problem:
-            if session is not None:
-                session.abort()
-            raise WeightUpdateError(f"update {update_id} refused before any byte was received: {problem}")
         try:
+            problem = self.group.agree(update_id, plan.digest() if plan else "unreadable", refusal)
+            if problem:
+                raise WeightUpdateError(f"update {update_id} refused before any byte was received: {problem}")
             stats = self._receive(plan, session)
-        except WeightTransferError:
-            session.abort()
-            raise
-        failure = stats.pop("failure")
-        commit_start = time.perf_counter()
-        if failure is None:
-            try:
-                new_version = session.finish()
-            except WeightUpdateError as exc:
-                failure = exc
-        if failure is not None:
-            session.abort()
-            self.group.report(update_id, {"ok": False, "error": str(failure)})
-            raise WeightUpdateError(str(failure)) from failure
+            failure = stats.pop("failure")
+            commit_start = time.perf_counter()
+            if failure is None:
+                try:
+                    new_version = session.finish()
+                except WeightUpdateError as exc:
+                    failure = exc
+            if failure is not None:
+                self.group.report(update_id, {"ok": False, "error": str(failure)})
+                raise WeightUpdateError(str(failure)) from failure
+        finally:  # refused, failed, or the transport broke: no session stays open behind the caller's back
+            if session is not None and session.active:
+                session.abort()
         self.group.report(update_id, {"ok": True, "version": new_version})
         return {"version": new_version, "update_id": update_id, "buckets": len(plan.buckets),
                 "tensors": plan.num_tensors, "bytes": plan.total_bytes, **stats,
