@@ -54,6 +54,8 @@ def test_identical_logprobs_agree_perfectly_and_ragged_lists_work():
     got = agreement(lp, lp)
     assert got.tokens == 4 and got.rollout_probs_diff_max == 0 and got.k3_kl == 0
     assert got.rollout_actor_probs_pearson_corr == pytest.approx(1.0)
+    ragged = [torch.tensor(row, dtype=torch.float64) for row in ROLLOUT]
+    assert agreement(ragged, TRAINER, MASK) == agreement(ROLLOUT, TRAINER, MASK)
 
 
 def test_bad_inputs_name_the_argument():

@@ -56,7 +56,7 @@ def agreement(rollout_logprobs: LogProbs, trainer_logprobs: LogProbs, mask: LogP
 
     Args:
         rollout_logprobs: per token, the engine's logprob of the sampled token: a tensor of any shape (e.g.
-            [batch, response_len]) or a list of per-sequence lists (ragged lengths allowed).
+            [batch, response_len]), or a list of per-sequence lists or tensors (ragged lengths allowed).
         trainer_logprobs: the trainer's logprobs of the same tokens, same shape.
         mask: which tokens count (nonzero / True: a response token), same shape; None: every token.
 
@@ -106,6 +106,8 @@ def _flat(values: LogProbs, name: str) -> torch.Tensor:
     if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
         raise AgreementError(f"{name}: expected a tensor or a list of numbers, got {type(values).__name__}")
     try:
+        if values and isinstance(values[0], torch.Tensor):  # per-sequence tensors of ragged lengths
+            return torch.cat([row.detach().to("cpu", torch.float64).reshape(-1) for row in values])
         if values and isinstance(values[0], Sequence):
             return torch.cat([torch.tensor(list(row), dtype=torch.float64) for row in values])
         return torch.tensor(list(values), dtype=torch.float64)
