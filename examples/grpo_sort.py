@@ -17,8 +17,8 @@ every step `update_weights_from_distributed(meta)` while the trainer runs `Weigh
 One step: sample a group of `--group` completions (temperature 1, raw logprobs) for each of `--prompts`
 fresh prompts; reward 1 for an exact sort followed by end of sequence, else 0; advantage = reward minus
 the group's mean, divided by the group's std (+ a small epsilon; a group that all agrees teaches nothing);
-the trainer recomputes the logprobs of the sampled tokens (right-padded batch, causal model) under the
-weights the engine used, logs their agreement with the engine's (`dsv4.rl.agreement`), and takes one
+the trainer recomputes the logprobs of the sampled tokens (sequences of one length batched together, no
+padding) under the weights the engine used, logs their agreement with the engine's (`dsv4.rl.agreement`), and takes one
 AdamW step on the GRPO policy-gradient loss (sequence-mean of -advantage * logprob, batch mean; one update
 per batch, so the PPO ratio is 1 and needs no clipping; no KL penalty). Then the new weights go to the
 engine, based on the version it holds.
@@ -191,17 +191,23 @@ def reward(prompt: str, token_ids: list[int]) -> float:
     return float(token_ids[-1:] == [task.EOS_ID] and task.is_correct(prompt, completion_text(token_ids)))
 
 
-def trainer_logprobs(model, sequences: list[list[int]], starts: list[int]):
-    """Logprob of every token after its prompt (right-padded batch) and the mask of response tokens."""
-    length = max(map(len, sequences))
-    ids = torch.full((len(sequences), length), task.EOS_ID)
-    mask = torch.zeros(len(sequences), length - 1, dtype=torch.bool)
-    for i, (seq, start) in enumerate(zip(sequences, starts)):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, start - 1 : len(seq) - 1] = True  # row t predicts token t + 1
-    logits = model(ids).logits[:, :-1].float()
-    logprobs = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return logprobs, mask
+def trainer_logprobs(model, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+    """Per sequence, the trainer's logprob of every token after its prompt (differentiable).
+
+    Sequences of equal length run as one batch, with no padding: transformers' DeepseekV4 forward over a
+    right-padded batch does not always reproduce the unpadded one at late positions (seen in this loop: a
+    token at 0.986 alone, 0.997 beside a longer sequence), which would count against agreement although
+    neither engine nor trainer is wrong about the sequence itself."""
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    by_length: dict[int, list[int]] = {}
+    for i, seq in enumerate(sequences):
+        by_length.setdefault(len(seq), []).append(i)
+    for rows in by_length.values():
+        ids = torch.tensor([sequences[i] for i in rows])
+        logprobs = model(ids).logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        for row, i in zip(logprobs, rows):
+            out[i] = row[starts[i] - 1 :]  # row t predicts token t + 1: the response starts at its prompt's end
+    return out  # type: ignore[return-value]
 
 
 def held_out_accuracy(engine: RolloutEngine, n: int) -> float:
@@ -252,10 +258,9 @@ def run(cfg: GRPOConfig) -> dict:
                     rewards.append(reward(example.prompt, tokens))
             r = torch.tensor(rewards).view(cfg.prompts, cfg.group)
             advantages = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + ADVANTAGE_EPS)).view(-1)
-            logprobs, mask = trainer_logprobs(model, sequences, starts)
-            metrics = agreement(rollout_lp, [row[m].tolist() for row, m in zip(logprobs.detach(), mask)])
-            per_sequence = (advantages[:, None] * logprobs * mask).sum(1) / mask.sum(1)
-            loss = -per_sequence.mean()
+            logprobs = trainer_logprobs(model, sequences, starts)
+            metrics = agreement(rollout_lp, [lp.detach() for lp in logprobs])
+            loss = -torch.stack([a * lp.mean() for a, lp in zip(advantages, logprobs)]).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
