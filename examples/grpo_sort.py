@@ -26,7 +26,8 @@ engine, based on the version it holds.
 What "learns" means here (seeded; checked and reported as "learned" in the JSON): the mean reward of the
 last 10 steps exceeds that of the first 5 by at least `REWARD_RISE` (0.2), and held-out greedy accuracy
 (64 prompts no training step sees) rises. The run writes a JSON (per-step reward, agreement, sync times)
-and a plot of reward and agreement per step (matplotlib, the `bench` extra).
+and a plot of reward and agreement per step. Needs transformers (the `test` extra) and, for the plot,
+matplotlib (the `bench` extra).
 """
 
 from __future__ import annotations

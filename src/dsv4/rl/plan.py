@@ -149,7 +149,9 @@ def plan_buckets(
     """Lay the tensors out in buckets and checksum each bucket's bytes (one read pass over the tensors).
 
     Args:
-        named_tensors: (name, tensor) pairs or a mapping, e.g. a transformers model's `state_dict()`.
+        named_tensors: (name, tensor) pairs or a mapping, e.g. a transformers model's `state_dict()`. It is
+            read once here; whoever then sends must pass the same tensors again (a mapping, or a fresh
+            iterable: a spent generator sends nothing and is refused as not matching the plan).
         bucket_bytes: the largest bucket, except that a tensor larger than this travels alone.
         base_version: the engine weights version this update applies to (None: whatever it is).
 
