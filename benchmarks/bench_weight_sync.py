@@ -2,8 +2,12 @@
 same bytes on this machine, and how long the engine is unavailable during an update.
 
 A trainer process (`dsv4.rl.WeightSender`, rank 0) sends the weights of a dummy-loaded model (fp32, dense
-experts) to an engine (`LLM.update_weights_from_distributed`, rank 1) in this process: the whole model, and
-partial updates of its first 1/16 and 1/4 tensors (a refit may carry any subset), at each bucket size.
+experts) to rank 1 in this process: the whole model, and partial updates of its first 1/16 and 1/4 tensors
+(a refit may carry any subset), at each bucket size, in two modes:
+  transport      into `WeightReceiver` with a session that keeps nothing: the protocol, packing,
+                 broadcast and per-bucket checksums, i.e. what weight sync itself costs
+  refit          into `LLM.update_weights_from_distributed`: the same plus the engine's refit session
+                 (validation, conversion, atomic staging, write, finalize, address audit)
 
 Per update:
   sync_s         the trainer's `send`: agreeing on the plan, packing, broadcasting, the engine verifying
@@ -24,6 +28,7 @@ Needs the `test` extra (the configs come from tests/reference.py) and `bench` (m
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import platform
@@ -45,12 +50,17 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import reference as ref  # noqa: E402
 from dsv4 import LLM  # noqa: E402
 from dsv4.rl import WeightSender  # noqa: E402
+from dsv4.weights.transfer import WeightReceiver  # noqa: E402
 
 CONFIGS = {"tiny": ref.tiny_config, "small": ref.small_config}
 FRACTIONS = (1 / 16, 1 / 4, 1.0)  # share of the model's tensors an update carries
 MIB = 1 << 20
 QUICK_BUCKETS = (64 << 10, 1 << 20)
 TIMEOUT_S = 300.0
+# transport: the protocol, packing, broadcast and checksums, into a session that keeps nothing (what
+# weight sync itself costs); refit: the same into a real engine's refit session (what an update costs).
+TRANSPORT, REFIT = "transport", "refit"
+MODES = (TRANSPORT, REFIT)
 
 
 def _free_port() -> int:
@@ -63,20 +73,38 @@ def _subsets(names: list[str]) -> list[list[str]]:
     return [names[: max(1, round(len(names) * f))] for f in FRACTIONS]
 
 
-def trainer(port: int, tensors_path: str, buckets: list[int], repeats: int, out) -> None:
-    """Rank 0: for every (subset, bucket size, repetition), plan then send; report both timings."""
+class DiscardSession:
+    """Stands in for a refit session in the transport-only mode: takes the verified buckets, keeps nothing."""
+
+    active = True
+
+    def load(self, bucket, origin=None) -> int:
+        return 0
+
+    def finish(self) -> int:
+        self.active = False
+        return 1
+
+    def abort(self) -> None:
+        self.active = False
+
+
+def trainer(ports: dict[str, int], tensors_path: str, buckets: list[int], repeats: int, out) -> None:
+    """Rank 0: per mode (its own group), for every (subset, bucket size, repetition): plan, then send."""
     torch.set_num_threads(1)
     try:
         tensors = load_file(tensors_path)
-        sender = WeightSender("127.0.0.1", port, 2, timeout=TIMEOUT_S)
-        for names in _subsets(list(tensors)):
-            update = {n: tensors[n] for n in names}
-            for bucket in buckets:
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    meta = sender.plan(update, bucket_bytes=bucket)
-                    out.put(("meta", (meta, time.perf_counter() - start)))
-                    out.put(("sent", sender.send(update, meta)))
+        for mode in MODES:
+            sender = WeightSender("127.0.0.1", ports[mode], 2, group_name=mode, timeout=TIMEOUT_S)
+            for names in _subsets(list(tensors)):
+                update = {n: tensors[n] for n in names}
+                for bucket in buckets:
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        meta = sender.plan(update, bucket_bytes=bucket)
+                        out.put(("meta", (meta, time.perf_counter() - start)))
+                        out.put(("sent", sender.send(update, meta)))
+            sender.close()
     except Exception as exc:
         out.put(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -110,32 +138,25 @@ def run(args) -> dict:
                   max_model_len=64)
         tensors_path = Path(tmp) / "weights.safetensors"
         save_file({n: t.contiguous().clone() for n, t in llm.iter_weights()}, str(tensors_path))
-        port = _free_port()
+        ports = {mode: _free_port() for mode in MODES}
         context = multiprocessing.get_context("spawn")
         q = context.Queue()
-        proc = context.Process(target=trainer, args=(port, str(tensors_path), args.buckets, args.repeats, q),
+        proc = context.Process(target=trainer, args=(ports, str(tensors_path), args.buckets, args.repeats, q),
                                daemon=True)
         proc.start()
         rows = []
         try:
-            llm.init_weight_transfer("127.0.0.1", port, timeout=TIMEOUT_S)
-            for _ in FRACTIONS:
-                for bucket in args.buckets:
-                    for rep in range(args.repeats):
-                        meta, plan_s = _next(q, "meta")
-                        start = time.perf_counter()
-                        got = llm.update_weights_from_distributed(meta)
-                        unavailable = time.perf_counter() - start
-                        sent = _next(q, "sent")
-                        memcpy = _memcpy_s(got["bytes"])
-                        rows.append({"bytes": got["bytes"], "tensors": got["tensors"], "bucket_bytes": bucket,
-                                     "buckets": got["buckets"], "repeat": rep, "plan_s": plan_s,
-                                     "sync_s": sent["seconds"], "unavailable_s": unavailable,
-                                     "receive_wait_s": got["receive_wait_s"], "apply_s": got["apply_s"],
-                                     "commit_s": got["commit_s"], "memcpy_s": memcpy,
-                                     "ratio": sent["seconds"] / memcpy})
-                        print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in rows[-1].items()}),
-                              flush=True)
+            for mode in MODES:
+                if mode == TRANSPORT:
+                    receiver = WeightReceiver("127.0.0.1", ports[mode], 1, 2, mode, "gloo", TIMEOUT_S)
+                    update = functools.partial(receiver.update, version=0, begin=DiscardSession, max_bytes=1 << 62)
+                else:
+                    llm.init_weight_transfer("127.0.0.1", ports[mode], group_name=mode, timeout=TIMEOUT_S)
+                    update = llm.update_weights_from_distributed
+                for _ in FRACTIONS:
+                    for bucket in args.buckets:
+                        for rep in range(args.repeats):
+                            rows.append(_measure(q, update, mode, bucket, rep))
         finally:
             if proc.is_alive():
                 proc.kill()
@@ -145,12 +166,27 @@ def run(args) -> dict:
             "note": "contended 2-core VM unless re-run on a quiet machine"}
 
 
+def _measure(q, update, mode: str, bucket: int, rep: int) -> dict:
+    meta, plan_s = _next(q, "meta")
+    start = time.perf_counter()
+    got = update(meta)
+    unavailable = time.perf_counter() - start
+    sent = _next(q, "sent")
+    memcpy = _memcpy_s(got["bytes"])
+    row = {"mode": mode, "bytes": got["bytes"], "tensors": got["tensors"], "bucket_bytes": bucket,
+           "buckets": got["buckets"], "repeat": rep, "plan_s": plan_s, "sync_s": sent["seconds"],
+           "unavailable_s": unavailable, "receive_wait_s": got["receive_wait_s"], "apply_s": got["apply_s"],
+           "commit_s": got["commit_s"], "memcpy_s": memcpy, "ratio": sent["seconds"] / memcpy}
+    print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return row
+
+
 def _summary(rows: list[dict]) -> list[dict]:
     out = []
-    for key in sorted({(r["bytes"], r["bucket_bytes"]) for r in rows}):
-        group = [r for r in rows if (r["bytes"], r["bucket_bytes"]) == key]
+    for key in sorted({(r["mode"], r["bytes"], r["bucket_bytes"]) for r in rows}):
+        group = [r for r in rows if (r["mode"], r["bytes"], r["bucket_bytes"]) == key]
         ratios = [r["ratio"] for r in group]
-        out.append({"bytes": key[0], "bucket_bytes": key[1],
+        out.append({"mode": key[0], "bytes": key[1], "bucket_bytes": key[2],
                     "sync_s": statistics.median(r["sync_s"] for r in group),
                     "unavailable_s": statistics.median(r["unavailable_s"] for r in group),
                     "commit_s": statistics.median(r["commit_s"] for r in group),
@@ -166,25 +202,28 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     summary = results["summary"]
-    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for bucket in sorted({s["bucket_bytes"] for s in summary}):
-        pts = [s for s in summary if s["bucket_bytes"] == bucket]
-        mb = [s["bytes"] / MIB for s in pts]
-        ax_t.loglog(mb, [s["sync_s"] for s in pts], marker="o", label=f"sync, {bucket / MIB:g} MiB buckets")
-        ax_r.semilogx(mb, [s["ratio"] for s in pts], marker="o", label=f"{bucket / MIB:g} MiB buckets")
-    memcpy = sorted({(s["bytes"], s["memcpy_s"]) for s in summary})
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(12, 5))
+    for mode, style in ((REFIT, "-"), (TRANSPORT, "--")):
+        for bucket in sorted({s["bucket_bytes"] for s in summary}):
+            pts = [s for s in summary if s["bucket_bytes"] == bucket and s["mode"] == mode]
+            mb = [s["bytes"] / MIB for s in pts]
+            label = f"{mode}, {bucket / MIB:g} MiB buckets"
+            ax_t.loglog(mb, [s["sync_s"] for s in pts], style, marker="o", label=label)
+            ax_r.semilogx(mb, [s["ratio"] for s in pts], style, marker="o", label=label)
+    memcpy = sorted({(s["bytes"], s["memcpy_s"]) for s in summary if s["mode"] == REFIT})
     ax_t.loglog([b / MIB for b, _ in memcpy], [t for _, t in memcpy], "k--", label="memcpy, same bytes")
-    unavailable = sorted({(s["bytes"], s["unavailable_s"]) for s in summary if s["bucket_bytes"] == max(
-        x["bucket_bytes"] for x in summary)})
+    largest = max(x["bucket_bytes"] for x in summary)
+    unavailable = sorted({(s["bytes"], s["unavailable_s"]) for s in summary
+                          if s["bucket_bytes"] == largest and s["mode"] == REFIT})
     ax_t.loglog([b / MIB for b, _ in unavailable], [t for _, t in unavailable], "r:",
                 label="engine unavailable (largest buckets)")
     ax_t.set_xlabel("update size (MiB)")
     ax_t.set_ylabel("seconds")
-    ax_t.legend(fontsize=7)
+    ax_t.legend(fontsize=6)
     ax_r.axhline(2.0, color="k", linestyle="--", label="goal: 2x memcpy")
     ax_r.set_xlabel("update size (MiB)")
     ax_r.set_ylabel("sync / memcpy (paired median)")
-    ax_r.legend(fontsize=7)
+    ax_r.legend(fontsize=6)
     fig.suptitle(f"weight sync over loopback gloo, {results['config']} model (fp32, dense experts); "
                  f"{results['note']}", fontsize=9)
     fig.tight_layout()
