@@ -79,7 +79,9 @@ class TransferGroup:
         self._store = dist.PrefixStore(f"{_KEY_PREFIX}/{group_name}/", store)
         self._join()
         try:
-            self._pg = _new_backend(self._store, rank, world_size, backend, delta, master_address)
+            # The backend's own rendezvous keys live under a prefix of their own, apart from the protocol's.
+            backend_store = dist.PrefixStore("backend/", self._store)
+            self._pg = _new_backend(backend_store, rank, world_size, backend, delta, master_address)
         except Exception as exc:
             raise WeightTransferError(f"{self.where}: {role} rank {rank}: {backend} group failed: {exc}") from exc
         self.broken: str | None = None  # set once a transfer failed: the group cannot be trusted any more
