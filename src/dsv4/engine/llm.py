@@ -249,26 +249,51 @@ class LLM:
 
     def init_weight_transfer(
         self, master_address: str, master_port: int, rank_offset: int = 1, world_size: int = 2,
-        group_name: str = "dsv4", backend: str = "gloo", timeout: float = 120.0,
+        group_name: str = "dsv4", backend: str = "gloo", timeout: float | None = None,
     ) -> dict:
-        """Join a trainer's transfer group as rank `rank_offset` (the trainer, `dsv4.rl.WeightSender`, is
-        rank 0 and hosts the group at master_address:master_port). Blocks until every member joined.
-        Returns {"group", "rank", "world_size", "backend", "usable"}. Raises ConfigError for a bad argument,
-        WeightTransferError when the trainer is unreachable or a member disagrees (world size, backend)."""
+        """Join a trainer's transfer group (the trainer, `dsv4.rl.WeightSender`, is rank 0 and hosts it).
+        Blocks until every member has joined.
+
+        Args:
+            master_address: the trainer's address. master_port: the group's port there.
+            rank_offset: this engine's rank in the group. world_size: trainer + engine ranks.
+            group_name: as the trainer names it. backend: "gloo" (CPU) or "nccl" (GPU).
+            timeout: seconds any single wait may take (None: `dsv4.rl.group.DEFAULT_TIMEOUT_S`).
+
+        Returns:
+            {"group", "rank", "world_size", "backend", "usable"}.
+
+        Raises:
+            ConfigError: a bad argument. WeightTransferError: the trainer unreachable within the timeout,
+                or a member that disagrees (world size, backend, rank taken).
+        """
+        from dsv4.rl.group import DEFAULT_TIMEOUT_S
         from dsv4.weights.transfer import WeightReceiver
 
         self._weight_receiver = None  # a failed join leaves no group behind
         self._weight_receiver = WeightReceiver(
-            master_address, master_port, rank_offset, world_size, group_name, backend, timeout
+            master_address, master_port, rank_offset, world_size, group_name, backend,
+            DEFAULT_TIMEOUT_S if timeout is None else timeout,
         )
         return self._weight_receiver.describe()
 
     def update_weights_from_distributed(self, metadata: dict, atomic: bool = True, full: bool = False) -> dict:
-        """Receive the update `metadata` describes (`WeightSender.plan`) while the trainer runs `send`, as one
-        refit session (`begin_weight_update(atomic, full)`): a wrong base version is refused before a byte
-        moves, every bucket's checksum is verified before it is staged. Returns {"version", "update_id",
-        "buckets", "tensors", "bytes", "seconds", ...}. Raises WeightUpdateError (refused or failed: atomic
-        mode keeps the previous weights serving) or WeightTransferError (trainer dead or too slow)."""
+        """Receive the update `metadata` describes while the trainer runs `WeightSender.send`, as one refit
+        session (`begin_weight_update(atomic, full)`).
+
+        Args:
+            metadata: the trainer's `WeightSender.plan(...)` (JSON).
+            atomic, full: as for `begin_weight_update`.
+
+        Returns:
+            {"version", "update_id", "buckets", "tensors", "bytes", "seconds", "receive_wait_s", "apply_s",
+            "commit_s"}.
+
+        Raises:
+            WeightUpdateError: refused before a byte moved (base version, metadata) or failed (a checksum, a
+                rejected tensor); atomic mode keeps the previous weights serving.
+            WeightTransferError: no group, or the trainer died or timed out (the group is unusable then).
+        """
         from dsv4.errors import WeightTransferError
         from dsv4.weights.transfer import max_update_bytes
 
@@ -280,8 +305,18 @@ class LLM:
     def update_weights_from_shared(
         self, metadata: dict, handle: dict, atomic: bool = True, full: bool = False
     ) -> dict:
-        """The same update from a colocated trainer's shared memory (`dsv4.rl.ColocatedWeightSender`):
-        `metadata` as for `update_weights_from_distributed`, `handle` from `sender.share(...)`."""
+        """The same update from a colocated trainer's shared memory (`dsv4.rl.ColocatedWeightSender`).
+
+        Args:
+            metadata: `sender.plan(...)`. handle: `sender.share(...)`. atomic, full: as for
+                `begin_weight_update`.
+
+        Returns:
+            {"version", "update_id", "buckets", "tensors", "bytes", "seconds"}.
+
+        Raises:
+            WeightUpdateError: refused (base version, metadata, a handle outside shared memory) or failed.
+        """
         from dsv4.weights.transfer import max_update_bytes, update_from_shared
 
         begin = lambda: self.begin_weight_update(atomic=atomic, full=full)
