@@ -67,6 +67,7 @@ class TransferGroup:
         self.rank, self.world_size, self.backend, self.role = rank, world_size, backend, role
         self.timeout = float(timeout)
         self.where = f"weight transfer group {group_name!r} at {master_address}:{master_port}"
+        self.broken: str | None = None  # set once a transfer failed: the group cannot be trusted any more
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         delta = datetime.timedelta(seconds=self.timeout)
         try:
@@ -84,12 +85,15 @@ class TransferGroup:
             self._pg = _new_backend(backend_store, rank, world_size, backend, delta, master_address)
         except Exception as exc:
             raise WeightTransferError(f"{self.where}: {role} rank {rank}: {backend} group failed: {exc}") from exc
-        self.broken: str | None = None  # set once a transfer failed: the group cannot be trusted any more
 
     # ---- join ----
     def _join(self) -> None:
         """Claim this rank, then compare every member's view of the group with our own."""
-        if self._store.add(f"claim/{self.rank}", 1) != 1:
+        try:
+            claims = self._store.add(f"claim/{self.rank}", 1)
+        except Exception as exc:
+            raise self.fail(f"claiming rank {self.rank}: {exc}") from exc
+        if claims != 1:
             raise WeightTransferError(f"{self.where}: {self.role} rank {self.rank} is already taken by another member")
         mine = {"world_size": self.world_size, "backend": self.backend, "protocol": PROTOCOL, "role": self.role}
         self.publish("member", mine)
@@ -107,7 +111,10 @@ class TransferGroup:
     # ---- records ----
     def publish(self, key: str, record: dict[str, Any]) -> None:
         """Make this member's record for `key` visible to every member."""
-        self._store.set(f"{key}/{self.rank}", json.dumps(record))
+        try:
+            self._store.set(f"{key}/{self.rank}", json.dumps(record))
+        except Exception as exc:  # the store's host (the trainer) is gone
+            raise self.fail(f"publishing {key}: {exc}") from exc
 
     def gather(self, key: str, what: str) -> list[dict[str, Any]]:
         """Every member's record for `key`, by rank (waits for each within the timeout)."""
