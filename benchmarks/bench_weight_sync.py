@@ -216,22 +216,22 @@ def plot(results: dict, path: Path) -> None:
             pts = [s for s in summary if s["bucket_bytes"] == bucket and s["mode"] == mode]
             mb = [s["bytes"] / MIB for s in pts]
             label = f"{mode}, {bucket / MIB:g} MiB buckets"
-            ax_t.loglog(mb, [s["sync_s"] for s in pts], style, marker="o", label=label)
+            ax_t.loglog(mb, [s["sync_s"] for s in pts], style, marker="o", label=f"sync: {label}")
             ax_r.semilogx(mb, [s["ratio"] for s in pts], style, marker="o", label=label)
-    memcpy = sorted({(s["bytes"], s["memcpy_s"]) for s in summary if s["mode"] == REFIT})
-    ax_t.loglog([b / MIB for b, _ in memcpy], [t for _, t in memcpy], "k--", label="memcpy, same bytes")
     largest = max(x["bucket_bytes"] for x in summary)
-    unavailable = sorted({(s["bytes"], s["unavailable_s"]) for s in summary
-                          if s["bucket_bytes"] == largest and s["mode"] == REFIT})
+    at_largest = [s for s in summary if s["mode"] == REFIT and s["bucket_bytes"] == largest]
+    memcpy = sorted((s["bytes"], s["memcpy_s"]) for s in at_largest)
+    ax_t.loglog([b / MIB for b, _ in memcpy], [t for _, t in memcpy], "k--", label="memcpy, same bytes")
+    unavailable = sorted((s["bytes"], s["unavailable_s"]) for s in at_largest)
     ax_t.loglog([b / MIB for b, _ in unavailable], [t for _, t in unavailable], "r:",
                 label="engine unavailable (largest buckets)")
     ax_t.set_xlabel("update size (MiB)")
     ax_t.set_ylabel("seconds")
-    ax_t.legend(fontsize=6)
+    ax_t.legend(fontsize=6, loc="upper left")
     ax_r.axhline(2.0, color="k", linestyle="--", label="goal: 2x memcpy")
     ax_r.set_xlabel("update size (MiB)")
     ax_r.set_ylabel("sync / memcpy (paired median)")
-    ax_r.legend(fontsize=6)
+    ax_r.legend(fontsize=6, loc="upper right")
     fig.suptitle(f"weight sync over loopback gloo, {results['config']} model (fp32, dense experts); "
                  f"{results['note']}", fontsize=9)
     fig.tight_layout()

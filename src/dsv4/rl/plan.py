@@ -34,10 +34,14 @@ PROTOCOL = "dsv4-weight-sync/1"
 # Tensor offsets inside a bucket are multiples of this: every dtype's alignment (at most 8 bytes) and a
 # cache line, so the engine's views are valid for `view(dtype)` and its copies out of them run at full speed.
 ALIGNMENT = 64
-# verl's default is 512 MB and vLLM's 1 GiB on GPUs; two buckets are held at each end at once, and on a
-# CPU host 256 MiB keeps that to 0.5 GiB while still amortising the per-transfer latency (see
-# benchmarks/bench_weight_sync.py for the measured curve).
-DEFAULT_BUCKET_BYTES = 256 << 20
+# Bucket sizes by transport. Over gloo on a CPU host small buckets win: the trainer packs one while the
+# previous is on the wire and both stay in cache (benchmarks/bench_weight_sync.py, a 295 MiB update on the
+# 2-core development VM, contended: transport 0.5 s with 4 MiB buckets, 1.1 s with 16, 1.5-2.2 s with 256).
+# On GPUs a collective call costs tens of microseconds, so NCCL takes verl's 512 MiB default (two buffers at
+# each end; not measured here). Shared memory has no transport: its buckets only structure the segment.
+GLOO_BUCKET_BYTES = 4 << 20
+NCCL_BUCKET_BYTES = 512 << 20
+DEFAULT_BUCKET_BYTES = GLOO_BUCKET_BYTES
 # The dtypes a tensor may travel in: floats (quantized on the fly by the engine when its experts are FP8
 # or FP4), FP8 e4m3 weights and their ue8m0 scales, packed FP4 bytes, integer tables (tid2eid).
 DTYPES: dict[str, torch.dtype] = {

@@ -28,7 +28,8 @@ import torch
 from dsv4.errors import WeightUpdateError
 from dsv4.rl.group import DEFAULT_TIMEOUT_S, TRAINER_RANK, TransferGroup
 from dsv4.rl.plan import (
-    DEFAULT_BUCKET_BYTES,
+    GLOO_BUCKET_BYTES,
+    NCCL_BUCKET_BYTES,
     NamedTensors,
     WeightSyncPlan,
     check_tensors_match,
@@ -64,18 +65,21 @@ class WeightSender:
         self._buffers: list[torch.Tensor] = []
 
     def plan(
-        self, named_tensors: NamedTensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES, base_version: int | None = None
+        self, named_tensors: NamedTensors, bucket_bytes: int | None = None, base_version: int | None = None
     ) -> dict:
         """The JSON-serialisable metadata of an update of these tensors (see `dsv4.rl.plan`).
 
         Args:
             named_tensors: (name, tensor) pairs or a mapping; HF or native names, any dtype of `plan.DTYPES`.
-            bucket_bytes: largest packed bucket (a larger tensor travels alone).
+            bucket_bytes: largest packed bucket (a larger tensor travels alone); None: the backend's default
+                (`plan.GLOO_BUCKET_BYTES` or `plan.NCCL_BUCKET_BYTES`).
             base_version: the engine weights version the update applies to; the engine refuses any other.
 
         Returns:
             The metadata: hand it to the engine's `update_weights_from_distributed`.
         """
+        if bucket_bytes is None:
+            bucket_bytes = NCCL_BUCKET_BYTES if self.group.backend == "nccl" else GLOO_BUCKET_BYTES
         return plan_buckets(named_tensors, bucket_bytes, base_version).to_json()
 
     def send(self, named_tensors: NamedTensors, metadata: dict) -> dict:
