@@ -34,3 +34,13 @@ class RequestError(Dsv4Error, ValueError):
 class ArgumentTypeError(Dsv4Error, TypeError):
     """An argument of a public function with the wrong Python type; the message names the argument (and the
     request or list position within it) and shows the value received."""
+
+
+class WeightTransferError(Dsv4Error, RuntimeError):
+    """A weight transfer between processes that broke: a peer unreachable, dead or too slow (timeout), or a
+    transfer group whose members disagree (world size, rank, backend). The message names the group and peer."""
+
+
+class AgreementError(Dsv4Error, ValueError):
+    """Log-probabilities the agreement metrics cannot compare (shapes that differ, no token selected by the
+    mask, non-finite values) or an unreadable agreement file; the message names the argument or file."""

@@ -45,6 +45,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("inspect", "dsv4.cli.inspect", "check that a checkpoint would load, from its headers only"),
     Command("convert", "dsv4.cli.convert", "rewrite a checkpoint in another layout or format"),
     Command("serve", "dsv4.server.launch", "serve a model over an OpenAI-compatible HTTP API"),
+    Command("agreement", "dsv4.cli.agreement", "rollout-vs-trainer agreement metrics of a logprob file"),
     Command("env", "dsv4.cli.env", "print the runtime and the kernel backends chosen"),
 )
 

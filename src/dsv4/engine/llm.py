@@ -348,6 +348,84 @@ class LLM:
             session.load(weights)
         return session.version
 
+    # ---- weights from a trainer process (dsv4.weights.transfer; the trainer side is dsv4.rl) ----
+    _weight_receiver = None  # this engine's membership of a transfer group, once init_weight_transfer ran
+
+    def init_weight_transfer(
+        self, master_address: str, master_port: int, rank_offset: int = 1, world_size: int = 2,
+        group_name: str = "dsv4", backend: str = "gloo", timeout: float | None = None,
+    ) -> dict:
+        """Join a trainer's transfer group (the trainer, `dsv4.rl.WeightSender`, is rank 0 and hosts it).
+        Blocks until every member has joined.
+
+        Args:
+            master_address: the trainer's address. master_port: the group's port there.
+            rank_offset: this engine's rank in the group. world_size: trainer + engine ranks.
+            group_name: as the trainer names it. backend: "gloo" (CPU) or "nccl" (GPU).
+            timeout: seconds any single wait may take (None: `dsv4.rl.group.DEFAULT_TIMEOUT_S`).
+
+        Returns:
+            {"group", "rank", "world_size", "backend", "usable"}.
+
+        Raises:
+            ConfigError: a bad argument. WeightTransferError: the trainer unreachable within the timeout,
+                or a member that disagrees (world size, backend, rank taken).
+        """
+        from dsv4.rl.group import DEFAULT_TIMEOUT_S
+        from dsv4.weights.transfer import WeightReceiver
+
+        self._weight_receiver = None  # a failed join leaves no group behind
+        self._weight_receiver = WeightReceiver(
+            master_address, master_port, rank_offset, world_size, group_name, backend,
+            DEFAULT_TIMEOUT_S if timeout is None else timeout,
+        )
+        return self._weight_receiver.describe()
+
+    def update_weights_from_distributed(self, metadata: dict, atomic: bool = True, full: bool = False) -> dict:
+        """Receive the update `metadata` describes while the trainer runs `WeightSender.send`, as one refit
+        session (`begin_weight_update(atomic, full)`).
+
+        Args:
+            metadata: the trainer's `WeightSender.plan(...)` (JSON).
+            atomic, full: as for `begin_weight_update`.
+
+        Returns:
+            {"version", "update_id", "buckets", "tensors", "bytes", "seconds", "receive_wait_s", "apply_s",
+            "commit_s"}.
+
+        Raises:
+            WeightUpdateError: refused before a byte moved (base version, metadata) or failed (a checksum, a
+                rejected tensor); atomic mode keeps the previous weights serving.
+            WeightTransferError: no group, or the trainer died or timed out (the group is unusable then).
+        """
+        from dsv4.errors import WeightTransferError
+        from dsv4.weights.transfer import max_update_bytes
+
+        if self._weight_receiver is None:
+            raise WeightTransferError("no weight transfer group: call init_weight_transfer(...) first")
+        begin = lambda: self.begin_weight_update(atomic=atomic, full=full)
+        return self._weight_receiver.update(metadata, self.weights_version, begin, max_update_bytes(self.loaded))
+
+    def update_weights_from_shared(
+        self, metadata: dict, handle: dict, atomic: bool = True, full: bool = False
+    ) -> dict:
+        """The same update from a colocated trainer's shared memory (`dsv4.rl.ColocatedWeightSender`).
+
+        Args:
+            metadata: `sender.plan(...)`. handle: `sender.share(...)`. atomic, full: as for
+                `begin_weight_update`.
+
+        Returns:
+            {"version", "update_id", "buckets", "tensors", "bytes", "seconds"}.
+
+        Raises:
+            WeightUpdateError: refused (base version, metadata, a handle outside shared memory) or failed.
+        """
+        from dsv4.weights.transfer import max_update_bytes, update_from_shared
+
+        begin = lambda: self.begin_weight_update(atomic=atomic, full=full)
+        return update_from_shared(metadata, handle, self.weights_version, begin, max_update_bytes(self.loaded))
+
     def iter_weights(self):
         """Every loadable tensor as (native name, resident-format view); feeds another engine's update."""
         from dsv4.weights.export import iter_weights

@@ -1,0 +1,86 @@
+"""A trainer process for the weight-transfer tests: rank 0 of a transfer group, driven step by step.
+
+Started with multiprocessing's spawn context; it loads its tensors from a safetensors file, joins the
+group as `dsv4.rl.WeightSender`, and for every step plans an update, hands the metadata to the test
+through `out`, then sends it (optionally after changing a tensor, or dying mid-transfer). Every outcome,
+success or error (type and message), goes back through `out`. It imports no test module, so it starts fast.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import torch
+from safetensors.torch import load_file
+
+import dsv4.rl.sender as sender_module
+from dsv4.rl import WeightSender
+from dsv4.rl.plan import pack_bucket
+
+DIE_EXIT_CODE = 17
+UNKNOWN_TENSOR = "layers.99.ffn.bogus.weight"
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the kernel picks it; a race with another process is harmless here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, deadline_s: float) -> None:
+    """Wait until something accepts connections on loopback `port` (the trainer's store is up)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {deadline_s} s") from None
+            time.sleep(0.1)
+
+
+def run_trainer(port: int, world_size: int, tensors_path: str, steps: list[dict], out, timeout: float) -> None:
+    """Each step: {"base_version": int | None, "bucket_bytes": int, "change_after_plan": bool (a tensor
+    changes between plan and send), "unknown_tensor": bool (the update also carries a name the model does
+    not have), "die_at_bucket": int | None (the process exits while packing that bucket), "skip_send": bool (the
+    metadata goes out, the bytes never do)}."""
+    torch.set_num_threads(1)
+    try:
+        tensors = load_file(tensors_path)
+        sender = WeightSender("127.0.0.1", port, world_size, timeout=timeout)
+        out.put(("joined", None))
+        for step in steps:
+            sent = {**tensors, UNKNOWN_TENSOR: torch.zeros(4)} if step.get("unknown_tensor") else tensors
+            meta = sender.plan(sent, bucket_bytes=step["bucket_bytes"], base_version=step["base_version"])
+            out.put(("meta", meta))
+            if step.get("change_after_plan"):
+                sent = dict(tensors)
+                name = next(n for n, t in tensors.items() if t.dtype == torch.float32)
+                sent[name] = tensors[name] + 1.0
+            if step.get("die_at_bucket") is not None:
+                _die_at(step["die_at_bucket"])
+            if step.get("skip_send"):
+                continue
+            try:
+                out.put(("sent", sender.send(sent, meta)))
+            except Exception as exc:
+                out.put(("error", (type(exc).__name__, str(exc))))
+    except Exception as exc:
+        out.put(("error", (type(exc).__name__, f"{exc}\n{traceback.format_exc()}")))
+
+
+def _die_at(bucket_index: int) -> None:
+    """Make the sender exit the process abruptly when it packs bucket `bucket_index` (a crashed trainer)."""
+    count = iter(range(1 << 30))
+
+    def dying_pack(bucket, tensors, out):
+        if next(count) == bucket_index:
+            os._exit(DIE_EXIT_CODE)
+        return pack_bucket(bucket, tensors, out)
+
+    sender_module.pack_bucket = dying_pack
