@@ -516,3 +516,65 @@ def test_fp4_shape_and_dtype_errors():
         pack_e2m1(torch.zeros(2, 3, dtype=torch.uint8))  # odd input dim
     with pytest.raises(ValueError):
         pack_e2m1(torch.full((2, 2), 16, dtype=torch.uint8))  # not a 4-bit code
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernel structure: chunked quantization, fused finiteness check, table decode
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_e4m3_decode_table_matches_bit_fields_on_every_byte():
+    from dsv4.quant import e4m3_to_float32
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).view(16, 16)
+    values = e4m3_to_float32(codes)
+    assert values.shape == (16, 16) and values.dtype == torch.float32
+    for byte, value in enumerate(values.flatten().tolist()):
+        expected = ref_e4m3(byte)
+        assert (math.isnan(value) and math.isnan(expected)) or value == expected, byte
+    # A non-contiguous view decodes the elements it shows.
+    assert torch.equal(e4m3_to_float32(codes.t()).view(torch.int32), values.t().view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["fp4", "fp8_ue8m0", "fp8_float"])
+def test_quantizers_give_the_same_bytes_whatever_the_chunking(kind, monkeypatch):
+    """Large weights are quantized a few rows at a time (bounded temporaries); the rows a step covers must
+    not change a byte. One chunk vs one row (fp4) / one tile row (fp8) per step, ragged tiles included."""
+    from dsv4.quant import fp4 as fp4_module
+    from dsv4.quant import fp8 as fp8_module
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(300, 96, generator=gen) * torch.logspace(-3, 3, 300)[:, None]
+    block = (64, 64)
+
+    def run():
+        if kind == "fp4":
+            return quantize_fp4(w.bfloat16(), 32)
+        return quantize_fp8_blockwise(w, block, kind.removeprefix("fp8_"))
+
+    module = fp4_module if kind == "fp4" else fp8_module
+    monkeypatch.setattr(module, "_CHUNK_ELEMENTS", 1 << 30)
+    whole = run()
+    monkeypatch.setattr(module, "_CHUNK_ELEMENTS", 1)
+    chunked = run()
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
+                           if b.element_size() == 1 else b)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_quantizers_refuse_non_finite_values_in_any_chunk(bad, monkeypatch):
+    """The finiteness check rides on the per-block maximum: a bad value in the last chunk is still found, and
+    the message counts every bad value of the weight."""
+    from dsv4.quant import fp4 as fp4_module
+    from dsv4.quant import fp8 as fp8_module
+
+    monkeypatch.setattr(fp4_module, "_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(fp8_module, "_CHUNK_ELEMENTS", 64)
+    w = torch.ones(40, 64)
+    w[39, 5] = bad
+    w[38, 0] = bad
+    with pytest.raises(ValueError, match="2 non-finite"):
+        quantize_fp4(w)
+    with pytest.raises(ValueError, match="2 non-finite"):
+        quantize_fp8_blockwise(w, (8, 32))
