@@ -134,7 +134,7 @@ def no_tensor_reads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("inspect read tensor data")
 
-    monkeypatch.setattr("dsv4.weights.checkpoint.safe_open", refuse)
+    monkeypatch.setattr("dsv4.weights.checkpoint.map_file", refuse)
     monkeypatch.setattr(safetensors, "safe_open", refuse)
     monkeypatch.setattr(safetensors.torch, "load_file", refuse)
     monkeypatch.setattr(safetensors.torch, "safe_open", refuse)
@@ -188,7 +188,7 @@ def test_inspect_reports_a_broken_checkpoint_without_reading_data(source, tmp_pa
     del tensors["layers.0.ffn.experts.5.w2.scale"]
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
 
-    monkeypatch.setattr("dsv4.weights.checkpoint.safe_open", lambda *a, **k: pytest.fail("inspect read tensor data"))
+    monkeypatch.setattr("dsv4.weights.checkpoint.map_file", lambda *a, **k: pytest.fail("inspect read tensor data"))
     code, report = _inspect_json(broken, capsys)
     assert code == EXIT_PROBLEMS and not report["loadable"]
     assert report["missing"] == ["layers.1.attn.kv_norm.weight", "layers.2.attn_norm.weight"]
