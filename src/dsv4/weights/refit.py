@@ -4,8 +4,8 @@ A trainer streams new weights in buckets of (name, tensor) pairs: native or HF n
 dtype (bf16/fp32 values are quantized on the fly into FP8/FP4 experts; native FP8/FP4 bytes arrive with
 their `.scale`, possibly in a later bucket). Everything goes through the same `WeightWriter` as a
 checkpoint load, so a refit can never map, pair or convert differently from a fresh load of the same
-weights. Every tensor of a bucket is validated (known name, shape, finite values) before any byte of
-that bucket is written.
+weights. Every tensor is validated (known name, shape, dtype, finite values, e8m0 bytes, routing-table
+rows) before any byte of it is written (an HF stacked-experts tensor: expert by expert).
 
 Two failure policies, because a true rollback costs memory:
 

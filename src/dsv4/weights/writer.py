@@ -60,7 +60,6 @@ class _Pending:
 
     weight: torch.Tensor | None = None
     scale: torch.Tensor | None = None
-    weight_name: str = ""
     origin: str = ""
     owned: bool = False  # copies made by own_pending(): safe past the caller's reuse of its buffers
 
@@ -158,20 +157,22 @@ class WeightWriter:
             check_shape(t.shape, slot.dest.shape, f"{slot.kind} weight")
             if slot.kind == FP8 and not self.dry_run:
                 check_fp8_codes(t)
+            pending = self._pending.get(slot)
+            scale, owned = (None, False) if pending is None else self._native_scale(slot, pending.scale)
             self._put(slot.dest, t.view(slot.dest.dtype))
-            pending = self._pending.pop(slot, None)
             if pending is None:
                 self._awaiting_scale[slot] = origin
                 return 0
-            self._native_scale(slot, pending.scale)
+            del self._pending[slot]
+            self._put(slot.scale_dest, scale, owned=owned)
             return self._complete(slot, origin)
         if t.dtype == E4M3 or (t.dtype in PACKED_DTYPES and slot.is_expert):
             self._check_quantized_weight(slot, t)
-            pending = self._pending.setdefault(slot, _Pending())
-            pending.weight, pending.weight_name, pending.origin, pending.owned = t, name, origin, False
-            if pending.scale is None:
-                return 0
-            return self._convert_pair(slot, origin)
+            pending = self._pending.get(slot)
+            if pending is not None:
+                return self._convert_pair(slot, t, pending.scale, origin)
+            self._pending[slot] = _Pending(weight=t, origin=origin)
+            return 0
         if t.dtype in PACKED_DTYPES:
             raise ConversionError(f"{t.dtype} bytes (packed fp4) only feed routed experts; "
                                   f"this tensor takes float values, or fp8 with its .scale")
@@ -189,15 +190,15 @@ class WeightWriter:
             else:
                 e8m0_bytes(s)
         if slot in self._awaiting_scale:
-            self._native_scale(slot, s)
+            scale, owned = self._native_scale(slot, s)
             del self._awaiting_scale[slot]
+            self._put(slot.scale_dest, scale, owned=owned)
             return self._complete(slot, origin)
-        pending = self._pending.setdefault(slot, _Pending())
-        pending.scale = s
-        if pending.weight is None:
-            pending.origin, pending.owned = origin, False
-            return 0
-        return self._convert_pair(slot, origin)
+        pending = self._pending.get(slot)
+        if pending is not None:
+            return self._convert_pair(slot, pending.weight, s, origin)
+        self._pending[slot] = _Pending(scale=s, origin=origin)
+        return 0
 
     def _stacked(self, route: Route, t: torch.Tensor, origin: str, name: str) -> int:
         """HF's stacked experts: every expert's matrix goes the way a per-expert float tensor goes."""
@@ -230,17 +231,18 @@ class WeightWriter:
         self._put(slot.dest, weight, owned=True)
         self._put(slot.scale_dest, scale, owned=True)
 
-    def _native_scale(self, slot: Slot, s: torch.Tensor) -> None:
-        """The scale of a weight written in its resident format (values already checked at arrival)."""
+    def _native_scale(self, slot: Slot, s: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """(resident value, whether it is a new tensor of ours) of the scale of a weight written in its
+        resident format (its values were checked at arrival); no value in a dry run. Writes nothing."""
         if slot.kind == FP4:
             if s.dtype not in E8M0_DTYPES:
                 raise ConversionError(f"ue8m0 scale must be float8_e8m0fnu or uint8 bytes, got {s.dtype}")
             check_shape(s.shape, slot.scale_dest.shape, "fp4 scale")
-            self._put(slot.scale_dest, s.view(torch.uint8))
-            return
+            return s.view(torch.uint8), False
         check_shape(s.shape, slot.scale_dest.shape, "fp8 scale")
-        if not self.dry_run:
-            self._put(slot.scale_dest, fp8_scale_values(s), owned=s.dtype not in FLOAT_DTYPES)
+        if self.dry_run:
+            return None, False
+        return fp8_scale_values(s), s.dtype not in FLOAT_DTYPES  # e8m0 bytes are decoded into a new tensor
 
     def _check_quantized_weight(self, slot: Slot, t: torch.Tensor) -> None:
         """Shape of FP8 / FP4 bytes that must be converted (they need their scale first)."""
@@ -252,16 +254,15 @@ class WeightWriter:
         else:
             check_shape(t.shape, (out_dim, in_dim // 2), "packed fp4 weight")
 
-    def _convert_pair(self, slot: Slot, origin: str) -> int:
+    def _convert_pair(self, slot: Slot, weight: torch.Tensor, scale: torch.Tensor, origin: str) -> int:
         """Both halves of a weight that is not in its resident format: dequantize, then store as resident."""
-        pending = self._pending.pop(slot)
-        weight, scale = pending.weight, pending.scale
         out_dim, in_dim = slot.logical
         if weight.dtype == E4M3:
             grid = fp8_scale_grid_shape((out_dim, in_dim), self.layout.fp8_block)
         else:
             grid = (out_dim, in_dim // self.layout.fp4_group)
         check_shape(scale.shape, grid, f"{'fp8' if weight.dtype == E4M3 else 'fp4'} scale")
+        del self._pending[slot]
         if not self.dry_run:
             if slot.kind in (FLOAT, DENSE):
                 self._put(slot.dest, dequantize(weight, scale, self.layout, slot.logical, slot.dest.dtype), owned=True)
