@@ -77,10 +77,13 @@ class RouteTable:
         if stacked is None:
             return None
         prefix, matrices = stacked
-        stacks = tuple(self.table.stack(prefix, w) for w in matrices)
-        if any(stack is None for stack in stacks):
-            return None
-        return Route(STACKED, native, stacks=stacks)  # type: ignore[arg-type]
+        stacks = []
+        for w in matrices:
+            stack = self.table.stack(prefix, w)
+            if stack is None:
+                return None
+            stacks.append(stack)
+        return Route(STACKED, native, stacks=tuple(stacks))
 
     def _ignored_route(self, native: str) -> Route | None:
         """Drafter weights when no drafter was requested: the checkpoint carries them, this load skips them."""
