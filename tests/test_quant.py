@@ -578,3 +578,22 @@ def test_quantizers_refuse_non_finite_values_in_any_chunk(bad, monkeypatch):
         quantize_fp4(w)
     with pytest.raises(ValueError, match="2 non-finite"):
         quantize_fp8_blockwise(w, (8, 32))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_kind", ["float32", "e8m0"])
+def test_fp8_dequant_into_a_narrow_dtype_rounds_like_float32_then_cast(out_dtype, scale_kind):
+    """Codes decoded straight into bf16 / fp16 and scaled in place give the bits of the float32 product cast once
+    (float scales that are not powers of two make the rounding visible), NaN codes included."""
+    gen = torch.Generator().manual_seed(11)
+    raw = torch.randint(0, 256, (300, 260), generator=gen, dtype=torch.int32).to(torch.uint8)
+    q = raw.view(torch.float8_e4m3fn)
+    if scale_kind == "float32":
+        scale = torch.rand(3, 3, generator=gen) * 3 + 0.1
+    else:
+        scale = torch.randint(110, 140, (3, 3), generator=gen, dtype=torch.int32).to(torch.uint8)
+    narrow = dequantize_fp8_blockwise(q, scale, (128, 128), out_dtype)
+    reference = dequantize_fp8_blockwise(q, scale, (128, 128), torch.float32).to(out_dtype)
+    assert narrow.dtype == out_dtype and narrow.is_contiguous()
+    assert torch.equal(narrow.view(torch.int16), reference.view(torch.int16))
+    assert bool(torch.isnan(narrow).any())  # the random bytes include NaN codes

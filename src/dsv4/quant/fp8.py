@@ -48,6 +48,9 @@ _CHUNK_ELEMENTS = 1 << 18
 # bytes: torch's own float8 -> float32 cast is scalar code on CPU (~13x a memcpy), the gather about 1x.
 _E4M3_BYTE_VALUES = 256
 _E4M3_TO_FLOAT32 = torch.arange(_E4M3_BYTE_VALUES, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+# Dtypes that hold every e4m3 value exactly (3 mantissa bits, magnitudes 2^-9 .. 448): dequantization can decode
+# straight into them and scale in place, the product still formed in float32 and rounded once.
+_E4M3_EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_block(block: Sequence[int]) -> tuple[int, int]:
@@ -161,8 +164,13 @@ def _quantize_fp8_rows(
 
 def e4m3_to_float32(q: torch.Tensor) -> torch.Tensor:
     """Exact float32 values of float8_e4m3fn codes, any shape (a table gather by the raw bytes)."""
+    return _e4m3_values(q, torch.float32)
+
+
+def _e4m3_values(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Exact values of e4m3 codes in `dtype`, one of _E4M3_EXACT_DTYPES."""
     codes = q.view(torch.uint8).reshape(-1).to(torch.int32)
-    return _E4M3_TO_FLOAT32.to(q.device).index_select(0, codes).view(q.shape)
+    return _E4M3_TO_FLOAT32.to(device=q.device, dtype=dtype).index_select(0, codes).view(q.shape)
 
 
 def _decode_fp8_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -189,7 +197,8 @@ def dequantize_fp8_blockwise(
         scale: [ceil(out/b0), ceil(in/b1)]; float32 (or other float) values, or e8m0 as float8_e8m0fnu/uint8 bytes.
         block: tile shape (rows, cols) the file was written with.
         out_dtype: result dtype. The product is formed in float32 and cast once; with e8m0 scales it is exact (a
-            4-bit significand times a power of two), with float32 scales it is rounded once to float32.
+            4-bit significand times a power of two), with float32 scales it is rounded to float32 and then to
+            ``out_dtype``.
 
     Returns:
         [out, in] tensor of ``out_dtype``. An e8m0 NaN scale (byte 255) yields NaN in its tile.
@@ -210,5 +219,8 @@ def dequantize_fp8_blockwise(
             f"{(b0, b1)}: expected scale shape {expected}"
         )
     scale_f32 = _decode_fp8_scale(scale)
-    tiles = _tiles(e4m3_to_float32(q), (b0, b1)).mul_(scale_f32[:, None, :, None])
-    return _untile(tiles, tuple(q.shape)).to(out_dtype, memory_format=torch.contiguous_format)
+    # Decoded in out_dtype when it holds the codes exactly: the in-place product with the float32 scale is still
+    # computed in float32 (type promotion) and rounded once into out_dtype, with half the bytes moved for bf16.
+    decoded = _e4m3_values(q, out_dtype if out_dtype in _E4M3_EXACT_DTYPES else torch.float32)
+    tiles = _tiles(decoded, (b0, b1)).mul_(scale_f32[:, None, :, None])
+    return _untile(tiles, tuple(q.shape)).to(out_dtype).contiguous()  # (cropping ragged tiles leaves a view)
