@@ -110,3 +110,24 @@ def test_load_progress_only_on_a_terminal_after_the_delay(wide_checkpoint, capsy
         assert f"loading {wide_checkpoint.name}" in shown and "MB" in shown
     else:
         assert shown == ""
+
+
+def test_tensors_at_unaligned_offsets_read_correctly(tmp_path):
+    """safetensors does not align tensor data: a float32 tensor may start at an odd byte. The zero-copy view
+    must then give way to an aligned copy, with the same values."""
+    import struct
+
+    from dsv4.weights.checkpoint import CheckpointDir
+
+    odd = torch.arange(3, dtype=torch.int8)
+    values = torch.linspace(-2, 2, 10, dtype=torch.float32).view(2, 5)
+    header = {
+        "odd": {"dtype": "I8", "shape": [3], "data_offsets": [0, 3]},
+        "values": {"dtype": "F32", "shape": [2, 5], "data_offsets": [3, 43]},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the header itself is padded; the data after it is not
+    data = odd.numpy().tobytes() + values.numpy().tobytes()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    tensors = {name: t.clone() for name, t, _ in CheckpointDir(tmp_path).iter_tensors()}
+    assert torch.equal(tensors["odd"], odd) and torch.equal(tensors["values"], values)

@@ -162,6 +162,7 @@ def map_file(path: Path) -> mmap.mmap | None:
 
 def _stream(file: Path, infos: list[TensorInfo]) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
     mapping = map_file(file) if infos else None
+    whole = None if mapping is None else torch.frombuffer(mapping, dtype=torch.uint8)  # tensors are slices of it
     read_ahead_to = 0
     for info in infos:
         if info.nbytes == 0 or mapping is None:
@@ -171,7 +172,7 @@ def _stream(file: Path, infos: list[TensorInfo]) -> Iterator[tuple[TensorInfo, t
             start = _page_floor(max(read_ahead_to, info.offset))
             read_ahead_to = min(len(mapping), info.offset + info.nbytes + _READ_AHEAD_BYTES)
             mapping.madvise(mmap.MADV_WILLNEED, start, read_ahead_to - start)
-        yield info, _view(mapping, info)
+        yield info, _view(whole, info)
         start = _page_floor(info.offset)
         mapping.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
 
@@ -180,9 +181,9 @@ def _page_floor(offset: int) -> int:
     return offset - offset % mmap.PAGESIZE
 
 
-def _view(mapping: mmap.mmap, info: TensorInfo) -> torch.Tensor:
+def _view(whole: torch.Tensor, info: TensorInfo) -> torch.Tensor:
     dtype = TORCH_DTYPES[info.dtype]
-    raw = torch.frombuffer(mapping, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+    raw = whole[info.offset : info.offset + info.nbytes]
     if raw.data_ptr() % dtype.itemsize:
         raw = raw.clone()  # safetensors does not align data; torch kernels expect aligned elements
     return raw.view(dtype).view(info.shape)
