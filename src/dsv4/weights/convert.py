@@ -13,8 +13,8 @@ value finite, and only a non-finite one is looked at element by element, which a
 an overflowing sum of large values); FP8 NaN codes and ue8m0 NaN bytes are integer max reductions over the
 raw bytes. Counting the bad values (for the message) runs only once a check has failed.
 
-Nothing here enters `torch.no_grad()` per tensor (that costs more than copying a small tensor): the loader
-and the refit session run the whole load under it.
+Nothing here enters `torch.no_grad()` per tensor (that costs more than copying a small tensor): resident
+parameters never require grad and the writer detaches incoming tensors that do, so autograd records nothing.
 """
 
 import math
