@@ -1,5 +1,6 @@
 """Mutation check for the weight lifecycle: each mutation below breaks one rule of the contract (skip a
-finalize step, or rebind a tensor instead of copying into it); the lifecycle tests must catch every one.
+finalize step, rebind a tensor instead of copying into it, write where the model no longer reads); the
+lifecycle tests must catch every one.
 
 For each mutation the source tree is copied, one exact line is rewritten, and the lifecycle tests run
 against the copy. Exit status 0 means every mutation made at least one test fail.
@@ -58,15 +59,21 @@ MUTATIONS = (
     ),
     Mutation(
         "the writer rebinds parameter storage instead of copying",
-        "weights/writer.py",
-        "            resident.copy_(staged.value)\n",
-        "            resident.data = staged.value.clone()\n",
+        "weights/convert.py",
+        "        dest.copy_(value)\n        return\n",
+        "        dest.data = value.clone()\n        return\n",
     ),
     Mutation(
         "the writer rebinds expert storage instead of copying",
-        "weights/writer.py",
-        "            resident[staged.slot.expert].copy_(staged.value)\n",
-        "            resident.data = resident.data.clone(); resident[staged.slot.expert].copy_(staged.value)\n",
+        "weights/slots.py",
+        "            slot = Slot(native, role, param_name, experts.format, param, param[e], scale,\n",
+        "            slot = Slot(native, role, param_name, experts.format, param, param.detach().clone()[e], scale,\n",
+    ),
+    Mutation(
+        "the weight plan outlives the storage it points into",
+        "weights/loader.py",
+        "        if self._routes is None or not self._routes.table.addresses.items() <= addresses.items():\n",
+        "        if self._routes is None:\n",
     ),
     Mutation(
         "forward does not check readiness",

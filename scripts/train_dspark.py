@@ -60,6 +60,7 @@ from dsv4.model.moe import DENSE
 from dsv4.tasks import sort_digits as task
 from dsv4.weights.export import RESIDENT, iter_weights, save_checkpoint
 from dsv4.weights.loader import LoadedModels, load_models
+from dsv4.weights.routes import RouteTable
 from dsv4.weights.slots import SlotTable
 from dsv4.weights.writer import WeightWriter
 
@@ -186,7 +187,7 @@ def export_drafter(trained: DSparkDrafter, loaded: LoadedModels) -> DSparkDrafte
     ships."""
     shipped = DSparkDrafter(trained.cfg, loaded.target, loaded.expert_format, loaded.target.dtype)
     table = SlotTable({"dspark": shipped})
-    writer = WeightWriter(table, loaded.layout)
+    writer = WeightWriter(RouteTable(table), loaded.layout)
     for name, tensor in iter_weights(LoadedModels(trained.cfg, {"dspark": trained}, loaded.layout, DENSE, "trained")):
         writer.load(name, tensor, "trained drafter")
     writer.check_complete(table.names(), "trained drafter")

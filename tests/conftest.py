@@ -138,7 +138,7 @@ def no_tensor_reads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("tensor data was read")
 
-    monkeypatch.setattr("dsv4.weights.checkpoint.safe_open", refuse)
+    monkeypatch.setattr("dsv4.weights.checkpoint.map_file", refuse)
     monkeypatch.setattr(safetensors, "safe_open", refuse)
     monkeypatch.setattr(safetensors.torch, "load_file", refuse)
     monkeypatch.setattr(safetensors.torch, "safe_open", refuse)

@@ -166,7 +166,7 @@ def test_inspect_reports_a_broken_checkpoint_without_reading_data(source, tmp_pa
     del tensors["layers.0.ffn.experts.5.w2.scale"]
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
 
-    monkeypatch.setattr("dsv4.weights.checkpoint.safe_open", lambda *a, **k: pytest.fail("inspect read tensor data"))
+    monkeypatch.setattr("dsv4.weights.checkpoint.map_file", lambda *a, **k: pytest.fail("inspect read tensor data"))
     code, report = _inspect_json(broken, capsys)
     assert code == EXIT_USAGE and not report["loadable"]
     file = broken / "model.safetensors"

@@ -1,8 +1,9 @@
 """Lifecycle conformance matrix: {target, mtp, dspark} x {dummy, HF, native FP4, native FP8, in-memory refit}.
 
-Every cell checks what the lifecycle contract promises: the model generates; every derived tensor
-equals its recomputation from the live weights; an empty refit session changes nothing; a refit with
-the cell's weights ends bit-identical to a fresh load of them; no tensor address moves.
+Every cell checks what the lifecycle contract promises: the model holds what the checkpoint stores (the
+files are the reference); the model generates; every derived tensor equals its recomputation from the
+live weights; an empty refit session changes nothing; a refit with the cell's weights ends bit-identical
+to a fresh load of them; no tensor address moves.
 `scripts/check_mutations.py` re-runs this file against broken copies of the lifecycle code.
 """
 
@@ -38,6 +39,8 @@ DSPARK_FIELDS = {
 }
 # expert format each checkpoint format loads into
 EXPERTS = {"dummy": "fp4", "hf": "dense", "native_fp4": "fp4", "native_fp8": "fp8", "refit": "fp4"}
+# the native checkpoint whose stored tensors a cell's model must hold
+STORED_IN = {"native_fp4": "native_fp4", "native_fp8": "native_fp8", "refit": "native_fp4"}
 
 
 def _read_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -131,6 +134,28 @@ def _pointers(llm: LLM) -> dict[str, int]:
     return {name: t["data_ptr"] for name, t in llm.weight_report()["tensors"].items()}
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _assert_holds_checkpoint(llm: LLM, path: Path) -> None:
+    """Every tensor the checkpoint stores in the format the model keeps (quantized experts and their scales,
+    routing tables, float tensors) is in the model bit for bit; float tensors stored narrower (bf16) hold
+    exactly their widened values. Only FP8 dense linears, dequantized at load, are not compared here."""
+    resident = dict(llm.iter_weights())
+    compared = set()
+    for name, stored in _read_dir(path).items():
+        mine = resident.get(name)
+        if mine is None or (stored.dtype == torch.float8_e4m3fn and mine.dtype != stored.dtype):
+            continue
+        if mine.dtype == stored.dtype:
+            assert torch.equal(_bits(mine), _bits(stored)), name
+        else:
+            assert torch.equal(mine, stored.to(mine.dtype)), name
+        compared.add(name)
+    assert any(".experts." in n for n in compared) and any(n.endswith("tid2eid") for n in compared)
+
+
 def _dense_weights_not_input_major(llm: LLM) -> list[str]:
     """Dense projection weights (Linear modules, dense routed-expert stacks) whose storage is not the
     input-major layout model/linear.py builds: a load or refit that rebinds a parameter would show here."""
@@ -161,6 +186,22 @@ def _drafter_logits(llm: LLM, role: str) -> torch.Tensor:
     return drafter.draft(cache, [0], [ids[0]]).logits[0]  # the block's Markov-corrected logits
 
 
+def test_refit_after_parameters_moved_writes_where_the_model_reads(checkpoints):
+    """The weight plan keeps views of the resident storage (one per expert of a stacked parameter). Module.to()
+    (here a dtype round trip) gives every float parameter new storage; the next refit must land there, not in
+    the storage it replaced."""
+    dense = {"load_format": "dummy", "dtype": "float32", "expert_dtype": DENSE}
+    llm = LLM(checkpoints["mtp", "dummy"], seed=21, **dense)
+    llm.update_weights(LLM(checkpoints["mtp", "dummy"], seed=22, **dense).iter_weights())
+    for model in llm.loaded.models.values():
+        model.to(torch.float64).to(torch.float32)
+    moved = _pointers(llm)
+    other = LLM(checkpoints["mtp", "dummy"], seed=23, **dense)
+    llm.update_weights(other.iter_weights())
+    assert _checksums(llm) == _checksums(other)
+    assert _pointers(llm) == moved
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("role", ROLES)
 def test_conformance(checkpoints, role, fmt):
@@ -168,6 +209,8 @@ def test_conformance(checkpoints, role, fmt):
     report = llm.weight_report()
     assert report["ready"]
     assert _dense_weights_not_input_major(llm) == []
+    if fmt in STORED_IN:
+        _assert_holds_checkpoint(llm, checkpoints[_family(role), STORED_IN[fmt]])
     roles_in_report = {t["model"] for t in report["tensors"].values()}
     assert roles_in_report == ({"target"} if role == "target" else {"target", role})
 

@@ -516,3 +516,84 @@ def test_fp4_shape_and_dtype_errors():
         pack_e2m1(torch.zeros(2, 3, dtype=torch.uint8))  # odd input dim
     with pytest.raises(ValueError):
         pack_e2m1(torch.full((2, 2), 16, dtype=torch.uint8))  # not a 4-bit code
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernel structure: chunked quantization, fused finiteness check, table decode
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_e4m3_decode_table_matches_bit_fields_on_every_byte():
+    from dsv4.quant import e4m3_to_float32
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).view(16, 16)
+    values = e4m3_to_float32(codes)
+    assert values.shape == (16, 16) and values.dtype == torch.float32
+    for byte, value in enumerate(values.flatten().tolist()):
+        expected = ref_e4m3(byte)
+        assert (math.isnan(value) and math.isnan(expected)) or value == expected, byte
+    # A non-contiguous view decodes the elements it shows.
+    assert torch.equal(e4m3_to_float32(codes.t()).view(torch.int32), values.t().view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["fp4", "fp8_ue8m0", "fp8_float"])
+def test_quantizers_give_the_same_bytes_whatever_the_chunking(kind, monkeypatch):
+    """Large weights are quantized a few rows at a time (bounded temporaries); the rows a step covers must
+    not change a byte. One chunk vs one row (fp4) / one tile row (fp8) per step, ragged tiles included."""
+    from dsv4.quant import fp4 as fp4_module
+    from dsv4.quant import fp8 as fp8_module
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(300, 96, generator=gen) * torch.logspace(-3, 3, 300)[:, None]
+    block = (64, 64)
+
+    def run():
+        if kind == "fp4":
+            return quantize_fp4(w.bfloat16(), 32)
+        return quantize_fp8_blockwise(w, block, kind.removeprefix("fp8_"))
+
+    module = fp4_module if kind == "fp4" else fp8_module
+    monkeypatch.setattr(module, "_CHUNK_ELEMENTS", 1 << 30)
+    whole = run()
+    monkeypatch.setattr(module, "_CHUNK_ELEMENTS", 1)
+    chunked = run()
+    for a, b in zip(whole, chunked, strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8)
+                           if b.element_size() == 1 else b)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_quantizers_refuse_non_finite_values_in_any_chunk(bad, monkeypatch):
+    """The finiteness check rides on the per-block maximum: a bad value in the last chunk is still found, and
+    the message counts every bad value of the weight."""
+    from dsv4.quant import fp4 as fp4_module
+    from dsv4.quant import fp8 as fp8_module
+
+    monkeypatch.setattr(fp4_module, "_CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(fp8_module, "_CHUNK_ELEMENTS", 64)
+    w = torch.ones(40, 64)
+    w[39, 5] = bad
+    w[38, 0] = bad
+    with pytest.raises(ValueError, match="2 non-finite"):
+        quantize_fp4(w)
+    with pytest.raises(ValueError, match="2 non-finite"):
+        quantize_fp8_blockwise(w, (8, 32))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_kind", ["float32", "e8m0"])
+def test_fp8_dequant_into_a_narrow_dtype_rounds_like_float32_then_cast(out_dtype, scale_kind):
+    """Codes decoded straight into bf16 / fp16 and scaled in place give the bits of the float32 product cast once
+    (float scales that are not powers of two make the rounding visible), NaN codes included."""
+    gen = torch.Generator().manual_seed(11)
+    raw = torch.randint(0, 256, (300, 260), generator=gen, dtype=torch.int32).to(torch.uint8)
+    q = raw.view(torch.float8_e4m3fn)
+    if scale_kind == "float32":
+        scale = torch.rand(3, 3, generator=gen) * 3 + 0.1
+    else:
+        scale = torch.randint(110, 140, (3, 3), generator=gen, dtype=torch.int32).to(torch.uint8)
+    narrow = dequantize_fp8_blockwise(q, scale, (128, 128), out_dtype)
+    reference = dequantize_fp8_blockwise(q, scale, (128, 128), torch.float32).to(out_dtype)
+    assert narrow.dtype == out_dtype and narrow.is_contiguous()
+    assert torch.equal(narrow.view(torch.int16), reference.view(torch.int16))
+    assert bool(torch.isnan(narrow).any())  # the random bytes include NaN codes

@@ -8,6 +8,7 @@ checkpoint with FP8 dense linears and FP4 experts (the release format), in fp32.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -326,15 +327,15 @@ def test_atomic_commit_interrupted_mid_write_stops_serving(ckpts, monkeypatch):
     from dsv4.weights.writer import WeightWriter
 
     llm = _llm(ckpts.old)
-    real_write, calls = WeightWriter.write, []
+    real_write, calls = WeightWriter._write, []
 
-    def failing_write(self, staged):
-        calls.append(staged.slot.native)
+    def failing_write(self, dest, value):
+        calls.append(dest)
         if len(calls) > BUCKETS:
             raise RuntimeError("device lost")
-        real_write(self, staged)
+        real_write(self, dest, value)
 
-    monkeypatch.setattr(WeightWriter, "write", failing_write)
+    monkeypatch.setattr(WeightWriter, "_write", failing_write)
     with pytest.raises(WeightUpdateError, match="device lost"):
         llm.update_weights(ckpts.new_stored.items())
     assert not llm.weight_report()["ready"]
@@ -348,16 +349,15 @@ def test_pointer_audit_rejects_an_update_that_moves_a_tensor(ckpts, monkeypatch)
 
     llm = _llm(ckpts.old)
     moved = "layers.1.attn.wq_a.weight"
+    param = llm.loaded.slot_table().get(moved).resident
+    real_write = WeightWriter._write
 
-    real_write = WeightWriter.write
+    def rebinding_write(self, dest, value):
+        if dest is not param:
+            return real_write(self, dest, value)
+        param.data = value.to(param.dtype).clone()  # the classic refit bug: a new storage
 
-    def rebinding_write(self, staged):
-        if staged.slot.native != moved:
-            return real_write(self, staged)
-        param = self.table.param(staged.slot)
-        param.data = staged.value.to(param.dtype).clone()  # the classic refit bug: a new storage
-
-    monkeypatch.setattr(WeightWriter, "write", rebinding_write)
+    monkeypatch.setattr(WeightWriter, "_write", rebinding_write)
     with pytest.raises(WeightUpdateError, match=rf"moved 1 tensor\(s\) to a new address: target:{re.escape(moved)}"):
         llm.update_weights(ckpts.new_stored.items())
     assert not llm.weight_report()["ready"]
@@ -377,3 +377,148 @@ def test_refit_ends_requests_in_flight():
     assert after[0].weights_version == 1
     expected = donor.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert after[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+# ---- cost structure: what a refit does per tensor ----
+def _count_calls(monkeypatch, owner, name: str) -> list:
+    calls = []
+    real = getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counting)
+    return calls
+
+
+def test_names_are_planned_once_per_model(ckpts, monkeypatch):
+    """A refit resolves names by lookup: the rename rules run once per spelling per model (the first update
+    in HF names), never again; no update walks modules to find a parameter."""
+    import dsv4.weights.routes as routes_module
+    from dsv4.weights.slots import SlotTable
+
+    llm = _llm(ckpts.old)
+    renames = _count_calls(monkeypatch, routes_module, "canonical_name")
+    tables = _count_calls(monkeypatch, SlotTable, "__init__")
+    walks = _count_calls(monkeypatch, torch.nn.Module, "get_submodule")
+    llm.update_weights(ckpts.new_hf_bf16.items())
+    first = len(renames)
+    assert 0 < first <= len(ckpts.new_hf_bf16)
+    llm.update_weights(ckpts.new_hf_bf16.items())
+    llm.update_weights(ckpts.new_stored.items())  # native spellings never need the rules
+    assert len(renames) == first
+    assert tables == []
+    assert [target for _, target in walks if target] == []  # (finalize looks up its own buffers by name)
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "fail_stop"])
+def test_resident_format_update_makes_no_extra_copy(ckpts, monkeypatch, atomic):
+    """Tensors already in the resident format: fail-stop writes them straight into place (no copy, no
+    allocation); atomic stages each once (one buffer per tensor), and neither clones anything."""
+    source = _llm(ckpts.new)
+    tensors = [(name, t.clone()) for name, t in source.iter_weights()]
+    llm = _llm(ckpts.old)
+    clones = _count_calls(monkeypatch, torch.Tensor, "clone")
+    buffers = _count_calls(monkeypatch, torch, "empty_like")
+    with llm.begin_weight_update(atomic=atomic) as session:
+        session.load(tensors)
+        loading = (len(clones), len(buffers))
+    assert loading == (0, len(tensors) if atomic else 0)
+    assert _checksums(llm) == _checksums(source)
+
+
+def test_trainer_parameters_that_require_grad(ckpts):
+    """A trainer hands over its live parameters: their values go in, no autograd graph comes along."""
+    llm = _llm(ckpts.old)
+    live = {n: t.float().requires_grad_() if t.is_floating_point() else t for n, t in ckpts.new_hf_bf16.items()}
+    llm.update_weights(live.items())
+    assert not any(p.requires_grad or p.grad_fn is not None for p in llm.loaded.target.parameters())
+    assert _checksums(llm) == _checksums(_llm(ckpts.new_hf_dir, expert_dtype="fp4"))
+
+
+@pytest.mark.parametrize("shape", [(130, 2050), (64, 1024), (3000, 70), (1, 5), (7, 1)])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.bfloat16)], ids=["fp32", "bf16_to_fp32", "fp32_to_bf16"])
+def test_copy_into_an_input_major_weight(shape, dtypes):
+    """Row-major values into an input-major resident weight (tile by tile, several tiles and ragged edges
+    here): the values torch's own copy gives, in the same storage."""
+    from dsv4.weights.convert import copy_into
+
+    incoming, resident = dtypes
+    value = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(incoming)
+    dest = torch.zeros(shape[1], shape[0], dtype=resident).t()
+    ptr = dest.data_ptr()
+    copy_into(dest, value)
+    assert dest.data_ptr() == ptr and dest.stride() == (1, shape[0])
+    assert torch.equal(dest, value.to(resident))
+    copy_into(dest, value.t().contiguous().t())  # already input-major: a straight copy
+    assert torch.equal(dest, value.to(resident))
+
+
+def test_native_spellings_resolve_without_rename_rules(tmp_path):
+    """The route table resolves a native name (with or without `model.`) and its `.scale` by lookup alone;
+    that is only sound if the rename rules leave every native name of every model unchanged."""
+    from dsv4.config import ModelConfig
+    from dsv4.weights.loader import build_models
+    from dsv4.weights.names import canonical_name
+    from dsv4.weights.slots import SlotTable
+
+    dspark = {"dspark_block_size": 5, "dspark_noise_token_id": 3, "dspark_target_layer_ids": [1, 3],
+              "dspark_markov_rank": 8, "n_mtp_layers": 2}
+    names = set()
+    for draft, extra in (("mtp", {}), ("dspark", dspark)):
+        (tmp_path / draft).mkdir()
+        (tmp_path / draft / "config.json").write_text(json.dumps(dict(ref.tiny_config(), **extra)))
+        config = ModelConfig.from_file(tmp_path / draft)
+        for experts in ("dense", "fp4"):
+            names |= SlotTable(build_models(config, experts, torch.float32, "meta", draft)).names()
+    assert any(n.startswith("mtp.") for n in names) and any(".experts." in n for n in names)
+    for native in sorted(names):
+        scale = native.removesuffix(".weight") + ".scale"
+        for spelling in (native, f"model.{native}"):
+            assert canonical_name(spelling) == native, spelling
+        assert canonical_name(scale) == scale
+
+
+def test_dry_run_checks_names_shapes_and_pairs_from_headers_alone(ckpts, monkeypatch):
+    """`WeightWriter(dry_run=True)` on meta tensors built from safetensors headers (what `dsv4 inspect`
+    does): a good checkpoint is complete; a bad one reports every problem, one per tensor; nothing is read
+    and nothing is written."""
+    from dsv4.errors import CheckpointError
+    from dsv4.weights.checkpoint import TORCH_DTYPES, CheckpointDir
+    from dsv4.weights.writer import WeightWriter
+
+    llm = _llm(ckpts.old)
+    before = _state(llm)
+    monkeypatch.setattr("dsv4.weights.checkpoint.map_file", lambda *a, **k: pytest.fail("the dry run read data"))
+
+    def dry_run(infos) -> tuple[WeightWriter, list[str]]:
+        writer = WeightWriter(llm.loaded.routes(), llm.loaded.layout, dry_run=True)
+        problems = []
+        for info in infos:
+            meta = torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype], device="meta")
+            try:
+                writer.load(info.name, meta, str(info.file))
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        return writer, problems
+
+    infos = list(CheckpointDir(ckpts.new).tensors.values())
+    writer, problems = dry_run(infos)
+    assert problems == [] and writer.unpaired() == []
+    writer.check_complete(llm.loaded.slot_table().names(), "dry run")
+
+    def mutated(info, **changes):
+        return dataclasses.replace(info, **changes)
+
+    by_name = {info.name: info for info in infos}
+    bad = [info for info in infos if info.name not in ("layers.1.attn.wq_a.scale", "norm.weight")]
+    bad += [mutated(by_name["norm.weight"], shape=(7,)), mutated(by_name["norm.weight"], name="layers.1.attn.bogus")]
+    writer, problems = dry_run(bad)
+    assert len(problems) == 2
+    assert "norm.weight" in problems[0] + problems[1] and "layers.1.attn.bogus" in problems[0] + problems[1]
+    wq_a = by_name["layers.1.attn.wq_a.weight"]
+    assert writer.unpaired() == [f"layers.1.attn.wq_a.weight (from {wq_a.file}) has no scale"]
+    assert "norm.weight" in llm.loaded.slot_table().names() - writer.written
+    assert _state(llm) == before

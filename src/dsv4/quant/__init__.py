@@ -27,6 +27,7 @@ from .fp8 import (
     FLOAT_SCALE_FLOOR,
     FP8_SCALE_FMTS,
     dequantize_fp8_blockwise,
+    e4m3_to_float32,
     fp8_scale_grid_shape,
     quantize_fp8_blockwise,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "as_e8m0_bytes",
     "dequantize_fp4",
     "dequantize_fp8_blockwise",
+    "e4m3_to_float32",
     "e8m0_ceil_pow2",
     "e8m0_to_float32",
     "float32_to_e8m0",

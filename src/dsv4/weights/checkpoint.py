@@ -1,28 +1,40 @@
 """A checkpoint directory on disk: config.json plus safetensors (one file, or sharded with an index).
 
-Tensors stream one at a time (peak memory ~ resident model + one tensor). Headers are validated up
-front so a corrupt or truncated file fails before any weight is written. Only safetensors are read:
-never pickle.
+Headers are validated up front so a corrupt or truncated file fails before any weight is written. Only
+safetensors are read: never pickle.
+
+Tensors stream one at a time as zero-copy views of the memory-mapped file, so reading costs the one copy
+the loader makes into resident storage. safetensors' own reader keeps every page of a file mapped until the
+file is closed (RSS would grow by a whole shard); here each tensor's pages are released from the process as
+soon as the loader moves on (they stay in the page cache), and the next stretch of the file is read ahead,
+so a load holds the resident model plus about one tensor.
 """
 
 import json
+import mmap
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from dsv4.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 _HEADER_LEN_BYTES = 8  # safetensors: little-endian u64 header size, then the JSON header
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "U32": 4, "U64": 8,
+# safetensors dtype strings -> torch dtypes (the format stores raw little-endian elements).
+TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
+# How far ahead of the tensor being read the file is requested from disk: enough to keep a disk busy while
+# the loader converts and copies, small against memory (read-ahead pages are page cache, not process RSS).
+_READ_AHEAD_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,8 @@ class TensorInfo:
     dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
     shape: tuple[int, ...]
     file: Path
+    offset: int = 0  # where its bytes start in the file
+    nbytes: int = 0
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -47,7 +61,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(header_len))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: unreadable safetensors header ({exc})") from None
-    data_len = size - _HEADER_LEN_BYTES - header_len
+    data_start = _HEADER_LEN_BYTES + header_len
+    data_len = size - data_start
     infos = {}
     for name, meta in header.items():
         if name == "__metadata__":
@@ -68,7 +83,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 f"{path}: tensor {name} data [{begin}, {end}) does not fit its shape {list(shape)} {dtype} "
                 f"or the file ({data_len} data bytes): truncated or corrupt"
             )
-        infos[name] = TensorInfo(name=name, dtype=dtype, shape=shape, file=path)
+        infos[name] = TensorInfo(name=name, dtype=dtype, shape=shape, file=path, offset=data_start + begin,
+                                 nbytes=end - begin)
     return infos
 
 
@@ -122,16 +138,56 @@ class CheckpointDir:
     def iter_tensors(
         self, wanted: Callable[[str], bool] = lambda name: True
     ) -> Iterator[tuple[str, torch.Tensor, str]]:
-        """Yield (name, tensor, file) one tensor at a time, file by file."""
+        """Yield (name, tensor, file) one tensor at a time, file by file, in file order.
+
+        Each tensor is a read-only-by-contract view of the mapped file: copy out of it, never write into
+        it. Its pages leave the process once the iterator resumes; a view kept longer still reads the right
+        bytes (they fault back in from the file)."""
+        by_file: dict[Path, list[TensorInfo]] = {file: [] for file in self.files}
+        for info in self.tensors.values():
+            by_file[info.file].append(info)
         for file in self.files:
-            try:
-                with safe_open(str(file), framework="pt") as f:
-                    for name in f.keys():
-                        if wanted(name):
-                            yield name, f.get_tensor(name), str(file)
-            except CheckpointError:
-                raise
-            except Exception as exc:  # safetensors raises its own error types for corrupt data
-                if isinstance(exc, (KeyboardInterrupt, MemoryError)):
-                    raise
-                raise CheckpointError(f"{file}: cannot read tensors ({exc})") from exc
+            infos = sorted((i for i in by_file[file] if wanted(i.name)), key=lambda i: i.offset)
+            for info, tensor in _stream(file, infos):
+                yield info.name, tensor, str(file)
+
+
+def map_file(path: Path) -> mmap.mmap | None:
+    """The one place tensor data is opened: a private, never-written mapping of the whole file (None when
+    the file is empty). Private (copy-on-write) rather than read-only because torch wraps writable buffers."""
+    try:
+        with path.open("rb") as f:
+            if path.stat().st_size == 0:
+                return None
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read tensors ({exc})") from None
+
+
+def _stream(file: Path, infos: list[TensorInfo]) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+    mapping = map_file(file) if infos else None
+    whole = None if mapping is None else torch.frombuffer(mapping, dtype=torch.uint8)  # tensors are slices of it
+    read_ahead_to = 0
+    for info in infos:
+        if info.nbytes == 0 or mapping is None:
+            yield info, torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
+            continue
+        if info.offset + info.nbytes > read_ahead_to:
+            start = _page_floor(max(read_ahead_to, info.offset))
+            read_ahead_to = min(len(mapping), info.offset + info.nbytes + _READ_AHEAD_BYTES)
+            mapping.madvise(mmap.MADV_WILLNEED, start, read_ahead_to - start)
+        yield info, _view(whole, info)
+        start = _page_floor(info.offset)
+        mapping.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
+
+
+def _page_floor(offset: int) -> int:
+    return offset - offset % mmap.PAGESIZE
+
+
+def _view(whole: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+    dtype = TORCH_DTYPES[info.dtype]
+    raw = whole[info.offset : info.offset + info.nbytes]
+    if raw.data_ptr() % dtype.itemsize:
+        raw = raw.clone()  # safetensors does not align data; torch kernels expect aligned elements
+    return raw.view(dtype).view(info.shape)

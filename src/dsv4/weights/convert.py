@@ -7,17 +7,26 @@ Incoming forms:
 Resident forms: a float parameter (model dtype or fp32), an int32 table, or stacked experts in the
 dense / fp8 / fp4 layout. ue8m0 bytes are only ever reinterpreted (`.view(uint8)`), never cast.
 
-Tensors on the meta device carry a shape and a dtype but no values: the checks that read values (finite,
-NaN codes, ue8m0 bytes, expert-id tables) skip them, so converting meta tensors checks everything else
-without reading data (`dsv4 inspect` stages a checkpoint's headers this way).
+Every check reads its tensor at most once, in memory order, and allocates nothing the size of it:
+finiteness is one sum (a NaN or infinity anywhere makes the sum non-finite; a finite sum proves every
+value finite, and only a non-finite one is looked at element by element, which also tells a real NaN from
+an overflowing sum of large values); FP8 NaN codes and ue8m0 NaN bytes are integer max reductions over the
+raw bytes. Counting the bad values (for the message) runs only once a check has failed.
+
+Nothing here enters `torch.no_grad()` per tensor (that costs more than copying a small tensor): resident
+parameters never require grad and the writer detaches incoming tensors that do, so autograd records nothing.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from dsv4.config import DENSE, FP4, FP8
 from dsv4.quant import (
+    E2M1_MAX,
+    E4M3_MAX,
+    E8M0_BIAS,
+    E8M0_NAN_BYTE,
     as_e8m0_bytes,
     dequantize_fp4,
     dequantize_fp8_blockwise,
@@ -31,6 +40,17 @@ INT_DTYPES = (torch.int32, torch.int64)
 PACKED_DTYPES = (torch.int8, torch.uint8)
 E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8, torch.int8)
 E4M3 = torch.float8_e4m3fn
+# e4m3fn has no infinity; its NaN codes are S.1111.111: 0x7F (127 as int8) and 0xFF (255 as uint8), which are
+# exactly the maxima of the two integer views of the bytes.
+_E4M3_NAN_INT8 = 0x7F
+_E4M3_NAN_UINT8 = 0xFF
+# Transposing copies (row-major [out, in] into an input-major resident weight) run tile by tile: each tile
+# writes runs of _TILE_ROWS contiguous elements while its _TILE_ROWS source rows stay in L1, and the source
+# tile (_TILE_ROWS x _TILE_COLS fp32 = 256 KiB) stays in L2. torch's own copy of a whole transposed matrix
+# strides through memory (~10x a memcpy on this CPU, its blocked-transpose kernel ~4-8x); tiles measured
+# ~3x, and convert dtypes in the same pass.
+_TILE_ROWS = 64
+_TILE_COLS = 1024
 
 
 class ConversionError(ValueError):
@@ -44,74 +64,54 @@ class QuantLayout:
     scale_fmt: str  # rounding rule used when quantizing float input on the fly
 
 
-def needs_scale(weight: torch.Tensor, is_expert: bool) -> bool:
-    """Whether an incoming weight is only meaningful together with its `.scale` partner."""
-    return weight.dtype == E4M3 or (is_expert and weight.dtype in PACKED_DTYPES)
-
-
-def _check_shape(got: torch.Size, want: tuple[int, ...], what: str) -> None:
+# ---- checks (one read pass each, nothing allocated the size of the tensor) ----
+def check_shape(got: torch.Size, want: tuple[int, ...], what: str) -> None:
     if tuple(got) != tuple(want):
         raise ConversionError(f"{what} shape {tuple(got)} does not match the model's {tuple(want)}")
 
 
-def _has_values(t: torch.Tensor) -> bool:
-    return not t.is_meta
+def in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """The same elements as a contiguous view when `t` is a permuted contiguous tensor (an input-major
+    weight), so that reductions over it stream memory instead of striding through it."""
+    if t.is_contiguous():
+        return t
+    permuted = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return permuted if permuted.is_contiguous() else t
 
 
-def _check_finite(t: torch.Tensor) -> None:
-    if not _has_values(t):
+def check_finite(t: torch.Tensor) -> None:
+    """Raise unless every value of a float tensor is finite (one sum; see the module docstring)."""
+    if t.numel() == 0 or math.isfinite(in_memory_order(t).sum().item()):
         return
-    if not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
         raise ConversionError(f"contains {bad} non-finite value(s)")
 
 
-def _check_e8m0(scale: torch.Tensor) -> torch.Tensor:
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scale -> its uint8 bytes (a view), refusing other dtypes and the NaN byte 0xFF."""
     if scale.dtype not in E8M0_DTYPES:
         raise ConversionError(f"ue8m0 scale must be float8_e8m0fnu or uint8 bytes, got {scale.dtype}")
     raw = as_e8m0_bytes(scale)
-    if _has_values(raw) and bool((raw == 255).any()):
+    if raw.numel() and int(raw.max()) == E8M0_NAN_BYTE:
         raise ConversionError("ue8m0 scale holds the NaN byte 0xFF")
     return raw
 
 
-def _dequantize(
-    weight: torch.Tensor, scale: torch.Tensor | None, layout: QuantLayout, logical: tuple[int, int]
-) -> torch.Tensor:
-    """Any incoming form -> fp32 values [out, in], validated."""
-    if weight.dtype in FLOAT_DTYPES:
-        _check_shape(weight.shape, logical, "weight")
-        _check_finite(weight)
-        return weight.float()
-    if scale is None:
-        raise ConversionError(f"a {weight.dtype} weight needs its .scale tensor")
-    if weight.dtype == E4M3:
-        _check_shape(weight.shape, logical, "fp8 weight")
-        if scale.dtype in FLOAT_DTYPES:
-            _check_finite(scale)
-        else:
-            scale = _check_e8m0(scale)
-        try:
-            values = dequantize_fp8_blockwise(weight, scale, layout.fp8_block, torch.float32)
-        except ValueError as exc:
-            raise ConversionError(str(exc)) from None
-    elif weight.dtype in PACKED_DTYPES:
-        _check_shape(weight.shape, (logical[0], logical[1] // 2), "packed fp4 weight")
-        try:
-            values = dequantize_fp4(weight, _check_e8m0(scale), layout.fp4_group, torch.float32)
-        except ValueError as exc:
-            raise ConversionError(str(exc)) from None
-    else:
-        raise ConversionError(f"unsupported weight dtype {weight.dtype}")
-    _check_finite(values)
-    return values
+def check_fp8_codes(weight: torch.Tensor) -> None:
+    """Raise if an e4m3fn tensor holds a NaN code (two integer max reductions over its bytes)."""
+    if weight.numel() == 0:
+        return
+    if int(weight.view(torch.int8).max()) == _E4M3_NAN_INT8 or int(weight.view(torch.uint8).max()) == _E4M3_NAN_UINT8:
+        bad = int(torch.isnan(weight.float()).sum())
+        raise ConversionError(f"fp8 weight holds {bad} NaN code(s) (non-finite values)")
 
 
 def check_expert_table(table: torch.Tensor, n_experts: int) -> None:
     """A hash-routing table row must name k distinct experts in [0, n_experts)."""
-    if table.numel() == 0 or not _has_values(table):
+    if table.numel() == 0:
         return
-    low, high = int(table.min()), int(table.max())
+    low, high = (int(v) for v in torch.aminmax(table))
     if low < 0 or high >= n_experts:
         raise ConversionError(f"expert ids must lie in [0, {n_experts}), found values in [{low}, {high}]")
     repeated = (table.sort(dim=-1).values.diff(dim=-1) == 0).any(dim=-1)
@@ -120,59 +120,74 @@ def check_expert_table(table: torch.Tensor, n_experts: int) -> None:
         raise ConversionError(f"row {row} repeats an expert id ({table[row].tolist()}); each row needs distinct ids")
 
 
-def to_plain(
-    weight: torch.Tensor, scale: torch.Tensor | None, resident: torch.Tensor, layout: QuantLayout, n_experts: int
+def _check_products_finite(scale_max: float, value_max: float, dtype: torch.dtype) -> None:
+    """A dequantized value is at most value_max * scale_max: bound it instead of scanning the product."""
+    if not value_max * scale_max <= torch.finfo(dtype).max:
+        raise ConversionError(f"scale up to {scale_max:g} times codes up to {value_max:g} overflows {dtype}: "
+                              f"the dequantized values would hold non-finite values")
+
+
+# ---- in-place copy ----
+def copy_into(dest: torch.Tensor, value: torch.Tensor) -> None:
+    """dest[...] = value in dest's storage, converting dtype; dest's address never changes.
+
+    Resident dense weights are stored input-major (dest is the transposed view of a contiguous [in, out]
+    buffer) while trainers and checkpoints send row-major [out, in]: that copy runs tile by tile."""
+    if dest.is_contiguous() or value.dim() != 2 or dest.stride() != (1, dest.shape[0]) or not value.is_contiguous():
+        dest.copy_(value)
+        return
+    rows, cols = dest.shape
+    for r in range(0, rows, _TILE_ROWS):
+        for c in range(0, cols, _TILE_COLS):
+            dest[r : r + _TILE_ROWS, c : c + _TILE_COLS].copy_(value[r : r + _TILE_ROWS, c : c + _TILE_COLS])
+
+
+# ---- conversions ----
+def dequantize(
+    weight: torch.Tensor, scale: torch.Tensor, layout: QuantLayout, logical: tuple[int, int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """Value for a non-expert resident tensor (float parameter, or an expert-id table)."""
-    if resident.dtype in INT_DTYPES:
-        if weight.dtype not in INT_DTYPES or scale is not None:
-            raise ConversionError(f"integer table expects int32/int64 values, got {weight.dtype}")
-        _check_shape(weight.shape, tuple(resident.shape), "table")
-        check_expert_table(weight, n_experts)
-        return weight.to(resident.dtype)
-    if weight.dtype in INT_DTYPES:
-        raise ConversionError(f"expected floating values, got {weight.dtype}")
-    if resident.dim() != 2 and weight.dtype not in FLOAT_DTYPES:
-        raise ConversionError(f"a {weight.dtype} tensor cannot feed a {resident.dim()}-D parameter")
-    if weight.dtype in FLOAT_DTYPES:
-        _check_shape(weight.shape, tuple(resident.shape), "tensor")
-        _check_finite(weight)
-        return weight.to(resident.dtype)
-    return _dequantize(weight, scale, layout, tuple(resident.shape)).to(resident.dtype)
-
-
-def to_expert(
-    weight: torch.Tensor,
-    scale: torch.Tensor | None,
-    fmt: str,
-    resident: torch.Tensor,
-    resident_scale: torch.Tensor | None,
-    layout: QuantLayout,
-    logical: tuple[int, int],
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, scale) for one expert matrix in the resident layout `fmt`. Native bytes of the same
-    format are copied as raw bits; anything else goes through fp32 values and dsv4's quantizer."""
-    if fmt == FP4 and weight.dtype in PACKED_DTYPES and scale is not None:
-        _check_shape(weight.shape, tuple(resident.shape), "packed fp4 weight")
-        raw_scale = _check_e8m0(scale)
-        _check_shape(raw_scale.shape, tuple(resident_scale.shape), "fp4 scale")
-        return weight.view(torch.int8), raw_scale
-    if fmt == FP8 and weight.dtype == E4M3 and scale is not None:
-        _check_shape(weight.shape, tuple(resident.shape), "fp8 weight")
+    """An FP8 (e4m3 + block scale) or FP4 (packed + ue8m0) weight -> validated values [out, in] of `dtype`."""
+    if weight.dtype == E4M3:
+        check_shape(weight.shape, logical, "fp8 weight")
+        check_fp8_codes(weight)
         if scale.dtype in FLOAT_DTYPES:
-            _check_finite(scale)
-            scale32 = scale.float()
+            check_finite(scale)
+            scale_max = float(scale.abs().max()) if scale.numel() else 0.0
         else:
-            scale32 = e8m0_to_float32(_check_e8m0(scale))
-        _check_shape(scale32.shape, tuple(resident_scale.shape), "fp8 scale")
-        if _has_values(weight) and bool(torch.isnan(weight.float()).any()):
-            raise ConversionError("fp8 weight holds NaN codes")
-        return weight, scale32
-    values = _dequantize(weight, scale, layout, logical)
-    if fmt == DENSE:
-        return values.to(resident.dtype), None
-    if fmt == FP8:
-        q, s = quantize_fp8_blockwise(values, layout.fp8_block, layout.scale_fmt)
-        return q, (e8m0_to_float32(s) if s.dtype == torch.uint8 else s.float())
-    packed, s = quantize_fp4(values, layout.fp4_group)
-    return packed.view(torch.int8), s
+            raw = e8m0_bytes(scale)
+            scale_max = 2.0 ** (int(raw.max()) - E8M0_BIAS) if raw.numel() else 0.0
+            scale = raw
+        _check_products_finite(scale_max, E4M3_MAX, dtype)
+        try:
+            return dequantize_fp8_blockwise(weight, scale, layout.fp8_block, dtype)
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from None
+    if weight.dtype in PACKED_DTYPES:
+        check_shape(weight.shape, (logical[0], logical[1] // 2), "packed fp4 weight")
+        raw = e8m0_bytes(scale)
+        scale_max = 2.0 ** (int(raw.max()) - E8M0_BIAS) if raw.numel() else 0.0
+        _check_products_finite(scale_max, E2M1_MAX, dtype)
+        try:
+            return dequantize_fp4(weight, raw, layout.fp4_group, dtype)
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from None
+    raise ConversionError(f"unsupported weight dtype {weight.dtype}")
+
+
+def quantize_expert(values: torch.Tensor, fmt: str, layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float values [out, in] -> (weight, scale) in the resident FP8 (e4m3, fp32 scale) or FP4 (int8, ue8m0
+    bytes) layout, with the checkpoint's rounding rule. The quantizer's own finiteness check is fused into
+    its per-block maximum."""
+    try:
+        if fmt == "fp8":
+            q, scale = quantize_fp8_blockwise(values, layout.fp8_block, layout.scale_fmt)
+            return q, e8m0_to_float32(scale) if scale.dtype == torch.uint8 else scale
+        packed, scale = quantize_fp4(values, layout.fp4_group)
+        return packed, scale
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from None
+
+
+def fp8_scale_values(scale: torch.Tensor) -> torch.Tensor:
+    """An incoming FP8 block scale, already validated (float values, or ue8m0 bytes) -> its values."""
+    return scale if scale.dtype in FLOAT_DTYPES else e8m0_to_float32(as_e8m0_bytes(scale))

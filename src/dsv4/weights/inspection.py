@@ -17,10 +17,9 @@ import torch
 
 from dsv4.config import DENSE, ModelConfig
 from dsv4.errors import CheckpointError
-from dsv4.weights.checkpoint import DTYPE_BYTES, CheckpointDir
-from dsv4.weights.loader import DRAFTERS, build_models, quant_layout, resolve_expert_format
+from dsv4.weights.checkpoint import DTYPE_BYTES, TORCH_DTYPES, CheckpointDir
+from dsv4.weights.loader import DRAFTERS, LoadedModels, build_models, quant_layout, resolve_expert_format
 from dsv4.weights.names import canonical_name, canonical_tensors
-from dsv4.weights.slots import SlotTable
 from dsv4.weights.writer import WeightWriter
 
 NATIVE_FORMAT, HF_FORMAT, MIXED_FORMAT = "native", "hf", "transformers-saved (HF prefixes, native suffixes)"
@@ -31,13 +30,6 @@ SCALE_SUFFIX = ".scale"
 # FP4 experts store two e2m1 codes per byte, so a packed byte counts as two parameters.
 PACKED_DTYPES = ("I8", "U8")
 VALUES_PER_PACKED_BYTE = 2
-# safetensors dtype names -> torch dtypes, for the meta tensors that stand in for the data.
-TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
 # Resident dtype of the meta models: it decides nothing a header can get wrong (floats convert to it).
 _META_DTYPE = torch.float32
 
@@ -116,15 +108,18 @@ def inspect_checkpoint(
     draft = draft if draft is not None else drafter_in(cfg, checkpoint)
     if draft == "dspark":
         cfg = cfg.with_checkpoint_names(checkpoint.tensors)  # DSpark's stage count: its mtp.{s} names
-    models = build_models(cfg, resolve_expert_format(cfg, None), _META_DTYPE, "meta", draft)
-    table = SlotTable(models)
-    writer = WeightWriter(table, quant_layout(cfg), error_type=CheckpointError)
+    expert_format = resolve_expert_format(cfg, None)
+    models = build_models(cfg, expert_format, _META_DTYPE, "meta", draft)
+    loaded = LoadedModels(cfg, models, quant_layout(cfg), expert_format, load_format="safetensors")
+    table = loaded.slot_table()
+    # A dry run: the load's own mapping, pairing and shape/dtype checks on meta tensors, nothing written.
+    writer = WeightWriter(loaded.routes(), loaded.layout, error_type=CheckpointError, dry_run=True)
     rejected: list[str] = []
     present: set[str] = set()  # native weight names some tensor in the files claims (scales aside)
     for name, info in checkpoint.tensors.items():
         tensor = torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype], device="meta")
         try:
-            writer.stage(name, tensor, str(info.file))
+            writer.load(name, tensor, str(info.file))
             natives = [native for native, _ in canonical_tensors(name, tensor)]
         except CheckpointError as exc:
             rejected.append(str(exc))  # reported once, as rejected, not again as missing

@@ -5,9 +5,12 @@
     check_complete                           every expected tensor written (dummy included)
     finalize                                 process_weights_after_loading(): target, then drafters
 
-Any failure raises before the models are returned, so no half-loaded model ever escapes.
+Any failure raises before the models are returned, so no half-loaded model ever escapes. A checkpoint
+load streams tensors from the mapped files straight into resident storage, and shows a progress bar on a
+terminal when it takes more than a second.
 """
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,12 +23,15 @@ from dsv4.model.derived import TopLevelModel
 from dsv4.weights.checkpoint import CheckpointDir
 from dsv4.weights.convert import QuantLayout
 from dsv4.weights.dummy import dummy_tensors
-from dsv4.weights.slots import SlotTable
+from dsv4.weights.routes import RouteTable
+from dsv4.weights.slots import SlotTable, parameter_addresses
 from dsv4.weights.writer import WeightWriter
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DRAFTERS = ("mtp", "dspark")
 TARGET = "target"
+# A load shows progress only past this many seconds: short loads stay silent.
+PROGRESS_DELAY_S = 1.0
 
 
 @dataclass
@@ -38,13 +44,28 @@ class LoadedModels:
     expert_format: str
     load_format: str
     ignored: set[str] = field(default_factory=set)
+    _routes: RouteTable | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def target(self) -> DeepseekV4:
         return self.models[TARGET]  # type: ignore[return-value]
 
+    def routes(self, addresses: dict[tuple[str, str], int] | None = None) -> RouteTable:
+        """The models' name plan and destinations, built once and kept while no parameter has moved (a
+        moved parameter would leave the plan's views pointing at storage the model no longer reads).
+
+        Args:
+            addresses: the current (role, name) -> data_ptr of every parameter (extra entries are ignored),
+                when the caller has just taken them; otherwise they are taken here.
+        """
+        if addresses is None:
+            addresses = parameter_addresses(self.models)
+        if self._routes is None or not self._routes.table.addresses.items() <= addresses.items():
+            self._routes = RouteTable(SlotTable(self.models))
+        return self._routes
+
     def slot_table(self) -> SlotTable:
-        return SlotTable(self.models)
+        return self.routes().table
 
     def finalize(self) -> None:
         """Finalize the target first: drafters alias its embedding and head."""
@@ -114,16 +135,28 @@ def load_models(
     layout = quant_layout(cfg)
     models = build_models(cfg, expert_format, dtype, device, draft)
     loaded = LoadedModels(cfg, models, layout, expert_format, fmt)
-    table = loaded.slot_table()
-    writer = WeightWriter(table, layout, error_type=CheckpointError)
+    routes = loaded.routes()
+    writer = WeightWriter(routes, layout, error_type=CheckpointError)
     if checkpoint is not None:
-        for name, tensor, origin in checkpoint.iter_tensors():
-            writer.load(name, tensor, origin)
-        writer.check_complete(table.names(), f"{path}: incomplete checkpoint")
+        with _progress(checkpoint) as bar:
+            for name, tensor, origin in checkpoint.iter_tensors():
+                writer.load(name, tensor, origin)
+                bar.update(tensor.numel() * tensor.element_size())
+        writer.check_complete(routes.table.names(), f"{path}: incomplete checkpoint")
     else:
-        for name, tensor in dummy_tensors(table, seed):
+        for name, tensor in dummy_tensors(routes.table, seed):
             writer.load(name, tensor, "dummy")
-        writer.check_complete(table.names(), "dummy load")
+        writer.check_complete(routes.table.names(), "dummy load")
     loaded.ignored = writer.ignored
     loaded.finalize()
     return loaded
+
+
+def _progress(checkpoint: CheckpointDir):
+    """A bytes bar over the checkpoint's tensors: drawn only on a terminal, and only once the load has
+    taken PROGRESS_DELAY_S (tqdm's `delay`)."""
+    from tqdm.auto import tqdm
+
+    total = sum(info.nbytes for info in checkpoint.tensors.values())
+    return tqdm(total=total, desc=f"loading {checkpoint.path.name}", unit="B", unit_scale=True,
+                delay=PROGRESS_DELAY_S, disable=not sys.stderr.isatty(), leave=False)

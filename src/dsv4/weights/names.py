@@ -14,6 +14,12 @@ import torch
 
 # Scale spellings: native `.scale`, V3-style `.weight_scale_inv`, transformers' FP8 `.weight_scale_inv`.
 SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+SCALE_SUFFIX = ".scale"  # the native one
+WEIGHT_SUFFIX = ".weight"
+HF_PREFIX = "model."
+DRAFTER_PREFIX = "mtp."
+# Drafter copies of the target's embedding and head: the target owns them, drafters alias them.
+ALIASED_DRAFTER_TENSORS = re.compile(r"^mtp\.\d+\.(emb\.tok_emb\.weight|head\.weight|embed\.weight)$")
 
 # (pattern, replacement), applied in order to the name without its `model.` prefix. Every pattern is
 # anchored so that an already-native name passes through unchanged.
@@ -55,40 +61,54 @@ _RENAMES: tuple[tuple[str, str], ...] = (
 )
 _COMPILED = tuple((re.compile(p), r) for p, r in _RENAMES)
 
-_STACKED_GATE_UP = re.compile(r"^(layers\.\d+\.ffn\.experts)\.gate_up_proj$")
-_STACKED_DOWN = re.compile(r"^(layers\.\d+\.ffn\.experts)\.down_proj$")
+# HF stacks every routed expert of a layer in one tensor: name -> the native matrices it carries, stacked
+# along dim 1 in this order (gate rows first): gate_up_proj [E, 2I, D] = (w1, w3), down_proj [E, D, I] = (w2,).
+STACKED_EXPERTS: tuple[tuple[re.Pattern[str], tuple[str, ...]], ...] = (
+    (re.compile(r"^(layers\.\d+\.ffn\.experts)\.gate_up_proj$"), ("w1", "w3")),
+    (re.compile(r"^(layers\.\d+\.ffn\.experts)\.down_proj$"), ("w2",)),
+)
 
 
 def canonical_name(name: str) -> str:
     """Fold one incoming name to its native spelling (unknown names pass through, to be rejected later)."""
-    if name.startswith("model."):
-        name = name[len("model.") :]
+    if name.startswith(HF_PREFIX):
+        name = name[len(HF_PREFIX) :]
     for pattern, replacement in _COMPILED:
         name = pattern.sub(replacement, name)
     for suffix in SCALE_SUFFIXES:
-        if name.endswith(suffix) and suffix != ".scale":
-            name = name[: -len(suffix)] + ".scale"
+        if name.endswith(suffix) and suffix != SCALE_SUFFIX:
+            name = name[: -len(suffix)] + SCALE_SUFFIX
     return name
 
 
+def stacked_experts(native: str) -> tuple[str, tuple[str, ...]] | None:
+    """(native experts prefix, matrices) when a canonical name is an HF stacked-experts tensor, else None."""
+    for pattern, matrices in STACKED_EXPERTS:
+        if match := pattern.match(native):
+            return match[1], matrices
+    return None
+
+
+def split_stacked(name: str, tensor: torch.Tensor, matrices: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    """A stacked-experts tensor [E, len(matrices) * out, in] -> one [E, out, in] view per matrix."""
+    if tensor.dim() != 3 or tensor.shape[1] % len(matrices):
+        rows = f"{len(matrices)}*out" if len(matrices) > 1 else "out"
+        raise ValueError(f"{name}: expected [experts, {rows}, in], got {tuple(tensor.shape)}")
+    return tensor.chunk(len(matrices), dim=1)
+
+
 def canonical_tensors(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """One incoming (name, tensor) -> the native (name, tensor) pairs it carries. HF stacks experts:
-    gate_up_proj [E, 2I, D] (gate rows first) and down_proj [E, D, I] become per-expert w1/w3/w2."""
+    """One incoming (name, tensor) -> the native (name, tensor) pairs it carries: HF stacked experts become
+    per-expert w1/w3/w2 views (works on meta tensors: nothing is read)."""
     native = canonical_name(name)
-    if match := _STACKED_GATE_UP.match(native):
-        if tensor.dim() != 3 or tensor.shape[1] % 2:
-            raise ValueError(f"{name}: expected [experts, 2*intermediate, hidden], got {tuple(tensor.shape)}")
-        gate, up = tensor.chunk(2, dim=1)
-        for e in range(tensor.shape[0]):
-            yield f"{match[1]}.{e}.w1.weight", gate[e]
-            yield f"{match[1]}.{e}.w3.weight", up[e]
-    elif match := _STACKED_DOWN.match(native):
-        if tensor.dim() != 3:
-            raise ValueError(f"{name}: expected [experts, hidden, intermediate], got {tuple(tensor.shape)}")
-        for e in range(tensor.shape[0]):
-            yield f"{match[1]}.{e}.w2.weight", tensor[e]
-    else:
+    stacked = stacked_experts(native)
+    if stacked is None:
         yield native, tensor
+        return
+    prefix, matrices = stacked
+    for w, part in zip(matrices, split_stacked(name, tensor, matrices), strict=True):
+        for e in range(part.shape[0]):
+            yield f"{prefix}.{e}.{w}{WEIGHT_SUFFIX}", part[e]
 
 
 def to_hf_name(native: str) -> str:

@@ -4,17 +4,24 @@ A trainer streams new weights in buckets of (name, tensor) pairs: native or HF n
 dtype (bf16/fp32 values are quantized on the fly into FP8/FP4 experts; native FP8/FP4 bytes arrive with
 their `.scale`, possibly in a later bucket). Everything goes through the same `WeightWriter` as a
 checkpoint load, so a refit can never map, pair or convert differently from a fresh load of the same
-weights. Every tensor of a bucket is validated (known name, shape, finite values) before any byte of
-that bucket is written.
+weights. Every tensor is validated (known name, shape, dtype, finite values, e8m0 bytes, routing-table
+rows) before any byte of it is written (an HF stacked-experts tensor: expert by expert).
 
 Two failure policies, because a true rollback costs memory:
 
   atomic (default)   converted values are staged; nothing is written until `finish()`. A failed bucket,
                      an incomplete session or `abort()` leaves the previous weights serving, bit-exact,
-                     READY. Costs one extra copy of the updated tensors (in resident layout).
-  fail-stop          each bucket is written as soon as it is validated (memory: one bucket). From the
-                     first write on, and after any error, the models are not READY (forward raises
+                     READY. Costs one extra copy of the updated tensors (in resident layout), and the one
+                     extra pass that writes it back at `finish()`.
+  fail-stop          each tensor is written into resident storage as soon as it is validated, with no
+                     intermediate copy (memory: nothing beyond the caller's bucket). From the first write
+                     on, and after any error, the models are not READY (forward raises
                      WeightsNotReadyError naming the model) until a session finishes with every tensor.
+
+Names resolve through the models' route table (planned once per model, a dict lookup per tensor); every
+value check reads its tensor once. The caller may reuse a bucket's buffers as soon as `load()` returns: the
+only incoming tensors kept past it are halves that wait for their partner from a later bucket (a scale
+sent before its weight, or FP8 bytes for a dense parameter), and those few are copied.
 
 `finish()` writes (atomic), checks that no weight waits for its scale and (with `full=True`, or when the
 models were not READY at `begin`) that every expected tensor arrived, finalizes every model exactly once
@@ -29,39 +36,15 @@ import torch
 
 from dsv4.errors import WeightUpdateError
 from dsv4.weights.loader import LoadedModels
-from dsv4.weights.names import canonical_name
 from dsv4.weights.report import model_tensors
-from dsv4.weights.writer import StagedWrite, WeightWriter
+from dsv4.weights.writer import WeightWriter
 
 Bucket = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
-SCALE_SUFFIX = ".scale"
-# Incoming float values never need a scale partner, so the writer never holds on to them.
-_FLOAT_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # How many missing names an error message lists before summarising the rest.
 _SHOWN_NAMES = 10
 
 OPEN, FINISHED, ABORTED, FAILED = "open", "finished", "aborted", "failed"
-
-
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _owned(value: torch.Tensor | None, incoming: torch.Tensor) -> torch.Tensor | None:
-    """A staged value that cannot change under us: the caller may reuse its bucket buffer (IPC / NCCL
-    receive buffers are reused every bucket), so anything that still aliases it is cloned."""
-    if value is not None and _shares_storage(value, incoming):
-        return value.clone()
-    return value
-
-
-def _keepable(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """What the writer may hold on to: a quantized weight or a scale can wait in the writer for its
-    partner from a later bucket, so it gets its own copy; float values are converted before staging."""
-    if tensor.dtype in _FLOAT_VALUE_DTYPES and not canonical_name(name).endswith(SCALE_SUFFIX):
-        return tensor
-    return tensor.clone()
 
 
 def _addresses(loaded: LoadedModels) -> dict[tuple[str, str], int]:
@@ -104,16 +87,16 @@ class WeightUpdateSession:
         self.atomic = atomic
         self.version = version  # the weights version in effect; the new one after a successful finish
         self._on_commit = on_commit
-        self._table = loaded.slot_table()
-        self._writer = WeightWriter(self._table, loaded.layout, error_type=WeightUpdateError)
+        self._addresses = _addresses(loaded)
+        routes = loaded.routes(self._addresses)
+        self._table = routes.table
+        self._writer = WeightWriter(routes, loaded.layout, error_type=WeightUpdateError, staged=atomic,
+                                    before_first_write=self._mark_not_ready)
         # A model that is not READY may hold a half-written update: only a complete one can repair it.
         self.full = full or not all(m.ready for m in loaded.models.values())
         self.state = OPEN
         self.buckets = 0
-        self._origin_of: dict[str, str] = {}  # native weight name -> the bucket that completed it
-        self._staged: list[StagedWrite] = []  # atomic mode: converted values waiting for finish()
-        self._wrote = False  # whether any resident byte was written by this session
-        self._addresses = _addresses(loaded)
+        self._completed = 0  # resident tensors completed so far
 
     # ---- state ----
     @property
@@ -128,12 +111,12 @@ class WeightUpdateSession:
         """Close the session after an error. Fail-stop mode, or any session that already wrote, leaves
         every model not READY: their tensors may now mix old and new weights."""
         self.state = FAILED
-        self._staged.clear()
+        self._writer.discard()
         if isinstance(exc, WeightUpdateError):
             message = str(exc)
         else:
             message = f"weight update failed: {type(exc).__name__}: {exc}"
-        if not self.atomic or self._wrote:
+        if not self.atomic or self._writer.wrote:
             self._mark_not_ready()
             message += "; the models refuse requests until a weight update with every tensor finishes"
         else:
@@ -154,44 +137,19 @@ class WeightUpdateSession:
         self.buckets += 1
         origin = origin or f"update bucket {self.buckets}"
         pairs = bucket.items() if isinstance(bucket, Mapping) else bucket
+        completed = 0
         try:
-            staged = self._stage_bucket(pairs, origin)
-            if self.atomic:
-                self._staged.extend(staged)
-            else:
-                self._write(staged)
+            for name, tensor in pairs:
+                if not isinstance(tensor, torch.Tensor):
+                    raise WeightUpdateError(
+                        f"{origin}: tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}"
+                    )
+                completed += self._writer.load(name, tensor, origin)
+            self._writer.own_pending()
         except Exception as exc:
             raise self._fail(exc) from exc
-        return len(staged)
-
-    def _stage_bucket(self, pairs: Iterable[tuple[str, torch.Tensor]], origin: str) -> list[StagedWrite]:
-        staged: list[StagedWrite] = []
-        for name, tensor in pairs:
-            if not isinstance(tensor, torch.Tensor):
-                raise WeightUpdateError(
-                    f"{origin}: tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}"
-                )
-            for write in self._writer.stage(name, _keepable(name, tensor), origin):
-                native = write.slot.native
-                if native in self._origin_of:
-                    raise WeightUpdateError(
-                        f"{origin}: tensor {name!r} ({native}) arrived twice in this session "
-                        f"(first in {self._origin_of[native]})"
-                    )
-                self._origin_of[native] = origin
-                if self.atomic:  # kept until finish(): must not alias the caller's buffer
-                    write.value = _owned(write.value, tensor)
-                    write.scale = _owned(write.scale, tensor)
-                staged.append(write)
-        return staged
-
-    @torch.no_grad()
-    def _write(self, staged: list[StagedWrite]) -> None:
-        if staged and not self._wrote:
-            self._mark_not_ready()  # from the first write on, the models hold a mix until finalize
-            self._wrote = True
-        for write in staged:
-            self._writer.write(write)
+        self._completed += completed
+        return completed
 
     # ---- end ----
     def finish(self) -> int:
@@ -200,23 +158,21 @@ class WeightUpdateSession:
         self._require_open("finish")
         try:
             self._check_complete()
-            if self._origin_of:
-                if self.atomic:
-                    self._write(self._staged)
+            if self._completed:
+                self._writer.commit()  # atomic: the staged values; fail-stop: already written
                 self.loaded.finalize()
                 self._check_addresses()
         except Exception as exc:
             raise self._fail(exc) from exc
-        self._staged.clear()
         self.state = FINISHED
-        if self._origin_of:
+        if self._completed:
             self.version = self._on_commit()
         return self.version
 
     def _check_complete(self) -> None:
         problems = self._writer.unpaired()
         if self.full:
-            missing = sorted(self._table.names() - set(self._origin_of))
+            missing = sorted(self._table.names() - self._writer.written)
             if missing:
                 problems.append(f"{len(missing)} missing tensor(s): {_names_summary(missing)}")
         if problems:
@@ -239,7 +195,7 @@ class WeightUpdateSession:
         if self.state != OPEN:
             return
         self.state = ABORTED
-        self._staged.clear()
+        self._writer.discard()
 
     # ---- context manager ----
     def __enter__(self) -> WeightUpdateSession:

@@ -1,143 +1,351 @@
 """The load step: (name, tensor) pairs -> validated, converted values -> in-place writes.
 
 Every load format (checkpoint files, dummy values, refit buckets) goes through `WeightWriter`, so name
-mapping, pairing of weights with their scales, validation and conversion exist once. Staging (map +
-validate + convert) is separate from writing, which lets a refit session validate everything before
-it touches a single resident byte.
+mapping, pairing of weights with their scales, validation and conversion exist once.
 
-Staged values and pending weight/scale halves may alias the caller's tensors (no copy is made when
-the incoming dtype and layout already match): whoever defers a write past the caller's next reuse of
-its buffers must clone them first, as the atomic refit session does.
+Cost model (what makes a load or a refit cost what its bytes cost):
+  * names resolve through the models' RouteTable: one dict lookup per tensor;
+  * every value check reads the incoming tensor once (convert.py), before anything is written;
+  * a tensor already in the resident format is copied straight into its destination: fail-stop refits
+    and loads write in place with no intermediate copy, atomic refits copy once into a staging buffer
+    (`staged=True`) and once more at `commit()`;
+  * float values for FP8 / FP4 experts go through the quantizer, whose finiteness check is fused in.
+A weight already in its resident quantized format is written as soon as it arrives; its scale may come
+later (another bucket, another file). Only a half that needs its partner to be converted (e.g. FP8 bytes
+for a dense parameter) or a scale that arrives before its weight waits in the writer; `own_pending()`
+copies those few out of the caller's buffers.
 """
 
-import re
-from dataclasses import dataclass, field
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from dsv4.config import FP4
+from dsv4.config import DENSE, FP4, FP8
 from dsv4.errors import CheckpointError
-from dsv4.weights.convert import ConversionError, QuantLayout, needs_scale, to_expert, to_plain
-from dsv4.weights.names import canonical_tensors
-from dsv4.weights.slots import Slot, SlotTable
+from dsv4.quant import fp8_scale_grid_shape
+from dsv4.weights.convert import (
+    E4M3,
+    E8M0_DTYPES,
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    PACKED_DTYPES,
+    ConversionError,
+    QuantLayout,
+    check_expert_table,
+    check_finite,
+    check_fp8_codes,
+    check_shape,
+    copy_into,
+    dequantize,
+    e8m0_bytes,
+    fp8_scale_values,
+    quantize_expert,
+)
+from dsv4.weights.names import ALIASED_DRAFTER_TENSORS, split_stacked
+from dsv4.weights.routes import SCALE, STACKED, WEIGHT, Route, RouteTable
+from dsv4.weights.slots import FLOAT, TABLE, Slot
 
-# Drafter copies of the target's embedding and head: the target owns them, drafters alias them.
-ALIASED_DRAFTER_TENSORS = re.compile(r"^mtp\.\d+\.(emb\.tok_emb\.weight|head\.weight|embed\.weight)$")
-_DRAFTER_PREFIX = "mtp."
+__all__ = ["ALIASED_DRAFTER_TENSORS", "WeightWriter"]  # the alias pattern is re-exported for `dsv4 inspect`
 
-
-@dataclass
-class StagedWrite:
-    slot: Slot
-    value: torch.Tensor
-    scale: torch.Tensor | None
-    origin: str
+# Incoming dtype that is a resident quantized format's own bytes, per expert format.
+_NATIVE_BYTES = {FP4: PACKED_DTYPES, FP8: (E4M3,)}
 
 
 @dataclass
 class _Pending:
+    """Half of a weight/scale pair that waits for the other half."""
+
     weight: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     origin: str = ""
+    owned: bool = False  # copies made by own_pending(): safe past the caller's reuse of its buffers
 
 
-@dataclass
 class WeightWriter:
-    table: SlotTable
-    layout: QuantLayout
-    error_type: type[Exception] = CheckpointError
-    written: set[str] = field(default_factory=set)
-    ignored: set[str] = field(default_factory=set)
-    _pending: dict[str, _Pending] = field(default_factory=dict)
+    """Writes incoming (name, tensor) pairs into the models' resident tensors.
 
-    def __post_init__(self) -> None:
-        self._has_drafter = any(s.native.startswith(_DRAFTER_PREFIX) for s in self.table)
+    Args:
+        routes: the models' route table (`LoadedModels.routes()`).
+        layout: quantization layout (block sizes, scale rounding rule) of on-the-fly conversions.
+        error_type: raised for bad input (CheckpointError for loads, WeightUpdateError for refits).
+        staged: write into staging buffers that `commit()` applies (atomic refits); otherwise in place.
+        dry_run: check names, shapes, dtypes and pairing only: read no value, write nothing (works on meta
+            tensors built from safetensors headers). A failed `load()` leaves the writer as it was, so a
+            caller can collect every problem of a checkpoint.
+        before_first_write: called once, right before the first resident byte is written.
+    """
 
-    # ---- staging ----
-    def stage(self, name: str, tensor: torch.Tensor, origin: str) -> list[StagedWrite]:
-        """Map, pair, validate and convert one incoming tensor; returns the writes it completes."""
+    def __init__(
+        self,
+        routes: RouteTable,
+        layout: QuantLayout,
+        error_type: type[Exception] = CheckpointError,
+        *,
+        staged: bool = False,
+        dry_run: bool = False,
+        before_first_write: Callable[[], None] | None = None,
+    ):
+        self.routes = routes
+        self.table = routes.table
+        self.layout = layout
+        self.error_type = error_type
+        self.staged = staged
+        self.dry_run = dry_run
+        self._before_first_write = before_first_write
+        self.wrote = False  # whether any resident byte was written
+        self.written: set[str] = set()  # native names of completed slots
+        self.ignored: set[str] = set()
+        self._completed: dict[Slot, str] = {}  # slot -> origin of the tensor that completed it
+        self._awaiting_scale: dict[Slot, str] = {}  # quantized bytes written, scale not yet
+        self._pending: dict[Slot, _Pending] = {}
+        self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []  # (resident destination, staged value)
+
+    # ---- loading ----
+    def load(self, name: str, tensor: torch.Tensor, origin: str) -> int:
+        """Map, pair, validate, convert and write (or stage) one incoming tensor.
+
+        Args:
+            name: any accepted spelling (native, HF, `save_pretrained`'s mix).
+            tensor: the values; it may be reused by the caller once this returns, except for a half
+                that waits for its partner (see `own_pending`).
+            origin: where it came from (file, update bucket), for messages.
+
+        Returns:
+            How many resident slots this tensor completed.
+
+        Raises:
+            error_type: unknown name, bad shape/dtype/values, a tensor that arrived twice.
+        """
+        if tensor.requires_grad:  # a trainer's live parameter: copy its values, record nothing
+            tensor = tensor.detach()
+        route = self.routes.resolve(name)
+        if route is None:
+            raise self.error_type(f"{origin}: unexpected tensor {name!r} (no such weight in this model)")
         try:
-            pairs = list(canonical_tensors(name, tensor))
-        except ValueError as exc:
-            raise self.error_type(f"{origin}: tensor {name}: {exc}") from None
-        staged = []
-        for native, t in pairs:
-            staged.extend(self._stage_native(native, t, origin, incoming=name))
-        return staged
-
-    def _stage_native(self, native: str, tensor: torch.Tensor, origin: str, incoming: str) -> list[StagedWrite]:
-        if ALIASED_DRAFTER_TENSORS.match(native):
-            self.ignored.add(native)
-            return []
-        is_scale = native.endswith(".scale")
-        weight_name = native[: -len(".scale")] + ".weight" if is_scale else native
-        slot = self.table.get(weight_name)
-        if slot is None:
-            if native.startswith(_DRAFTER_PREFIX) and not self._has_drafter:
-                self.ignored.add(native)  # drafter weights, but no drafter was requested
-                return []
-            raise self.error_type(f"{origin}: unexpected tensor {incoming!r} (no such weight in this model)")
-        if not is_scale and not needs_scale(tensor, slot.is_expert):
-            return [self._convert(slot, tensor, None, origin, incoming)]
-        pending = self._pending.setdefault(weight_name, _Pending())
-        if (pending.scale if is_scale else pending.weight) is not None:
-            raise self.error_type(f"{origin}: tensor {incoming!r} arrived twice before its partner")
-        if is_scale:
-            pending.scale = tensor
-        else:
-            pending.weight = tensor
-        pending.origin = origin
-        if pending.weight is None or pending.scale is None:
-            return []
-        del self._pending[weight_name]
-        return [self._convert(slot, pending.weight, pending.scale, origin, incoming)]
-
-    def _convert(
-        self, slot: Slot, weight: torch.Tensor, scale: torch.Tensor | None, origin: str, incoming: str
-    ) -> StagedWrite:
-        resident = self.table.param(slot)
-        try:
-            if slot.is_expert:
-                fmt = self.table.expert_format(slot)
-                resident_scale = self.table.scale_param(slot)
-                logical = tuple(resident.shape[1:])
-                if fmt == FP4:
-                    logical = (logical[0], logical[1] * 2)
-                value, value_scale = to_expert(
-                    weight, scale, fmt, resident[slot.expert],
-                    None if resident_scale is None else resident_scale[slot.expert], self.layout, logical,
-                )
-            else:
-                n_experts = self.table.models[slot.role].cfg.n_routed_experts
-                value, value_scale = to_plain(weight, scale, resident, self.layout, n_experts), None
+            if route.kind == WEIGHT:
+                return self._weight(route.slot, tensor, origin, name)
+            if route.kind == SCALE:
+                return self._scale(route.slot, tensor, origin, name)
+            if route.kind == STACKED:
+                return self._stacked(route, tensor, origin, name)
         except ConversionError as exc:
-            raise self.error_type(f"{origin}: tensor {incoming} ({slot.native}): {exc}") from None
-        return StagedWrite(slot=slot, value=value, scale=value_scale, origin=origin)
+            raise self.error_type(f"{origin}: tensor {name} ({route.native}): {exc}") from None
+        self.ignored.add(route.native)
+        return 0
+
+    def _weight(self, slot: Slot, t: torch.Tensor, origin: str, name: str) -> int:
+        self._check_first(slot, name, origin, scale=False)
+        if slot.kind == TABLE:
+            if t.dtype not in INT_DTYPES:
+                raise ConversionError(f"integer table expects int32/int64 values, got {t.dtype}")
+            check_shape(t.shape, slot.logical, "table")
+            if not self.dry_run:
+                check_expert_table(t, slot.n_experts)
+            self._put(slot.dest, t)
+            return self._complete(slot, origin)
+        if t.dtype in FLOAT_DTYPES:
+            check_shape(t.shape, slot.logical, "weight" if slot.is_expert else "tensor")
+            self._float_values(slot, t)
+            return self._complete(slot, origin)
+        if t.dtype in INT_DTYPES:
+            raise ConversionError(f"expected floating values, got {t.dtype}")
+        if t.dtype in _NATIVE_BYTES.get(slot.kind, ()):
+            # The resident format's own bytes: written now, the scale may arrive later.
+            check_shape(t.shape, slot.dest.shape, f"{slot.kind} weight")
+            if slot.kind == FP8 and not self.dry_run:
+                check_fp8_codes(t)
+            pending = self._pending.get(slot)
+            scale, owned = (None, False) if pending is None else self._native_scale(slot, pending.scale)
+            self._put(slot.dest, t.view(slot.dest.dtype))
+            if pending is None:
+                self._awaiting_scale[slot] = origin
+                return 0
+            del self._pending[slot]
+            self._put(slot.scale_dest, scale, owned=owned)
+            return self._complete(slot, origin)
+        if t.dtype == E4M3 or (t.dtype in PACKED_DTYPES and slot.is_expert):
+            self._check_quantized_weight(slot, t)
+            pending = self._pending.get(slot)
+            if pending is not None:
+                return self._convert_pair(slot, t, pending.scale, origin)
+            self._pending[slot] = _Pending(weight=t, origin=origin)
+            return 0
+        if t.dtype in PACKED_DTYPES:
+            raise ConversionError(f"{t.dtype} bytes (packed fp4) only feed routed experts; "
+                                  f"this tensor takes float values, or fp8 with its .scale")
+        raise ConversionError(f"unsupported weight dtype {t.dtype}")
+
+    def _scale(self, slot: Slot, s: torch.Tensor, origin: str, name: str) -> int:
+        self._check_first(slot, name, origin, scale=True)
+        if slot.kind in (TABLE,) or (slot.kind == FLOAT and slot.dest.dim() != 2):
+            raise ConversionError(f"{slot.native} takes no scale")
+        if s.dtype not in FLOAT_DTYPES and s.dtype not in E8M0_DTYPES:
+            raise ConversionError(f"a scale must be float values or ue8m0 bytes, got {s.dtype}")
+        if not self.dry_run:  # what can be checked without its weight, checked now (one read)
+            if s.dtype in FLOAT_DTYPES:
+                check_finite(s)
+            else:
+                e8m0_bytes(s)
+        if slot in self._awaiting_scale:
+            scale, owned = self._native_scale(slot, s)
+            del self._awaiting_scale[slot]
+            self._put(slot.scale_dest, scale, owned=owned)
+            return self._complete(slot, origin)
+        pending = self._pending.get(slot)
+        if pending is not None:
+            return self._convert_pair(slot, pending.weight, s, origin)
+        self._pending[slot] = _Pending(scale=s, origin=origin)
+        return 0
+
+    def _stacked(self, route: Route, t: torch.Tensor, origin: str, name: str) -> int:
+        """HF's stacked experts: every expert's matrix goes the way a per-expert float tensor goes."""
+        try:
+            parts = split_stacked(name, t, tuple(stack.w for stack in route.stacks))
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from None
+        if t.dtype not in FLOAT_DTYPES:
+            raise ConversionError(f"stacked experts carry float values, got {t.dtype}")
+        for stack, part in zip(route.stacks, parts, strict=True):
+            check_shape(part.shape, stack.logical, f"stacked {stack.w}")
+            for slot in stack.slots:
+                self._check_first(slot, name, origin, scale=False)
+        for stack, part in zip(route.stacks, parts, strict=True):
+            for slot in stack.slots:
+                self._float_values(slot, part[slot.expert])
+                self._complete(slot, origin)
+        return sum(len(stack.slots) for stack in route.stacks)
+
+    # ---- conversions ----
+    def _float_values(self, slot: Slot, values: torch.Tensor) -> None:
+        """Float values (shape already checked) into a float, dense-expert or quantized slot."""
+        if self.dry_run:
+            return
+        if slot.kind in (FLOAT, DENSE):
+            check_finite(values)
+            self._put(slot.dest, values)
+            return
+        weight, scale = quantize_expert(values, slot.kind, self.layout)
+        self._put(slot.dest, weight, owned=True)
+        self._put(slot.scale_dest, scale, owned=True)
+
+    def _native_scale(self, slot: Slot, s: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """(resident value, whether it is a new tensor of ours) of the scale of a weight written in its
+        resident format (its values were checked at arrival); no value in a dry run. Writes nothing."""
+        if slot.kind == FP4:
+            if s.dtype not in E8M0_DTYPES:
+                raise ConversionError(f"ue8m0 scale must be float8_e8m0fnu or uint8 bytes, got {s.dtype}")
+            check_shape(s.shape, slot.scale_dest.shape, "fp4 scale")
+            return s.view(torch.uint8), False
+        check_shape(s.shape, slot.scale_dest.shape, "fp8 scale")
+        if self.dry_run:
+            return None, False
+        return fp8_scale_values(s), s.dtype not in FLOAT_DTYPES  # e8m0 bytes are decoded into a new tensor
+
+    def _check_quantized_weight(self, slot: Slot, t: torch.Tensor) -> None:
+        """Shape of FP8 / FP4 bytes that must be converted (they need their scale first)."""
+        if slot.kind == FLOAT and slot.dest.dim() != 2:
+            raise ConversionError(f"a {t.dtype} tensor cannot feed a {slot.dest.dim()}-D parameter")
+        out_dim, in_dim = slot.logical
+        if t.dtype == E4M3:
+            check_shape(t.shape, (out_dim, in_dim), "fp8 weight")
+        else:
+            check_shape(t.shape, (out_dim, in_dim // 2), "packed fp4 weight")
+
+    def _convert_pair(self, slot: Slot, weight: torch.Tensor, scale: torch.Tensor, origin: str) -> int:
+        """Both halves of a weight that is not in its resident format: dequantize, then store as resident."""
+        out_dim, in_dim = slot.logical
+        if weight.dtype == E4M3:
+            grid = fp8_scale_grid_shape((out_dim, in_dim), self.layout.fp8_block)
+        else:
+            grid = (out_dim, in_dim // self.layout.fp4_group)
+        check_shape(scale.shape, grid, f"{'fp8' if weight.dtype == E4M3 else 'fp4'} scale")
+        del self._pending[slot]
+        if not self.dry_run:
+            if slot.kind in (FLOAT, DENSE):
+                self._put(slot.dest, dequantize(weight, scale, self.layout, slot.logical, slot.dest.dtype), owned=True)
+            else:
+                values = dequantize(weight, scale, self.layout, slot.logical, torch.float32)
+                q, q_scale = quantize_expert(values, slot.kind, self.layout)
+                self._put(slot.dest, q, owned=True)
+                self._put(slot.scale_dest, q_scale, owned=True)
+        return self._complete(slot, origin)
 
     # ---- writing ----
-    @torch.no_grad()
-    def write(self, staged: StagedWrite) -> None:
-        """Copy into the resident storage (never rebinds)."""
-        resident = self.table.param(staged.slot)
-        if staged.slot.is_expert:
-            resident[staged.slot.expert].copy_(staged.value)
-            if staged.scale is not None:
-                self.table.scale_param(staged.slot)[staged.slot.expert].copy_(staged.scale)
-        else:
-            resident.copy_(staged.value)
-        self.written.add(staged.slot.native)
+    def _put(self, dest: torch.Tensor, value: torch.Tensor, owned: bool = False) -> None:
+        """Write `value` into `dest` in place, or stage it. `owned`: a fresh tensor of ours (a conversion's
+        result), which staging may keep without copying."""
+        if self.dry_run:
+            return
+        if self.staged:
+            if not owned:
+                buffer = torch.empty_like(dest)  # dest's strides: the commit copy is then a straight copy
+                copy_into(buffer, value)
+                value = buffer
+            self._staging.append((dest, value))
+            return
+        self._write(dest, value)
 
-    def load(self, name: str, tensor: torch.Tensor, origin: str) -> None:
-        for staged in self.stage(name, tensor, origin):
-            self.write(staged)
+    def _write(self, dest: torch.Tensor, value: torch.Tensor) -> None:
+        if not self.wrote:
+            self.wrote = True
+            if self._before_first_write is not None:
+                self._before_first_write()
+        copy_into(dest, value)
+
+    def commit(self) -> None:
+        """Apply the staged values (atomic refits): one copy per tensor into its resident storage."""
+        for dest, value in self._staging:
+            self._write(dest, value)
+        self._staging.clear()
+
+    def discard(self) -> None:
+        """Drop the staged values and anything waiting for a partner."""
+        self._staging.clear()
+        self._pending.clear()
+
+    def own_pending(self) -> None:
+        """Copy the halves still waiting for their partner out of the caller's buffers (a trainer reuses
+        its receive buffer for the next bucket). Only these few are ever copied."""
+        for pending in self._pending.values():
+            if not pending.owned:
+                pending.weight = None if pending.weight is None else pending.weight.clone()
+                pending.scale = None if pending.scale is None else pending.scale.clone()
+                pending.owned = True
 
     # ---- accounting ----
+    def _check_first(self, slot: Slot, name: str, origin: str, *, scale: bool) -> None:
+        first = self._completed.get(slot)
+        if first is not None and scale:
+            raise self.error_type(f"{origin}: tensor {name!r}: {slot.native} is already complete (from {first}), "
+                                  f"no weight waits for this scale")
+        if first is None:
+            if scale:
+                pending = self._pending.get(slot)
+                first = pending.origin if pending is not None and pending.scale is not None else None
+            else:
+                first = self._awaiting_scale.get(slot)
+                pending = self._pending.get(slot)
+                if first is None and pending is not None and pending.weight is not None:
+                    first = pending.origin
+        if first is not None:
+            raise self.error_type(f"{origin}: tensor {name!r} ({slot.native}) arrived twice (first from {first})")
+
+    def _complete(self, slot: Slot, origin: str) -> int:
+        self._completed[slot] = origin
+        self.written.add(slot.native)
+        return 1
+
     def unpaired(self) -> list[str]:
-        out = []
-        for name, p in sorted(self._pending.items()):
-            missing = "scale" if p.scale is None else "weight"
-            out.append(f"{name} (from {p.origin}) has no {missing}")
-        return out
+        """Weights still waiting for their scale, and scales without their weight, as messages."""
+        out = [(slot.native, f"{slot.native} (from {origin}) has no scale")
+               for slot, origin in self._awaiting_scale.items()]
+        for slot, pending in self._pending.items():
+            missing = "scale" if pending.scale is None else "weight"
+            out.append((slot.native, f"{slot.native} (from {pending.origin}) has no {missing}"))
+        return [message for _, message in sorted(out)]
 
     def check_complete(self, expected: set[str], what: str) -> None:
         """Raise unless every expected weight was written and no weight waits for its scale partner."""

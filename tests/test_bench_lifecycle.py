@@ -1,0 +1,31 @@
+"""benchmarks/bench_lifecycle.py --quick runs end to end and writes every figure it promises (JSON + plot).
+
+Only the machinery is checked here: timings on a shared machine are not results, so no ratio is held to
+its target (the benchmark itself records whether each one meets it).
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_lifecycle.py"
+
+
+def test_quick_mode_writes_every_figure(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_lifecycle", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "bench_lifecycle_quick.json").read_text())
+    row = results["sizes"]["tiny"]
+    assert set(module.TARGETS) <= set(row)
+    for key in module.TARGETS:
+        figure = row[key]
+        assert figure["ratio"] > 0 and figure["target"] == module.TARGETS[key], key
+    for key in ("load_native_warm", "refit_native_fail_stop", "refit_bf16_fail_stop"):
+        assert row[key]["baseline_s"] > 0 and row[key]["dsv4_s"] > 0
+    assert row["refit_tensors"] > 0 and row["refit_bytes"] > 0 and row["build_s"] > 0
+    assert row["peak_rss"]["resident"] == row["resident_bytes"]
+    assert (tmp_path / "bench_lifecycle_quick.png").stat().st_size > 0
