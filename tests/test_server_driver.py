@@ -126,8 +126,11 @@ def test_pause_abort_ends_requests_and_holds_new_ones_until_resume(llm):
         aborted = await _drain(stream)
         held = driver.submit([_input(llm, SamplingParams(max_tokens=3, ignore_eos=True))], "b", stream=False)
         state = await driver.state()
+        while state["waiting"] == 0:  # until the engine thread took it (TIMEOUT_S bounds the scenario)
+            await asyncio.sleep(0.01)
+            state = await driver.state()
         await asyncio.sleep(0.2)
-        assert not held.done  # nothing runs while paused
+        assert not held.done and (await driver.state())["running"] == 0  # nothing runs while paused
         await driver.resume()
         return aborted, state, await _drain(held)
 

@@ -113,9 +113,14 @@ def test_refused_and_failed_updates_apply_nothing_and_keep_the_group(ckpts, fres
     steps = [_step(base_version=5), _step(change_after_plan=True), _step(unknown_tensor=True), _step()]
     with Trainer(ckpts.new_tensors, steps) as trainer:
         _join(trainer, llm)
+        meta = trainer.next("meta")
+        # 0. a bad argument is refused here before the protocol starts: the trainer still waits for the plan's
+        #    acceptance, which the next call gives
+        with pytest.raises(ConfigError, match="pause"):
+            llm.update_weights_from_distributed(meta, pause="sometimes")
         # 1. built for another weights version: refused on both ends before a byte moves
         with pytest.raises(WeightUpdateError, match=r"based on weights version 5.*holds version 0"):
-            llm.update_weights_from_distributed(trainer.next("meta"))
+            llm.update_weights_from_distributed(meta)
         kind, message = trainer.next("error")
         assert kind == "WeightUpdateError" and "refused it" in message and "version 5" in message
         # 2. a tensor changed between plan and send: the checksum catches it, nothing is applied

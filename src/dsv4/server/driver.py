@@ -44,7 +44,7 @@ from dsv4.engine.llm import LLM
 from dsv4.engine.outputs import RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.sequence import ABORT as FINISH_ABORT
-from dsv4.errors import Dsv4Error, WeightsNotReadyError
+from dsv4.errors import Dsv4Error, WeightsNotReadyError, WeightTransferError
 from dsv4.server.errors import ApiError
 from dsv4.server.metrics import ServerMetrics
 from dsv4.weights.checkpoint import CheckpointDir
@@ -229,6 +229,7 @@ class EngineDriver:
         self._admin: concurrent.futures.ThreadPoolExecutor | None = None
         self._live = 0  # engine requests submitted and not yet closed (event-loop side)
         self._session: WeightUpdateSession | None = None  # the session POST /admin/weights/begin opened
+        self._transfer_group: dict | None = None  # the trainer's group init_transfer joined (its description)
         self._stopping = False
         self.metrics.cache_slots_total.set(llm.limits.max_num_seqs)
         self._publish_gauges()
@@ -433,8 +434,14 @@ class EngineDriver:
         Raises:
             ConfigError: a bad argument. WeightTransferError: the trainer unreachable or disagreeing.
         """
-        return await self._run_admin(lambda: self.llm.init_weight_transfer(
-            master_address, master_port, rank_offset, world_size, group_name, backend, timeout))
+
+        def run():
+            self._transfer_group = None  # a failed join leaves no group behind
+            self._transfer_group = self.llm.init_weight_transfer(
+                master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
+            return self._transfer_group
+
+        return await self._run_admin(run)
 
     async def update_weights_from_distributed(self, metadata: dict, atomic: bool, full: bool, mode: str) -> dict:
         """Receive the update `metadata` plans while the trainer sends it (`LLM.update_weights_from_distributed`).
@@ -444,11 +451,22 @@ class EngineDriver:
             {"version", "update_id", "buckets", "tensors", "bytes", "seconds", ...}.
 
         Raises:
+            ApiError: no transfer group was joined (409).
             WeightUpdateError: refused (base version, metadata, a session open) or failed; the trainer gets
                 the same reason. WeightTransferError: the trainer died or timed out.
         """
-        return await self._run_admin(lambda: self.llm.update_weights_from_distributed(
-            metadata, atomic=atomic, full=full, pause=mode))
+
+        def run():
+            if self._transfer_group is None:
+                raise ApiError("no weight transfer group: POST /admin/weights/init_transfer first",
+                               status=HTTPStatus.CONFLICT)
+            try:
+                return self.llm.update_weights_from_distributed(metadata, atomic=atomic, full=full, pause=mode)
+            except WeightTransferError:  # the group is unusable now: a new init_transfer is needed
+                self._transfer_group = {**self._transfer_group, "usable": False}
+                raise
+
+        return await self._run_admin(run)
 
     async def update_weights_from_shared(self, metadata: dict, handle: dict, atomic: bool, full: bool,
                                          mode: str) -> dict:
@@ -468,8 +486,8 @@ class EngineDriver:
         return await self._run_admin(self.llm.weight_report)
 
     async def state(self) -> dict:
-        """paused, weights_version, weights_ready, weight_update_open, running and waiting sequences.
-        Answered even while an admin operation runs (it waits only for the engine's lock)."""
+        """paused, weights_version, weights_ready, weight_update_open, running and waiting sequences, the
+        transfer group joined. Answered even while an admin operation runs (it waits only for the engine's lock)."""
         return await asyncio.to_thread(self._state)
 
     # ---------------------------------------------------------------- engine thread
@@ -568,6 +586,7 @@ class EngineDriver:
             "weight_update_open": session is not None and session.active,
             "running": stats.running,
             "waiting": stats.waiting,
+            "transfer_group": self._transfer_group,
         }
 
     def weights_ready(self) -> bool:
