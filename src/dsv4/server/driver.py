@@ -17,8 +17,8 @@ driver adds only what serving over HTTP needs:
                   overtakes the pause sent before it. What they wait for (requests to finish, a trainer's
                   broadcast) blocks that thread only: the event loop keeps answering and the engine
                   thread keeps stepping, except while the update's pause mode holds generation.
-  disconnects     `OutputStream.close()` aborts whatever the client left running; the slot is free before
-                  the engine's next step.
+  disconnects     `OutputStream.close()` aborts whatever the client left running; the engine thread
+                  frees its slots before it runs its next step.
 
 Weights are written only by admin operations, hence only on the admin thread: the weight report, also
 taken there, never sees a half-written update.
