@@ -471,7 +471,7 @@ def test_weight_sync_from_a_trainer_process_through_the_admin_routes(server, adm
 
 
 def test_weight_sync_routes_refuse_bad_requests(server, admin):
-    version = _version(admin)
+    version = _serve_a(admin)
     for body, param in (({"master_port": 1}, "master_address"),
                         ({"master_address": "127.0.0.1", "master_port": 0}, "master_port"),
                         ({"master_address": "127.0.0.1", "master_port": 1, "backend": "mpi"}, "backend"),
@@ -479,11 +479,20 @@ def test_weight_sync_routes_refuse_bad_requests(server, admin):
                         ({"master_address": "127.0.0.1", "master_port": 1, "timeout": -1}, "timeout")):
         r = admin.post("/admin/weights/init_transfer", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
-    # Nobody listens on a port bound here and never listened on: a 502 naming the trainer's store.
+    # Nobody listens on a port bound here and never listened on: a 502 naming the trainer's store, after
+    # the timeout, during which the server keeps serving (the join waits on the admin thread only).
+    answer: list[httpx.Response] = []
     with socket.socket() as reserved:
         reserved.bind(("127.0.0.1", 0))
-        r = admin.post("/admin/weights/init_transfer", json={
-            "master_address": "127.0.0.1", "master_port": reserved.getsockname()[1], "timeout": 1})
+        join = threading.Thread(target=lambda: answer.append(admin.post("/admin/weights/init_transfer", json={
+            "master_address": "127.0.0.1", "master_port": reserved.getsockname()[1], "timeout": 3})))
+        join.start()
+        time.sleep(0.2)
+        assert _complete(server.url, PROMPTS[0])["text"] == "01234"
+        assert httpx.get(server.url + "/admin/state", headers=AUTH, timeout=TIMEOUT_S).json()["running"] == 0
+        assert join.is_alive()  # both answered while the join was still waiting
+        join.join(TIMEOUT_S)
+    (r,) = answer
     assert r.status_code == 502 and "could not reach the trainer's store" in r.json()["error"]["message"]
     r = admin.post("/admin/weights/update_distributed", json={"metadata": {"update_id": "x"}})
     assert r.status_code == 409 and "init_transfer" in r.json()["error"]["message"]
