@@ -9,8 +9,8 @@ each with ignore_eos, so both sides generate exactly the same number of tokens):
               median of the back-to-back pairs' ratios (goal: >= 0.85).
   latency     c concurrent streaming clients: client-side time to first token and inter-token latency,
               p50 / p99 (pooled over the repeats).
-  load        benchmarks/load_server.py at full size (64 streaming clients, a weight reload under load,
-              100 clients that disconnect mid-stream) against the same server.
+  load        benchmarks/load_server.py at full size (64 streaming clients, a weight reload under load with
+              pause mode retract, 100 clients that disconnect mid-stream) against the same server.
   transformers  the same streaming and non-streamed clients against `transformers serve` on the bf16 twin
               of the embedded model, where it runs (it has no ignore_eos: both servers then get the same
               requests without it and stop at the model's EOS; tokens/s from each server's usage counts).
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         report["dsv4"] = bench_dsv4(server.url, llm, concurrency, repeats, max_tokens)
         del llm
         report["load"] = asyncio.run(load_server.run_load(
-            server.url, token, preset["clients"], preset["disconnects"], load_server.DEFAULT_MAX_TOKENS, "wait",
+            server.url, token, preset["clients"], preset["disconnects"], load_server.DEFAULT_MAX_TOKENS, "retract",
             DEFAULT_MODEL))
         if args.quick or args.no_transformers:
             report["transformers"] = {"runs": None, "reason": "skipped (--quick / --no-transformers)"}

@@ -4,16 +4,19 @@ Three phases against one server (started here on a free loopback port, or a runn
 
   streams     --clients concurrent streaming clients; every one must end with a finish_reason of
               "stop" or "length", a usage chunk and [DONE], and no error
-  update      the same number of clients in two waves while an admin pauses generation (--pause-mode),
-              reloads the weights from the server's --weights-root, and resumes: no client may fail or
-              be aborted, and no completion may mix weights versions (retract mode: each stretch names one)
+  update      the same number of clients in two waves: once the first streams, an admin pauses generation
+              (--pause-mode), the second wave arrives, the weights are reloaded from the server's
+              --weights-root, and generation resumes. No client may fail (nor be aborted unless the mode is
+              abort); each completion's weights_versions tile its tokens; the first wave runs on the old
+              weights, except that with retract exactly the sequences the pause retracted go on under the
+              new ones (two stretches); the second wave runs on the new weights
   disconnect  --disconnects clients that leave after their first event; afterwards no cache slot and no
               running request may remain (read from /metrics)
 
 Prints a JSON summary (client-side TTFT / inter-token latency percentiles too) and exits non-zero if a
 check failed. Only loopback addresses are accepted as targets.
 
-    python benchmarks/load_server.py                      # launches the embedded model, full size
+    python benchmarks/load_server.py                      # launches the embedded model, full size, retract
     python benchmarks/load_server.py --clients 16 --disconnects 20 --pause-mode wait
     python benchmarks/load_server.py --url http://127.0.0.1:8000 --admin-token T --reload-path dsv4-sort
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import itertools
 import json
 import random
 import secrets
@@ -66,8 +70,20 @@ class StreamResult:
     done: bool = False
 
     @property
-    def versions_per_choice(self) -> list[set[int]]:
-        return [{s["version"] for s in choice} for choice in self.stretches]
+    def versions_per_choice(self) -> list[list[int]]:
+        """Per choice, the versions of its stretches in order (runs of one version joined)."""
+        return [[v for v, _ in itertools.groupby(s["version"] for s in choice)] for choice in self.stretches]
+
+    @property
+    def stretches_tile(self) -> bool:
+        """Whether each choice's stretches cover its tokens back to back, with versions that only grow."""
+        for choice in self.stretches:
+            ends = [0] + [s["end"] for s in choice[:-1]]
+            if [s["start"] for s in choice] != ends or any(s["end"] <= s["start"] for s in choice):
+                return False
+            if any(a["version"] > b["version"] for a, b in itertools.pairwise(choice)):
+                return False
+        return True
 
 
 def prompt(rng: random.Random) -> str:
@@ -184,7 +200,14 @@ async def phase_streams(client: httpx.AsyncClient, url: str, clients: int, max_t
 
 async def phase_update(client: httpx.AsyncClient, url: str, admin: httpx.AsyncClient, clients: int,
                        max_tokens: int, mode: str, reload_path: str, seed: int) -> dict:
-    """Wave 1 streams; once it has tokens, pause(mode) + reload + resume while wave 2 arrives."""
+    """Wave 1 streams; once every client of it has a token, pause(mode), then wave 2 arrives (it waits for
+    the resume), the weights are reloaded and generation resumes. What each wave may see:
+
+      wave 1   requests in flight at the pause: "abort" ends them, "wait" lets them finish on the old
+               weights, "retract" preempts them and they go on under the new ones (then exactly the
+               sequences the pause retracted have two stretches, old version then new);
+      wave 2   queued during the pause: every token on the new weights.
+    """
     rng = random.Random(seed)
     version_before = (await admin.get("/admin/state")).json()["weights_version"]
     first_wave = clients // 2
@@ -194,32 +217,35 @@ async def phase_update(client: httpx.AsyncClient, url: str, admin: httpx.AsyncCl
              for i in range(first_wave)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), CLIENT_TIMEOUT_S)
 
-    async def update() -> list[dict]:
-        answers = []
-        for path, body in (("/admin/pause", {"mode": mode}), ("/admin/weights/reload", {"path": reload_path,
-                           "mode": mode}), ("/admin/resume", None)):
-            r = await admin.post(path, json=body)
-            answers.append({"route": path, "status": r.status_code, "body": r.json()})
-        return answers
+    async def admin_call(path: str, body: dict | None) -> dict:
+        r = await admin.post(path, json=body)
+        return {"route": path, "status": r.status_code, "body": r.json()}
 
-    updating = asyncio.ensure_future(update())
-    await asyncio.sleep(0)  # the pause is sent before the second wave
+    answers = [await admin_call("/admin/pause", {"mode": mode})]
+    retracted = answers[0]["body"].get("waiting", 0) if mode == "retract" else 0  # wave 2 is not sent yet
     wave2 = [asyncio.ensure_future(stream_completion(client, url, _body(rng, max_tokens)))
              for _ in range(clients - first_wave)]
-    answers = await updating
-    results = await asyncio.gather(*wave1, *wave2)
-    summary = summarize(list(results), time.perf_counter() - start)
+    answers.append(await admin_call("/admin/weights/reload", {"path": reload_path, "mode": mode}))
+    answers.append(await admin_call("/admin/resume", None))
+    results1, results2 = await asyncio.gather(asyncio.gather(*wave1), asyncio.gather(*wave2))
+    results = [*results1, *results2]
+    summary = summarize(results, time.perf_counter() - start)
     version_after = (await admin.get("/admin/state")).json()["weights_version"]
     ok_finish = OK_FINISH | ({"abort"} if mode == "abort" else set())
-    mixed = [i for i, r in enumerate(results) for versions in r.versions_per_choice
-             if len(versions) > 1 and mode != "retract"]
+    two_versions = [[version_before, version_after]]
+    recomputed = sum(vs in two_versions for r in results1 for vs in r.versions_per_choice)
     summary.update({
         "pause_mode": mode, "admin": answers, "version_before": version_before, "version_after": version_after,
         "versions_seen": sorted({v for r in results for vs in r.versions_per_choice for v in vs}),
-        "mixed_version_completions": mixed,
+        "retracted": retracted, "recomputed_choices": recomputed,
+        "stretches_tile": all(r.stretches_tile for r in results),
+        "wave2_on_new_weights": all(vs == [version_after] for r in results2 for vs in r.versions_per_choice),
     })
-    summary["ok"] = (all(_completed(r, ok_finish) for r in results) and not mixed
-                     and all(a["status"] == 200 for a in answers) and version_after == version_before + 1)
+    wave1_ok = all(vs in ([[version_before]] + (two_versions if mode == "retract" else []))
+                   for r in results1 for vs in r.versions_per_choice if vs)
+    summary["ok"] = (all(_completed(r, ok_finish) for r in results) and all(a["status"] == 200 for a in answers)
+                     and version_after == version_before + 1 and summary["stretches_tile"] and wave1_ok
+                     and summary["wave2_on_new_weights"] and recomputed == retracted)
     return summary
 
 
@@ -272,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=DEFAULT_CLIENTS)
     parser.add_argument("--disconnects", type=int, default=DEFAULT_DISCONNECTS)
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    parser.add_argument("--pause-mode", choices=("abort", "wait", "retract"), default="wait")
+    parser.add_argument("--pause-mode", choices=("abort", "wait", "retract"), default="retract")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="the whole run's deadline (s)")
     parser.add_argument("--json", type=Path, help="also write the summary here")
     args = parser.parse_args(argv)

@@ -40,8 +40,12 @@ def _run(llm: LLM, scenario):
     return asyncio.run(main())
 
 
+def _prompt_ids(llm: LLM, prompt: str = PROMPT) -> list[int]:
+    return llm.tokenizer.encode(prompt).ids
+
+
 def _input(llm: LLM, params: SamplingParams = LONG, prompt: str = PROMPT) -> EngineInput:
-    return EngineInput(llm.tokenizer.encode(prompt).ids, params, prompt)
+    return EngineInput(_prompt_ids(llm, prompt), params, prompt)
 
 
 async def _drain(stream) -> list:
@@ -74,7 +78,7 @@ def test_abort_frees_the_slot_before_the_next_step_but_one(llm):
     step = engine.step
 
     def counted_step():
-        free_at_step.append(len(engine.free_slots))
+        free_at_step.append(engine.stats().free_slots)
         return step()
 
     engine.step = counted_step
@@ -94,7 +98,7 @@ def test_abort_frees_the_slot_before_the_next_step_but_one(llm):
     assert len(after) > 3
     # Steps that began after the close: the first may still see the 4 slots in use, none after it.
     assert all(free >= slots - 1 for free in after[1:]), after
-    assert len(engine.free_slots) == slots and not engine.requests
+    assert engine.stats().free_slots == slots and not engine.requests
 
 
 def test_pause_wait_lets_requests_finish_and_a_later_resume_is_not_overtaken(llm):
@@ -122,24 +126,59 @@ def test_pause_abort_ends_requests_and_holds_new_ones_until_resume(llm):
         aborted = await _drain(stream)
         held = driver.submit([_input(llm, SamplingParams(max_tokens=3, ignore_eos=True))], "b", stream=False)
         state = await driver.state()
+        while state["waiting"] == 0:  # until the engine thread took it (TIMEOUT_S bounds the scenario)
+            await asyncio.sleep(0.01)
+            state = await driver.state()
         await asyncio.sleep(0.2)
-        assert not held.done  # nothing runs while paused
+        assert not held.done and (await driver.state())["running"] == 0  # nothing runs while paused
         await driver.resume()
         return aborted, state, await _drain(held)
 
     aborted, state, late = _run(llm, scenario)
     assert aborted[-1].outputs[0].finish_reason == "abort"
-    assert state["paused"] and state["held"] == 1 and state["running"] == 0
+    assert state["paused"] and state["waiting"] == 1 and state["running"] == 0
     assert len(late[-1].outputs[0].token_ids) == 3
 
 
-def test_retract_is_refused_until_the_engine_can_preempt(llm):
-    async def scenario(driver):
-        with pytest.raises(ApiError, match="retract") as err:
-            await driver.pause("retract")
-        return err.value
+def test_retract_pause_then_update_recomputes_the_request_under_the_new_weights(llm):
+    """pause("retract") mid-request, a weight session, resume: the request goes on under the new weights,
+    its first stretch on version 0 and the rest on version 1, and the tokens after the update are what
+    the new weights give greedily for the prompt plus the tokens before it."""
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    new_weights = _relabeled(llm)
+    reference = LLM(max_num_seqs=8)
+    reference.update_weights(new_weights)
 
-    assert _run(llm, scenario).param == "mode"
+    async def scenario(driver):
+        stream = driver.submit([_input(llm, greedy)], "a", stream=True)
+        outs = [(await stream.next())[1]]
+        paused = await driver.pause("retract")
+        await driver.begin_weight_update(atomic=True, full=False, mode="wait")  # joins the user's pause
+        await driver.load_weight_bucket(new_weights)
+        finished = await driver.finish_weight_update()
+        assert not stream.done  # retracted: it waits for the resume
+        await driver.resume()
+        outs += await _drain(stream)
+        return paused, finished, outs
+
+    paused, finished, outs = _run(llm, scenario)
+    assert paused["running"] == 0 and paused["waiting"] == 1 and finished == {"version": 1}
+    tokens = _tokens(outs)
+    spans = [s for o in outs for s in o.outputs[0].weights_versions]
+    merged = [list(spans[0])]
+    for v, b, e in spans[1:]:
+        assert b == merged[-1][2]  # the stretches tile the tokens in order
+        if v == merged[-1][0]:
+            merged[-1][2] = e
+        else:
+            merged.append([v, b, e])
+    assert [v for v, _, _ in merged] == [0, 1] and merged[-1][2] == len(tokens) == 30, merged
+    cut = merged[1][1]
+    expected = reference.generate([_prompt_ids(llm) + tokens[:cut]],
+                                  SamplingParams(max_tokens=30 - cut, temperature=0.0, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens[cut:] == expected
+    assert outs[-1].outputs[0].finish_reason == "length" and outs[-1].weights_version == 1
 
 
 def test_weight_update_waits_for_requests_in_flight_and_never_lands_inside_one(llm):
@@ -174,7 +213,7 @@ def test_failed_fail_stop_update_refuses_requests_until_a_complete_one(llm):
         await driver.load_weight_bucket({"embed.weight": good["embed.weight"]})  # written: not READY now
         with pytest.raises(Exception, match="shape"):
             await driver.load_weight_bucket({"head.weight": torch.zeros(3, 3, dtype=torch.bfloat16)})
-        with pytest.raises(ApiError, match="not ready") as refused:
+        with pytest.raises(ApiError, match="not READY") as refused:
             await held.next()
         await driver.begin_weight_update(atomic=True, full=True, mode="wait")
         await driver.load_weight_bucket(good)
@@ -212,7 +251,7 @@ def test_an_engine_failure_ends_the_requests_in_it_and_the_driver_keeps_serving(
     error, after = _run(llm, scenario)
     assert error.status == 500
     assert after[-1].outputs[0].text == "01234"
-    assert len(engine.free_slots) == llm.limits.max_num_seqs
+    assert engine.stats().free_slots == llm.limits.max_num_seqs
 
 
 def test_queue_limit_refuses_with_503(llm):

@@ -9,8 +9,7 @@ wait has a timeout, and the process is killed in `finally`.
 
 from __future__ import annotations
 
-import multiprocessing
-import queue
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +22,18 @@ import reference as ref
 from dsv4 import LLM, SamplingParams
 from dsv4.errors import ConfigError, WeightsNotReadyError, WeightTransferError, WeightUpdateError
 from dsv4.rl import ColocatedWeightSender
-from weight_trainer import DIE_EXIT_CODE, UNKNOWN_TENSOR, free_port, run_trainer, wait_listening
+from weight_trainer import (
+    DIE_EXIT_CODE,
+    GROUP_TIMEOUT_S,
+    QUEUE_WAIT_S,
+    UNKNOWN_TENSOR,
+    Trainer,
+    free_port,
+    wait_listening,
+)
 
 OLD_SEED, NEW_SEED, OLD_MTP_SEED, NEW_MTP_SEED = 1, 2, 11, 12
 ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 64, "draft": "mtp"}
-GROUP_TIMEOUT_S = 30.0  # any single wait inside the group; a dead peer is seen at once, a hang by this
-QUEUE_WAIT_S = 120.0  # the trainer process's messages (its start imports torch)
 SMALL_BUCKETS = 64 << 10  # many buckets for the tiny model (~0.5 MB of FP8/FP4 bytes)
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
 
@@ -66,38 +71,9 @@ def _pointers(llm: LLM) -> dict[str, int]:
     return {name: t["data_ptr"] for name, t in llm.weight_report()["tensors"].items()}
 
 
-class Trainer:
-    """The trainer process (rank 0), started on enter, killed on exit whatever happened."""
-
-    def __init__(self, tensors: Path, steps: list[dict], world_size: int = 2, timeout: float = GROUP_TIMEOUT_S):
-        self.port, self.timeout = free_port(), timeout
-        context = multiprocessing.get_context("spawn")
-        self.out = context.Queue()
-        self.process = context.Process(
-            target=run_trainer, args=(self.port, world_size, str(tensors), steps, self.out, timeout),
-            daemon=True,
-        )
-
-    def __enter__(self) -> Trainer:
-        self.process.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=10)
-
-    def next(self, kind: str):
-        try:
-            got, payload = self.out.get(timeout=QUEUE_WAIT_S)
-        except queue.Empty:
-            raise AssertionError(f"the trainer sent nothing within {QUEUE_WAIT_S} s (waiting for {kind})") from None
-        assert got == kind, (got, payload)
-        return payload
-
-    def join(self, engine: LLM, **kwargs) -> None:
-        engine.init_weight_transfer("127.0.0.1", self.port, timeout=self.timeout, **kwargs)
-        self.next("joined")
+def _join(trainer: Trainer, engine: LLM, **kwargs) -> None:
+    engine.init_weight_transfer("127.0.0.1", trainer.port, timeout=trainer.timeout, **kwargs)
+    trainer.next("joined")
 
 
 def _step(base_version: int | None = 0, **options) -> dict:
@@ -111,7 +87,7 @@ def test_update_over_gloo_equals_a_fresh_load_drafter_included(ckpts, fresh_new)
     stream = llm.stream([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))
     first = next(stream)  # a request in flight, its cache computed with the old weights
     with Trainer(ckpts.new_tensors, [_step()]) as trainer:
-        trainer.join(llm)
+        _join(trainer, llm)
         result = llm.update_weights_from_distributed(trainer.next("meta"))
         sent = trainer.next("sent")
     assert result["version"] == 1 == llm.weights_version == sent["versions"][1]
@@ -136,10 +112,15 @@ def test_refused_and_failed_updates_apply_nothing_and_keep_the_group(ckpts, fres
     before = _checksums(llm)
     steps = [_step(base_version=5), _step(change_after_plan=True), _step(unknown_tensor=True), _step()]
     with Trainer(ckpts.new_tensors, steps) as trainer:
-        trainer.join(llm)
+        _join(trainer, llm)
+        meta = trainer.next("meta")
+        # 0. a bad argument is refused here before the protocol starts: the trainer still waits for the plan's
+        #    acceptance, which the next call gives
+        with pytest.raises(ConfigError, match="pause"):
+            llm.update_weights_from_distributed(meta, pause="sometimes")
         # 1. built for another weights version: refused on both ends before a byte moves
         with pytest.raises(WeightUpdateError, match=r"based on weights version 5.*holds version 0"):
-            llm.update_weights_from_distributed(trainer.next("meta"))
+            llm.update_weights_from_distributed(meta)
         kind, message = trainer.next("error")
         assert kind == "WeightUpdateError" and "refused it" in message and "version 5" in message
         # 2. a tensor changed between plan and send: the checksum catches it, nothing is applied
@@ -163,7 +144,7 @@ def test_a_trainer_dying_mid_transfer_fails_fast_and_nothing_half_applied_serves
     llm = LLM(ckpts.old, **ENGINE)
     before = _checksums(llm)
     with Trainer(ckpts.new_tensors, [_step(die_at_bucket=3)]) as trainer:
-        trainer.join(llm)
+        _join(trainer, llm)
         meta = trainer.next("meta")
         start = time.perf_counter()
         with pytest.raises(WeightTransferError, match="receiving bucket"):
@@ -183,7 +164,7 @@ def test_a_trainer_dying_mid_transfer_fails_fast_and_nothing_half_applied_serves
     with pytest.raises(WeightTransferError, match="unusable"):
         llm.update_weights_from_distributed(meta)
     with Trainer(ckpts.new_tensors, [_step()]) as trainer:  # a new group and a full update repair it
-        trainer.join(llm)
+        _join(trainer, llm)
         assert llm.update_weights_from_distributed(trainer.next("meta"), atomic=False)["version"] == 1
         trainer.next("sent")
     assert llm.weight_report()["ready"] and _checksums(llm) == fresh_new["checksums"]
@@ -194,7 +175,7 @@ def test_a_trainer_that_never_sends_times_out_and_leaves_no_session_open(ckpts):
     before = _checksums(llm)
     timeout = 3.0
     with Trainer(ckpts.new_tensors, [_step(skip_send=True)]) as trainer:
-        wait_listening(trainer.port, QUEUE_WAIT_S)  # the engine's short timeout starts once the trainer is up
+        wait_listening(trainer.port, QUEUE_WAIT_S)  # the engine's short timeout starts once the trainer listens
         llm.init_weight_transfer("127.0.0.1", trainer.port, timeout=timeout)
         trainer.next("joined")
         start = time.perf_counter()
@@ -209,8 +190,12 @@ def test_a_trainer_that_never_sends_times_out_and_leaves_no_session_open(ckpts):
 def test_join_fails_fast_with_the_reason(ckpts):
     llm = LLM(ckpts.old, **ENGINE)
     start = time.perf_counter()
-    with pytest.raises(WeightTransferError, match="could not reach the trainer's store"):
-        llm.init_weight_transfer("127.0.0.1", free_port(), timeout=2.0)  # nobody listens there
+    # A port bound here and never listened on: connections to it are refused, and no other process can
+    # start listening there meanwhile (as one could on a port merely found free).
+    with socket.socket() as reserved:
+        reserved.bind(("127.0.0.1", 0))
+        with pytest.raises(WeightTransferError, match="could not reach the trainer's store"):
+            llm.init_weight_transfer("127.0.0.1", reserved.getsockname()[1], timeout=2.0)
     assert time.perf_counter() - start < 30
     with Trainer(ckpts.new_tensors, [], world_size=3) as trainer:  # the trainer expects two engine ranks
         expected = r"trainer rank 0 has world_size=3, engine rank 1 has world_size=2"

@@ -381,13 +381,16 @@ class LLM:
         )
         return self._weight_receiver.describe()
 
-    def update_weights_from_distributed(self, metadata: dict, atomic: bool = True, full: bool = False) -> dict:
+    def update_weights_from_distributed(
+        self, metadata: dict, atomic: bool = True, full: bool = False, pause: str = PAUSE_ABORT
+    ) -> dict:
         """Receive the update `metadata` describes while the trainer runs `WeightSender.send`, as one refit
-        session (`begin_weight_update(atomic, full)`).
+        session (`begin_weight_update(atomic, full, pause)`): in atomic mode generation goes on while the
+        buckets arrive, and pauses per `pause` only to apply them.
 
         Args:
             metadata: the trainer's `WeightSender.plan(...)` (JSON).
-            atomic, full: as for `begin_weight_update`.
+            atomic, full, pause: as for `begin_weight_update`.
 
         Returns:
             {"version", "update_id", "buckets", "tensors", "bytes", "seconds", "receive_wait_s", "apply_s",
@@ -397,22 +400,23 @@ class LLM:
             WeightUpdateError: refused before a byte moved (base version, metadata) or failed (a checksum, a
                 rejected tensor); atomic mode keeps the previous weights serving.
             WeightTransferError: no group, or the trainer died or timed out (the group is unusable then).
+            ConfigError, ArgumentTypeError: a bad pause mode, atomic or full (before any exchange).
         """
         from dsv4.errors import WeightTransferError
         from dsv4.weights.transfer import max_update_bytes
 
         if self._weight_receiver is None:
             raise WeightTransferError("no weight transfer group: call init_weight_transfer(...) first")
-        begin = lambda: self.begin_weight_update(atomic=atomic, full=full)
+        begin = self._session_opener("update_weights_from_distributed", atomic, full, pause)
         return self._weight_receiver.update(metadata, self.weights_version, begin, max_update_bytes(self.loaded))
 
     def update_weights_from_shared(
-        self, metadata: dict, handle: dict, atomic: bool = True, full: bool = False
+        self, metadata: dict, handle: dict, atomic: bool = True, full: bool = False, pause: str = PAUSE_ABORT
     ) -> dict:
         """The same update from a colocated trainer's shared memory (`dsv4.rl.ColocatedWeightSender`).
 
         Args:
-            metadata: `sender.plan(...)`. handle: `sender.share(...)`. atomic, full: as for
+            metadata: `sender.plan(...)`. handle: `sender.share(...)`. atomic, full, pause: as for
                 `begin_weight_update`.
 
         Returns:
@@ -420,11 +424,21 @@ class LLM:
 
         Raises:
             WeightUpdateError: refused (base version, metadata, a handle outside shared memory) or failed.
+            ConfigError, ArgumentTypeError: a bad pause mode, atomic or full.
         """
         from dsv4.weights.transfer import max_update_bytes, update_from_shared
 
-        begin = lambda: self.begin_weight_update(atomic=atomic, full=full)
+        begin = self._session_opener("update_weights_from_shared", atomic, full, pause)
         return update_from_shared(metadata, handle, self.weights_version, begin, max_update_bytes(self.loaded))
+
+    def _session_opener(self, caller: str, atomic: bool, full: bool, pause: str):
+        """`begin_weight_update(atomic, full, pause)` for a transfer to call once it accepted the plan. The
+        arguments are checked now, before any exchange with the trainer: a bad one found only when the
+        session opens would leave the trainer waiting for this engine's answer until its timeout."""
+        require_bool(f"{caller}: atomic", atomic)
+        require_bool(f"{caller}: full", full)
+        check_pause_mode(pause)
+        return lambda: self.begin_weight_update(atomic=atomic, full=full, pause=pause)
 
     def iter_weights(self):
         """Every loadable tensor as (native name, resident-format view); feeds another engine's update."""

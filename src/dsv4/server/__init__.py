@@ -3,8 +3,8 @@
     launch.py       `dsv4 serve` arguments -> LLM + app -> uvicorn
     app.py          the FastAPI app: routes, OpenAI-shaped errors, body limits, auth gates
     openai_api.py   /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, ...
-    admin.py        /admin: pause / resume, weight update sessions, reload, report
-    driver.py       the engine thread: every engine and weight call, serialized
+    admin.py        /admin: pause / resume, weight update sessions, reload, report, weight sync from a trainer
+    driver.py       the engine thread, per-request output sinks, the admin thread (operations in order)
     completions.py  requests -> engine inputs, engine outputs -> responses and stream chunks
     streaming.py    server-sent events, client disconnects
     protocol.py     pydantic request / response bodies

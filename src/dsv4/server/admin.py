@@ -1,8 +1,10 @@
-"""The admin routes (/admin/...): pause and resume generation, weight update sessions, reload, report.
+"""The admin routes (/admin/...): pause and resume generation, weight update sessions, reload, report, and
+weight sync from a trainer.
 
 Mounted only when the server has an admin token; `BearerGate` (auth.py) checks it before any body is
-read. Every operation runs on the engine thread in arrival order (see driver.py), so a pause, a resume
-and the steps of a weight update never interleave with each other or with a forward.
+read. Every operation but /admin/state runs on the driver's admin thread in arrival order (driver.py), so a
+pause, a resume and the steps of a weight update never interleave with each other; the engine changes
+weights only between its steps, never under a forward.
 
     POST /admin/pause            {"mode": "abort"|"wait"|"retract"}   -> state once paused
     POST /admin/resume                                                 -> state
@@ -13,6 +15,18 @@ and the steps of a weight update never interleave with each other or with a forw
     POST /admin/weights/abort                                          -> version in effect
     POST /admin/weights/reload   {"path", "mode"} (under --weights-root) -> new version
     GET  /admin/weights/report                                         -> weight_report()
+
+From a trainer process (`dsv4.rl`; docs/rl.md), the engine side of `LLM.init_weight_transfer` and
+`LLM.update_weights_from_distributed` / `update_weights_from_shared`:
+
+    POST /admin/weights/init_transfer       {"master_address", "master_port", "rank_offset", "world_size",
+                                             "group_name", "backend", "timeout"}  -> the group joined
+    POST /admin/weights/update_distributed  {"metadata", "atomic", "full", "mode"} -> new version, timings
+    POST /admin/weights/update_shared       {"metadata", "handle", "atomic", "full", "mode"} -> likewise
+
+init_transfer returns once the trainer's `WeightSender` joined too, and update_distributed once the
+trainer's `send` delivered every bucket: the trainer calls those concurrently with the HTTP request.
+Both wait on the admin thread only; generation goes on meanwhile (until the update's pause, for the write).
 """
 
 from __future__ import annotations
@@ -24,7 +38,14 @@ from starlette.concurrency import run_in_threadpool
 
 from dsv4.server.driver import EngineDriver, resolve_under
 from dsv4.server.errors import ApiError
-from dsv4.server.protocol import PauseRequest, WeightsBeginRequest, WeightsReloadRequest
+from dsv4.server.protocol import (
+    InitTransferRequest,
+    PauseRequest,
+    UpdateFromDistributedRequest,
+    UpdateFromSharedRequest,
+    WeightsBeginRequest,
+    WeightsReloadRequest,
+)
 
 
 def parse_bucket(data: bytes) -> dict:
@@ -85,5 +106,19 @@ def admin_router(driver: EngineDriver, max_bucket_bytes: int) -> APIRouter:
     @router.get("/weights/report")
     async def report():
         return await driver.weight_report()
+
+    @router.post("/weights/init_transfer")
+    async def init_transfer(body: InitTransferRequest):
+        return await driver.init_weight_transfer(body.master_address, body.master_port, body.rank_offset,
+                                                 body.world_size, body.group_name, body.backend, body.timeout)
+
+    @router.post("/weights/update_distributed")
+    async def update_distributed(body: UpdateFromDistributedRequest):
+        return await driver.update_weights_from_distributed(body.metadata, body.atomic, body.full, body.mode)
+
+    @router.post("/weights/update_shared")
+    async def update_shared(body: UpdateFromSharedRequest):
+        return await driver.update_weights_from_shared(body.metadata, body.handle, body.atomic, body.full,
+                                                       body.mode)
 
     return router

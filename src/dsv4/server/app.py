@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from dsv4.engine.llm import LLM
-from dsv4.errors import Dsv4Error, WeightsNotReadyError
+from dsv4.errors import Dsv4Error, WeightsNotReadyError, WeightTransferError
 from dsv4.server.admin import admin_router
 from dsv4.server.auth import BearerGate
 from dsv4.server.body_limit import DeclaredBodyLimit, too_large_message
@@ -39,6 +39,10 @@ SHOWN_VALUE_CHARS = 80
 PYDANTIC_VALUE_ERROR = "Value error, "
 # Union-branch tags pydantic puts in error locations; they are not request fields.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+# The status of a dsv4 error that is not the request's fault (any other is a 400): the models cannot
+# serve (a failed weight update), or the trainer's end of a weight transfer failed (unreachable, dead,
+# timed out: the server is the gateway to it).
+ERROR_STATUS = ((WeightsNotReadyError, HTTPStatus.SERVICE_UNAVAILABLE), (WeightTransferError, HTTPStatus.BAD_GATEWAY))
 
 
 def _param(loc: tuple) -> str | None:
@@ -113,7 +117,7 @@ def build_app(llm: LLM, config: ServerConfig) -> ASGIApp:
 
     @app.exception_handler(Dsv4Error)
     async def dsv4_error(request: Request, exc: Dsv4Error):
-        status = HTTPStatus.SERVICE_UNAVAILABLE if isinstance(exc, WeightsNotReadyError) else HTTPStatus.BAD_REQUEST
+        status = next((s for kind, s in ERROR_STATUS if isinstance(exc, kind)), HTTPStatus.BAD_REQUEST)
         return JSONResponse(error_body(str(exc), status), status_code=status)
 
     limits = {BUCKET_PATH: config.max_bucket_bytes} if config.admin_token else {}

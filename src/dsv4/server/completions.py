@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from dsv4.engine.request import CompletionOutput, RequestOutput
+from dsv4.engine.outputs import CompletionOutput, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.server.driver import EngineInput, OutputStream
 from dsv4.server.errors import ApiError
@@ -138,13 +138,11 @@ def plan_chat(body: ChatCompletionRequest, model: ServedModel) -> Plan:
                 prompt_logprobs=body.prompt_logprobs)
 
 
-def stretches(output: RequestOutput, completion: CompletionOutput, start: int) -> list[WeightsStretch]:
-    """Which weights version computed which of the completion's tokens, for the `len(token_ids)` tokens
-    that start at token `start`. Every request runs on one version (the driver changes weights only
-    while no request runs), so this is one stretch; per-stretch engine versions slot in here."""
-    if not completion.token_ids:
-        return []
-    return [WeightsStretch(version=output.weights_version, start=start, end=start + len(completion.token_ids))]
+def stretches(completion: CompletionOutput) -> list[WeightsStretch]:
+    """Which weights version computed which of the completion's tokens, as the engine tagged them: one
+    stretch per run of tokens chosen under the same weights (several only when a `retract` update
+    recomputed the sequence mid-way), indices counted from the completion's first token."""
+    return [WeightsStretch(version=v, start=b, end=e) for v, b, e in completion.weights_versions]
 
 
 def prompt_logprobs_json(values: list[dict[int, float] | None] | None) -> list[dict[str, float] | None] | None:
@@ -159,10 +157,9 @@ def _created() -> int:
 
 
 class _Choices:
-    """Per-choice bookkeeping of a streamed response: tokens sent, whether it finished."""
+    """Per-choice bookkeeping of a streamed response: whether it started and finished."""
 
     def __init__(self, count: int):
-        self.sent = [0] * count
         self.finished = [False] * count
         self.started = [False] * count
 
@@ -197,7 +194,7 @@ class CompletionRenderer:
             offset += len(token)
         return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets)
 
-    def _choice(self, prompt_index: int, out: RequestOutput, c: CompletionOutput, first: bool, start: int,
+    def _choice(self, prompt_index: int, out: RequestOutput, c: CompletionOutput, first: bool,
                 text_offset: int) -> CompletionChoice:
         score_only = self.plan.score_only
         ids = [] if score_only else c.token_ids
@@ -205,7 +202,8 @@ class CompletionRenderer:
         echo = self.plan.echo_texts[prompt_index] if first else None
         if echo is not None:
             text = echo + text
-        kept = CompletionOutput(c.index, ids, text, c.finish_reason, None if score_only else c.logprobs)
+        kept = CompletionOutput(c.index, ids, text, c.finish_reason, None if score_only else c.logprobs,
+                                weights_versions=[] if score_only else c.weights_versions)
         return CompletionChoice(
             index=prompt_index * self.plan.n + c.index,
             text=text,
@@ -213,14 +211,14 @@ class CompletionRenderer:
                                     text_offset),
             finish_reason=LENGTH if score_only and c.finish_reason else c.finish_reason,
             stop_reason=None if score_only else c.stop_reason,
-            weights_versions=stretches(out, kept, start),
+            weights_versions=stretches(kept),
             prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs) if first and self.plan.prompt_logprobs
             is not None else None,
         )
 
     def response(self, outputs: list[RequestOutput]) -> CompletionResponse:
         """The whole response from each prompt's final output."""
-        choices = [self._choice(p, out, c, True, 0, 0) for p, out in enumerate(outputs) for c in out.outputs]
+        choices = [self._choice(p, out, c, True, 0) for p, out in enumerate(outputs) for c in out.outputs]
         completion_tokens = 0 if self.plan.score_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model.name, choices=choices,
@@ -231,7 +229,7 @@ class CompletionRenderer:
     async def chunks(self, stream: OutputStream, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: one chunk per engine step with news, the usage chunk if asked, [DONE]."""
         state = _Choices(len(self.plan.inputs) * self.plan.n)
-        offsets = [0] * len(state.sent)
+        offsets = [0] * len(state.finished)
         completion_tokens = 0
         version = None
         exclude = None if include_usage else {"usage"}
@@ -251,9 +249,8 @@ class CompletionRenderer:
                     first = not state.started[index]
                     if not (c.token_ids or c.finish_reason or (first and self.plan.echo_texts[p] is not None)):
                         continue
-                    choice = self._choice(p, out, c, first, state.sent[index], offsets[index])
+                    choice = self._choice(p, out, c, first, offsets[index])
                     state.started[index] = True
-                    state.sent[index] += len(c.token_ids)
                     offsets[index] += len(choice.text)
                     state.finished[index] = c.finish_reason is not None
                     choices.append(choice)
@@ -299,7 +296,7 @@ class ChatRenderer:
         choices = [
             ChatChoice(index=c.index, message=ChatMessageOut(content=c.text or ""), logprobs=self._logprobs(c),
                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                       weights_versions=stretches(out, c, 0))
+                       weights_versions=stretches(c))
             for c in out.outputs
         ]
         return ChatCompletionResponse(
@@ -335,9 +332,8 @@ class ChatRenderer:
                     choices.append(ChatStreamChoice(
                         index=c.index, delta=ChatDelta(content=c.text or ""), logprobs=self._logprobs(c),
                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                        weights_versions=stretches(out, c, state.sent[c.index]),
+                        weights_versions=stretches(c),
                     ))
-                    state.sent[c.index] += len(c.token_ids)
                     state.finished[c.index] = c.finish_reason is not None
                 completion_tokens += sum(len(c.token_ids) for c in out.outputs)
                 if choices:

@@ -1,28 +1,27 @@
-"""The engine driver: the only code of the server that touches the engine and the weights.
+"""The engine driver: how the HTTP server reaches the engine and the weights.
 
-The engine and the weights are not thread-safe, and a weight update must never meet a forward. So one
-thread, the engine thread, makes every engine and weight call, in a loop:
+The engine does the hard part itself (`dsv4.engine.engine`): any thread may add, abort, step or pause it;
+weights change only between steps, once the requests in flight were dealt with per the pause mode
+(abort / wait / retract), and every generated token is tagged with the weights version that chose it. The
+driver adds only what serving over HTTP needs:
 
-    take commands -> advance the control queue -> admit held requests -> one engine step -> publish
+  engine thread   runs the engine's steps in a loop. The routes hand it new requests, and the aborts of
+                  clients that went away, through a queue: the event loop never waits for the engine's
+                  lock, which a step holds from start to end.
+  sinks           every engine request has one (`_Sink`). Whichever thread ran the step (the engine
+                  thread, or an admin operation whose "wait" pause runs steps itself), the outputs go to
+                  an outbox that the event loop empties into the requests' `OutputStream`s: one wake-up
+                  of the loop per burst of outputs, however many streams. Metrics are observed there.
+  admin thread    runs the admin operations (pause, resume, weight update sessions, reload, updates from
+                  a trainer's transfer group) one at a time, in the order they arrived, so a resume never
+                  overtakes the pause sent before it. What they wait for (requests to finish, a trainer's
+                  broadcast) blocks that thread only: the event loop keeps answering and the engine
+                  thread keeps stepping, except while the update's pause mode holds generation.
+  disconnects     `OutputStream.close()` aborts whatever the client left running; the engine thread
+                  frees its slots before it runs its next step.
 
-Everything else crosses into it through a thread-safe command queue, and results come back through
-futures (control operations) or per-request output streams (generation), delivered onto the asyncio
-event loop once per step. Because weights change only on this thread, between steps, no forward ever
-runs on half-updated weights.
-
-Control operations (pause, resume, weight-session steps, reload) run strictly in the order they arrive.
-One that needs the engine to itself names a pause mode and is "quiescing": from the moment it reaches
-the head of the queue no new request is admitted, and
-
-    abort    requests in flight are aborted (their streams end with finish_reason "abort");
-    wait     requests in flight run to completion;
-    retract  (needs engine preemption, not in this engine yet) requests in flight would be preempted and,
-             after the operation, recomputed under the new weights.
-
-and the operation runs once the engine is empty. Requests that arrive meanwhile are held in the driver
-and admitted when nothing holds generation any more (no explicit pause, no fail-stop weight session,
-no quiescing operation queued). As the weights only ever change while the engine is empty, every
-request runs on one weights version from its first token to its last.
+Weights are written only by admin operations, hence only on the admin thread: the weight report, also
+taken there, never sees a half-written update.
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -43,10 +41,10 @@ from typing import Any
 import torch
 
 from dsv4.engine.llm import LLM
-from dsv4.engine.request import ABORT as FINISH_ABORT
-from dsv4.engine.request import RequestOutput
+from dsv4.engine.outputs import RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.errors import Dsv4Error, WeightsNotReadyError
+from dsv4.engine.sequence import ABORT as FINISH_ABORT
+from dsv4.errors import Dsv4Error, WeightsNotReadyError, WeightTransferError
 from dsv4.server.errors import ApiError
 from dsv4.server.metrics import ServerMetrics
 from dsv4.weights.checkpoint import CheckpointDir
@@ -54,10 +52,14 @@ from dsv4.weights.refit import WeightUpdateSession
 
 log = logging.getLogger("dsv4.server")
 
-ABORT, WAIT, RETRACT = "abort", "wait", "retract"
-PAUSE_MODES = (ABORT, WAIT, RETRACT)
 # How long stop() waits for the engine thread to finish its current step and exit.
 STOP_JOIN_TIMEOUT_S = 30.0
+# The longest the idle engine thread sleeps before it looks at the engine again. New requests and aborts
+# wake it at once (they come through its queue), and so does the end of every admin operation; this
+# only bounds how late it notices work made runnable by another thread in the middle of one (a weight
+# update's "abort" pause ended queued requests, whose final outputs a step must report).
+IDLE_POLL_S = 0.05
+UPDATE_FAILED_HINT = "send a complete weight update (POST /admin/weights/begin with full=true)"
 
 
 @dataclass(frozen=True)
@@ -98,10 +100,14 @@ class OutputStream:
         return not self._pending
 
     def _put(self, item: RequestOutput | Failed) -> None:
-        self._queue.put_nowait(item)
+        if not self._closed:  # outputs after close (the final "abort" delta) have no reader
+            self._queue.put_nowait(item)
 
     async def next(self) -> tuple[int, RequestOutput]:
         """The next output of any of this stream's requests.
+
+        Returns:
+            (index of the engine request in this stream, its output).
 
         Raises:
             ApiError: one of the requests failed (the others are aborted by `close()`).
@@ -123,44 +129,87 @@ class OutputStream:
         self._pending.clear()
 
 
-@dataclass(eq=False)
-class _Tracked:
-    """An engine request as the engine thread follows it."""
+class _Outbox:
+    """Outputs on their way from the engine's threads to the event loop. Any thread may `put`; the first
+    item of a burst schedules one `_flush` on the loop, which delivers the whole burst."""
 
-    request_id: str
-    input: EngineInput
-    stream: OutputStream
-    streamed: bool  # the engine reports every step's delta (else only the final output)
-    arrival: float
-    last_token_at: float | None = None
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[OutputStream, RequestOutput | Failed]] = []
 
+    def put(self, stream: OutputStream, item: RequestOutput | Failed) -> None:
+        with self._lock:
+            self._items.append((stream, item))
+            if len(self._items) > 1:
+                return  # a flush is scheduled and has not run yet: it takes this item too
+        try:
+            self._loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the event loop is closed (the server is gone): nobody reads any more
+            pass
 
-@dataclass(eq=False)
-class _Control:
-    run: Callable[[], Any]
-    quiesce: str | None  # the pause mode it needs, or None when it does not need the engine to itself
-    future: concurrent.futures.Future
-    started: bool = False
-
-
-@dataclass
-class _Commands:
-    """What crosses into the engine thread (a thread-safe FIFO)."""
-
-    queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-
-    def put(self, kind: str, payload: Any = None) -> None:
-        self.queue.put((kind, payload))
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for stream, item in items:
+            stream._put(item)
 
 
-_SUBMIT, _ABORT, _CONTROL, _CALL, _STOP = "submit", "abort", "control", "call", "stop"
+class _Sink:
+    """Where one engine request's outputs go (`Engine.add_request(sink=...)`). Called by whichever thread
+    ran the step, under the engine's lock: it only records metrics and posts to the outbox."""
+
+    __slots__ = ("_metrics", "_outbox", "arrival", "failed", "last_token_at", "request_id", "stream", "streamed")
+
+    def __init__(self, request_id: str, stream: OutputStream, streamed: bool, outbox: _Outbox,
+                 metrics: ServerMetrics):
+        self.request_id = request_id
+        self.stream = stream
+        self.streamed = streamed  # the engine reports every step's delta (else only the final output)
+        self.arrival = time.perf_counter()
+        self.last_token_at: float | None = None
+        self.failed = False
+        self._outbox = outbox
+        self._metrics = metrics
+
+    def __call__(self, out: RequestOutput) -> None:
+        self._observe(out, time.perf_counter())
+        if out.error is not None:  # ended unserved: a failed weight update left the models not READY
+            self.fail(ApiError(f"{out.error}; {UPDATE_FAILED_HINT}", status=HTTPStatus.SERVICE_UNAVAILABLE))
+        elif not self.failed:
+            self._outbox.put(self.stream, out)
+
+    def fail(self, error: ApiError) -> None:
+        """Answer the client with `error` instead of outputs (once; later outputs are dropped)."""
+        if not self.failed:
+            self.failed = True
+            self._outbox.put(self.stream, Failed(self.request_id, error))
+
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        m = self._metrics
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if new_tokens:
+            m.generation_tokens.inc(new_tokens)
+            if self.streamed:
+                if self.last_token_at is None:
+                    m.time_to_first_token.observe(now - self.arrival)
+                else:
+                    m.inter_token_latency.observe(now - self.last_token_at)
+                self.last_token_at = now
+        if out.finished:
+            m.e2e_latency.observe(now - self.arrival)
+            for c in out.outputs:
+                m.finished(c.finish_reason or FINISH_ABORT)
+
+
+_SUBMIT, _ABORT, _WAKE, _STOP = "submit", "abort", "wake", "stop"
 
 
 class EngineDriver:
-    """Runs the engine loop in its own thread; the server's only way to the engine and the weights.
+    """Runs the engine loop in its own thread and admin operations in another (module docstring).
 
     Args:
-        llm: the loaded model and its engine (used from the engine thread only, once started).
+        llm: the loaded model and its engine.
         metrics: where the loop reports queue sizes, slot use, token counts and latencies.
         max_queued_requests: engine requests that may be queued or running at once; beyond it
             `submit` refuses with 503 (bounds the memory a burst of clients can take).
@@ -173,35 +222,33 @@ class EngineDriver:
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.weights_root = weights_root.resolve() if weights_root is not None else None
-        self._commands = _Commands()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._outbox: _Outbox | None = None
         self._thread: threading.Thread | None = None
+        # One worker: admin operations run one at a time, in submission order (the executor's queue is FIFO).
+        self._admin: concurrent.futures.ThreadPoolExecutor | None = None
         self._live = 0  # engine requests submitted and not yet closed (event-loop side)
-        # ---- engine-thread state ----
-        self._tracked: dict[str, _Tracked] = {}
-        self._held: deque[_Tracked] = deque()  # submitted, not yet added to the engine
-        self._controls: deque[_Control] = deque()
-        self._paused = False  # by an explicit /admin/pause
-        self._session: WeightUpdateSession | None = None
-        # The pause mode of the weight session begun last (set on the event loop once begin succeeded):
-        # how its finish takes the engine.
-        self._update_mode = WAIT
+        self._session: WeightUpdateSession | None = None  # the session POST /admin/weights/begin opened
+        self._transfer_group: dict | None = None  # the trainer's group init_transfer joined (its description)
         self._stopping = False
         self.metrics.cache_slots_total.set(llm.limits.max_num_seqs)
-        self.metrics.weights_version.set(llm.weights_version)
+        self._publish_gauges()
 
     # ---------------------------------------------------------------- event-loop side
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the engine thread; outputs are delivered on `loop`."""
-        self._loop = loop
+        """Start the engine and admin threads; outputs are delivered on `loop`."""
+        self._outbox = _Outbox(loop)
+        self._admin = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-admin")
         self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Finish the current step, fail what is still queued, and end the engine thread."""
+        """Finish the current step, fail what is still queued, and end the engine thread. Admin operations
+        not started are cancelled; one under way (a transfer waiting for its trainer) ends by its timeout."""
         if self._thread is None:
             return
-        self._commands.put(_STOP)
+        self._admin.shutdown(wait=False, cancel_futures=True)
+        self._commands.put((_STOP, None))
         self._thread.join(STOP_JOIN_TIMEOUT_S)
         self._thread = None
 
@@ -211,6 +258,14 @@ class EngineDriver:
 
     def submit(self, inputs: list[EngineInput], request_id: str, stream: bool) -> OutputStream:
         """Queue one engine request per input (ids `request_id-<i>`); call from the event loop.
+
+        Args:
+            inputs: the prompts.
+            request_id: the HTTP request's id.
+            stream: report every step's delta (else only the final outputs).
+
+        Returns:
+            The stream of their outputs.
 
         Raises:
             ApiError: 503 when the server is stopping or at its limit of queued requests.
@@ -224,80 +279,72 @@ class EngineDriver:
             )
         ids = [f"{request_id}-{i}" for i in range(len(inputs))]
         out = OutputStream(self, ids)
-        now = time.perf_counter()
         self._live += len(ids)
-        self._commands.put(_SUBMIT, [_Tracked(rid, x, out, stream, now) for rid, x in zip(ids, inputs)])
+        sinks = [_Sink(rid, out, stream, self._outbox, self.metrics) for rid in ids]
+        self._commands.put((_SUBMIT, list(zip(sinks, inputs))))
         return out
 
     def _release(self, stream: OutputStream, unfinished: list[str]) -> None:
         self._live -= len(stream.request_ids)
         if unfinished:
-            self._commands.put(_ABORT, unfinished)
+            self._commands.put((_ABORT, unfinished))
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the engine thread between two steps (not ordered with control operations)."""
-        return await self._await(_CALL, fn)
-
-    async def control(self, fn: Callable[[], Any], quiesce: str | None = None) -> Any:
-        """Run `fn` on the engine thread in control-queue order; with `quiesce` (a pause mode), only
-        once in-flight requests are aborted / finished and while no request runs."""
-        if quiesce is not None:
-            check_pause_mode(quiesce)
-        return await self._await(_CONTROL, _Control(fn, quiesce, concurrent.futures.Future()))
-
-    async def _await(self, kind: str, payload: Any) -> Any:
+    async def _run_admin(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the admin thread after every admin operation submitted before it."""
         if not self.alive:
             raise ApiError("the engine is not running", status=HTTPStatus.SERVICE_UNAVAILABLE)
-        future = payload.future if isinstance(payload, _Control) else concurrent.futures.Future()
-        self._commands.put(kind, payload if isinstance(payload, _Control) else (payload, future))
+        future = self._admin.submit(fn)
+        # Whatever it did (resumed, aborted, updated), the engine thread looks again at once.
+        future.add_done_callback(lambda _: self._commands.put((_WAKE, None)))
         return await asyncio.wrap_future(future)
 
-    # ---- the operations the routes use ----
+    # ---- the operations the admin routes use ----
     async def pause(self, mode: str) -> dict:
-        """Stop generation once in-flight requests are handled per `mode`; held until `resume`.
+        """Pause generation (`LLM.pause_generation(mode)`) until `resume`.
+
+        Args:
+            mode: "abort" | "wait" | "retract" (what becomes of the requests in flight).
 
         Returns:
-            The driver state once paused (`state()`).
+            The state once paused (`state()`): no sequence running.
 
         Raises:
-            ApiError: an unknown or unsupported mode.
+            ConfigError: an unknown mode.
         """
 
         def run():
-            self._paused = True
+            self.llm.pause_generation(mode)
             return self._state()
 
-        return await self.control(run, quiesce=mode)
+        return await self._run_admin(run)
 
     async def resume(self) -> dict:
-        """End an explicit pause (after every control operation queued before it); returns the state."""
+        """End a `pause` (after every admin operation sent before it); returns the state."""
 
         def run():
-            self._paused = False
+            self.llm.resume_generation()
             return self._state()
 
-        return await self.control(run)
+        return await self._run_admin(run)
 
     async def begin_weight_update(self, atomic: bool, full: bool, mode: str) -> dict:
-        """Open a weight update session. A fail-stop (non-atomic) one writes as buckets arrive, so it
-        pauses generation (per `mode`) from begin until it ends; an atomic one only at finish.
+        """Open a weight update session (`LLM.begin_weight_update`). A fail-stop (non-atomic) one writes as
+        buckets arrive, so generation pauses (per `mode`) from begin until it ends; an atomic one pauses
+        only at finish.
 
         Returns:
             {"version": the version in effect, "atomic", "full"}.
 
         Raises:
-            ApiError: a session is already open (409), or a bad mode.
+            ApiError: a session is already open (409).
         """
-        check_pause_mode(mode)
 
         def run():
             self._require_no_session()
-            self._session = self.llm.begin_weight_update(atomic=atomic, full=full)
+            self._session = self.llm.begin_weight_update(atomic=atomic, full=full, pause=mode)
             return {"version": self.llm.weights_version, "atomic": atomic, "full": full}
 
-        began = await self.control(run, quiesce=None if atomic else mode)
-        self._update_mode = mode
-        return began
+        return await self._run_admin(run)
 
     async def load_weight_bucket(self, tensors: Mapping[str, torch.Tensor]) -> dict:
         """Validate and stage (atomic) or write (fail-stop) one bucket of the open session.
@@ -315,10 +362,10 @@ class EngineDriver:
             completed = session.load(tensors, origin=f"bucket {session.buckets + 1}")
             return {"bucket": session.buckets, "tensors": len(tensors), "completed": completed}
 
-        return await self.control(run)
+        return await self._run_admin(run)
 
     async def finish_weight_update(self) -> dict:
-        """Apply the session (atomic) and finalize, once the engine is empty (the session's pause mode).
+        """Apply the session: pause per its mode, write (atomic), finalize, bump the version, resume.
 
         Returns:
             {"version": the version now in effect}.
@@ -331,13 +378,11 @@ class EngineDriver:
         def run():
             session = self._require_session()
             try:
-                version = session.finish()
+                return {"version": session.finish()}
             finally:
                 self._session = None
-            self.metrics.weights_version.set(version)
-            return {"version": version}
 
-        return await self.control(run, quiesce=self._update_mode)
+        return await self._run_admin(run)
 
     async def abort_weight_update(self) -> dict:
         """Drop the open session; returns the version in effect and whether the weights serve.
@@ -347,16 +392,16 @@ class EngineDriver:
         """
 
         def run():
-            session = self._require_session()
-            session.abort()
+            self._require_session().abort()
             self._session = None
             return {"version": self.llm.weights_version, "ready": self.weights_ready()}
 
-        return await self.control(run)
+        return await self._run_admin(run)
 
     async def reload_weights(self, path: Path, mode: str) -> dict:
         """Replace every weight with those of checkpoint directory `path` (already resolved under the
-        weights root), in one full atomic session: a bad checkpoint changes nothing.
+        weights root), in one full atomic session: a bad checkpoint changes nothing. Generation goes on
+        while the checkpoint is read; it pauses per `mode` for the write.
 
         Returns:
             {"version": the version now in effect}.
@@ -372,215 +417,176 @@ class EngineDriver:
             outside = [f for f in checkpoint.files if not _is_within(f.resolve(), self.weights_root)]
             if outside:
                 raise ApiError(f"reload: {outside[0]} resolves outside the weights root", param="path")
-            with self.llm.begin_weight_update(atomic=True, full=True) as session:
+            with self.llm.begin_weight_update(atomic=True, full=True, pause=mode) as session:
                 session.load(((name, tensor) for name, tensor, _ in checkpoint.iter_tensors()), origin=str(path))
-            self.metrics.weights_version.set(session.version)
             return {"version": session.version}
 
-        return await self.control(run, quiesce=mode)
+        return await self._run_admin(run)
+
+    async def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                   group_name: str, backend: str, timeout: float | None) -> dict:
+        """Join a trainer's transfer group (`LLM.init_weight_transfer`); returns once every member joined
+        (the trainer's `WeightSender` blocks likewise), so the trainer may start in either order.
+
+        Returns:
+            {"group", "rank", "world_size", "backend", "usable"}.
+
+        Raises:
+            ConfigError: a bad argument. WeightTransferError: the trainer unreachable or disagreeing.
+        """
+
+        def run():
+            self._transfer_group = None  # a failed join leaves no group behind
+            self._transfer_group = self.llm.init_weight_transfer(
+                master_address, master_port, rank_offset, world_size, group_name, backend, timeout)
+            return self._transfer_group
+
+        return await self._run_admin(run)
+
+    async def update_weights_from_distributed(self, metadata: dict, atomic: bool, full: bool, mode: str) -> dict:
+        """Receive the update `metadata` plans while the trainer sends it (`LLM.update_weights_from_distributed`).
+        Generation goes on while buckets arrive (atomic mode); it pauses per `mode` for the write.
+
+        Returns:
+            {"version", "update_id", "buckets", "tensors", "bytes", "seconds", ...}.
+
+        Raises:
+            ApiError: no transfer group was joined (409).
+            WeightUpdateError: refused (base version, metadata, a session open) or failed; the trainer gets
+                the same reason. WeightTransferError: the trainer died or timed out.
+        """
+
+        def run():
+            if self._transfer_group is None:
+                raise ApiError("no weight transfer group: POST /admin/weights/init_transfer first",
+                               status=HTTPStatus.CONFLICT)
+            try:
+                return self.llm.update_weights_from_distributed(metadata, atomic=atomic, full=full, pause=mode)
+            except WeightTransferError:  # the group is unusable now: a new init_transfer is needed
+                self._transfer_group = {**self._transfer_group, "usable": False}
+                raise
+
+        return await self._run_admin(run)
+
+    async def update_weights_from_shared(self, metadata: dict, handle: dict, atomic: bool, full: bool,
+                                         mode: str) -> dict:
+        """Apply the update a colocated trainer shared (`LLM.update_weights_from_shared`).
+
+        Returns:
+            {"version", "update_id", "buckets", "tensors", "bytes", "seconds"}.
+
+        Raises:
+            WeightUpdateError: refused (base version, metadata, a handle outside shared memory) or failed.
+        """
+        return await self._run_admin(lambda: self.llm.update_weights_from_shared(
+            metadata, handle, atomic=atomic, full=full, pause=mode))
 
     async def weight_report(self) -> dict:
-        """`LLM.weight_report()`, taken between two engine steps."""
-        return await self.call(self.llm.weight_report)
+        """`LLM.weight_report()`, on the admin thread: never during a weight write."""
+        return await self._run_admin(self.llm.weight_report)
 
     async def state(self) -> dict:
-        """paused, weights_version, weights_ready, weight_update_open, running and held request counts."""
-        return await self.call(self._state)
+        """paused, weights_version, weights_ready, weight_update_open, running and waiting sequences, the
+        transfer group joined. Answered even while an admin operation runs (it waits only for the engine's lock)."""
+        return await asyncio.to_thread(self._state)
 
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
         engine = self.llm.engine
         while not self._stopping:
             try:
-                # Block only when nothing can progress without a new command: no engine work, and no
-                # control operation (one waiting for the engine to empty can run as soon as it is empty).
-                self._take_commands(block=not engine.has_work() and not self._controls)
-                self._advance_controls()
-                self._admit()
-                if engine.has_work():
+                self._take_commands(block=not engine.has_runnable_work())
+                if engine.has_runnable_work():
                     self._step()
                 self._publish_gauges()
             except Exception as exc:  # a bug here must not leave every client waiting on a dead thread
                 log.exception("engine driver failed; ending the requests in flight")
                 self._fail_engine_requests(ApiError(f"internal error: {type(exc).__name__}: {exc}",
                                                     status=HTTPStatus.INTERNAL_SERVER_ERROR))
-                self._fail_all(list(self._held), ApiError("internal error", status=HTTPStatus.INTERNAL_SERVER_ERROR))
         self._shutdown()
 
     def _take_commands(self, block: bool) -> None:
         try:
-            item = self._commands.queue.get(block=block)
+            item = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
             self._handle(*item)
             try:
-                item = self._commands.queue.get_nowait()
+                item = self._commands.get_nowait()
             except queue.Empty:
                 return
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == _SUBMIT:
-            for tracked in payload:
-                self._tracked[tracked.request_id] = tracked
-                self._held.append(tracked)
+            for sink, x in payload:
+                self._add(sink, x)
         elif kind == _ABORT:
-            for rid in payload:
-                self._abort(rid)
-        elif kind == _CONTROL:
-            self._controls.append(payload)
-        elif kind == _CALL:
-            fn, future = payload
-            _resolve(future, fn)
+            for request_id in payload:
+                self.llm.engine.abort(request_id)  # frees its slots now; its final output has no reader
         elif kind == _STOP:
             self._stopping = True
 
-    def _abort(self, request_id: str) -> None:
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
-            return
-        if tracked in self._held:
-            self._held.remove(tracked)
+    def _add(self, sink: _Sink, x: EngineInput) -> None:
+        try:
+            self.llm.engine.add_request(sink.request_id, x.prompt_ids, x.params, x.prompt, stream=sink.streamed,
+                                        sink=sink)
+        except WeightsNotReadyError as exc:
+            sink.fail(ApiError(f"{exc}; {UPDATE_FAILED_HINT}", status=HTTPStatus.SERVICE_UNAVAILABLE))
+        except Dsv4Error as exc:  # this request alone cannot be served (RequestError and the like)
+            sink.fail(ApiError(str(exc)))
         else:
-            self.llm.engine.abort(request_id)  # frees its slots now; its final output is dropped
-        self.metrics.finished(FINISH_ABORT)
-
-    def _generation_held(self) -> bool:
-        fail_stop_session = self._session is not None and self._session.active and not self._session.atomic
-        return self._paused or fail_stop_session or any(c.quiesce is not None for c in self._controls)
-
-    def _admit(self) -> None:
-        if not self._held or self._generation_held():
-            return
-        if not self.weights_ready():
-            error = ApiError(
-                str(WeightsNotReadyError("weights are not ready: a weight update failed after writing; "
-                                         "send a complete update (weights/begin with full=true)")),
-                status=HTTPStatus.SERVICE_UNAVAILABLE,
-            )
-            self._fail_all(list(self._held), error)
-            return
-        engine, version = self.llm.engine, self.llm.weights_version
-        while self._held:
-            tracked = self._held.popleft()
-            x = tracked.input
-            try:
-                engine.add_request(tracked.request_id, x.prompt_ids, x.params, x.prompt, version,
-                                   stream=tracked.streamed)
-            except Dsv4Error as exc:  # this request alone cannot be served (RequestError and the like)
-                self._fail_all([tracked], ApiError(str(exc)))
-                continue
             self.metrics.prompt_tokens.inc(len(x.prompt_ids))
-
-    def _advance_controls(self) -> None:
-        engine = self.llm.engine
-        while self._controls:
-            op = self._controls[0]
-            if not op.started:
-                op.started = True
-                if op.quiesce == ABORT:
-                    for rid in list(engine.requests):  # their final outputs (finish_reason "abort") go out
-                        engine.abort(rid)
-            if op.quiesce is not None and engine.has_work():
-                return  # wait: requests still run (or aborted ones still have to report)
-            self._controls.popleft()
-            _resolve(op.future, op.run)
-            self.metrics.paused.set(int(self._paused))
 
     def _step(self) -> None:
         try:
-            outputs = self.llm.engine.step()
+            self.llm.engine.step()  # outputs reach their sinks
         except Exception as exc:  # the engine state is unknown: end every request in it, keep serving
             log.exception("engine step failed")
             status = HTTPStatus.SERVICE_UNAVAILABLE if isinstance(exc, Dsv4Error) else HTTPStatus.INTERNAL_SERVER_ERROR
             self._fail_engine_requests(ApiError(f"engine step failed: {type(exc).__name__}: {exc}", status=status))
-            return
-        self._dispatch(outputs)
 
     def _fail_engine_requests(self, error: ApiError) -> None:
         """Abort every request in the engine (freeing its slots) and answer its client with `error`."""
         engine = self.llm.engine
-        in_engine = [t for rid, t in self._tracked.items() if rid in engine.requests]
-        for rid in list(engine.requests):
-            engine.abort(rid)
-        self._fail_all(in_engine, error)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        now = time.perf_counter()
-        batch: list[tuple[OutputStream, RequestOutput | Failed]] = []
-        for out in outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:
-                continue  # aborted by its client
-            self._observe(tracked, out, now)
-            batch.append((tracked.stream, out))
-            if out.finished:
-                del self._tracked[out.request_id]
-        self._deliver(batch)
-
-    def _observe(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
-        m = self.metrics
-        new_tokens = sum(len(c.token_ids) for c in out.outputs)
-        if new_tokens:
-            m.generation_tokens.inc(new_tokens)
-            if tracked.streamed:
-                if tracked.last_token_at is None:
-                    m.time_to_first_token.observe(now - tracked.arrival)
-                else:
-                    m.inter_token_latency.observe(now - tracked.last_token_at)
-                tracked.last_token_at = now
-        if out.finished:
-            m.e2e_latency.observe(now - tracked.arrival)
-            for c in out.outputs:
-                m.finished(c.finish_reason or FINISH_ABORT)
-
-    def _fail_all(self, tracked: list[_Tracked], error: ApiError) -> None:
-        for t in tracked:
-            self._tracked.pop(t.request_id, None)
-            if t in self._held:
-                self._held.remove(t)
-        self._deliver([(t.stream, Failed(t.request_id, error)) for t in tracked])
-
-    def _deliver(self, batch: list[tuple[OutputStream, RequestOutput | Failed]]) -> None:
-        """One hop onto the event loop per step, whatever the number of outputs."""
-        if batch and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(_put_all, batch)
+        with engine.exclusive():
+            for request in list(engine.requests.values()):
+                engine.abort(request.request_id)
+                if isinstance(request.sink, _Sink):
+                    request.sink.fail(error)
 
     def _publish_gauges(self) -> None:
-        engine, m = self.llm.engine, self.metrics
-        m.requests_running.set(len({seq.request_id for seq in engine.running}))
-        m.requests_waiting.set(len({seq.request_id for seq in engine.waiting}) + len(self._held))
-        m.cache_slots_used.set(self.llm.limits.max_num_seqs - len(engine.free_slots))
+        stats, m = self.llm.engine.stats(), self.metrics
+        m.requests_running.set(stats.running)
+        m.requests_waiting.set(stats.waiting)
+        m.cache_slots_used.set(self.llm.limits.max_num_seqs - stats.free_slots)
+        m.weights_version.set(stats.weights_version)
+        m.paused.set(int(stats.paused))
 
     def _shutdown(self) -> None:
         error = ApiError("the server is shutting down", status=HTTPStatus.SERVICE_UNAVAILABLE)
-        for rid in list(self.llm.engine.requests):
-            self.llm.engine.abort(rid)
-        self._fail_all(list(self._tracked.values()), error)
-        while self._controls:
-            self._controls.popleft().future.set_exception(error)
-        while True:  # commands that arrived after stop
+        self._fail_engine_requests(error)
+        while True:  # requests that arrived after stop
             try:
-                kind, payload = self._commands.queue.get_nowait()
+                kind, payload = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if kind == _CONTROL:
-                payload.future.set_exception(error)
-            elif kind == _CALL:
-                payload[1].set_exception(error)
-            elif kind == _SUBMIT:
-                self._fail_all(payload, error)
+            if kind == _SUBMIT:
+                for sink, _ in payload:
+                    sink.fail(error)
 
-    # ---- helpers (engine thread) ----
+    # ---- helpers ----
     def _state(self) -> dict:
+        stats = self.llm.engine.stats()
         session = self._session
         return {
-            "paused": self._paused,
-            "weights_version": self.llm.weights_version,
+            "paused": stats.paused,
+            "weights_version": stats.weights_version,
             "weights_ready": self.weights_ready(),
             "weight_update_open": session is not None and session.active,
-            "running": len(self.llm.engine.requests),
-            "held": len(self._held),
+            "running": stats.running,
+            "waiting": stats.waiting,
+            "transfer_group": self._transfer_group,
         }
 
     def weights_ready(self) -> bool:
@@ -600,17 +606,6 @@ class EngineDriver:
                 f"a weight update session is already open ({self._session.buckets} bucket(s) loaded): "
                 f"finish or abort it first", status=HTTPStatus.CONFLICT,
             )
-
-
-def check_pause_mode(mode: str) -> None:
-    """Raises ApiError for a mode this engine cannot honour."""
-    if mode not in PAUSE_MODES:
-        raise ApiError(f"mode must be one of {PAUSE_MODES}, got {mode!r}", param="mode")
-    if mode == RETRACT:
-        raise ApiError(
-            "mode 'retract' needs engine preemption (recompute after the update), which this engine does not "
-            "have yet; use 'wait' (in-flight requests finish first) or 'abort'", param="mode",
-        )
 
 
 def _is_within(path: Path, root: Path | None) -> bool:
@@ -641,17 +636,3 @@ def resolve_under(root: Path | None, requested: str) -> Path:
     if escaping:
         raise ApiError(f"path {requested!r}: {escaping[0]} resolves outside the weights root", param="path")
     return path
-
-
-def _resolve(future: concurrent.futures.Future, fn: Callable[[], Any]) -> None:
-    try:
-        future.set_result(fn())
-    except Exception as exc:  # delivered to the awaiting route, which answers with it
-        if not isinstance(exc, Dsv4Error):
-            log.exception("engine-thread operation failed")
-        future.set_exception(exc)
-
-
-def _put_all(batch: list[tuple[OutputStream, RequestOutput | Failed]]) -> None:
-    for stream, item in batch:
-        stream._put(item)

@@ -1,9 +1,10 @@
 """Prometheus metrics of one server (prometheus_client, in a registry of its own).
 
 Names follow vLLM's where one exists (with the `dsv4:` prefix), so dashboards carry over. Gauges are set
-by the engine driver after every engine step; counters and histograms are observed by it as outputs
-leave the engine, so they cost nothing on the HTTP side. Time to first token and inter-token latency
-are observed for streamed requests (a non-streamed request's tokens are only seen when it finishes).
+by the engine driver's thread after every engine step (and while idle); counters and histograms are
+observed by each request's output sink as outputs leave the engine, so they cost nothing on the HTTP
+side. Time to first token and inter-token latency are observed for streamed requests (a non-streamed
+request's tokens are only seen when it finishes).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
 
-        self.requests_running = gauge("num_requests_running", "Requests with a sequence in a cache slot.")
+        # Counted in sequences (completions: a request with n=4 counts 4), as the engine schedules them.
+        self.requests_running = gauge("num_requests_running", "Sequences holding a cache slot.")
         self.requests_waiting = gauge(
-            "num_requests_waiting", "Requests queued: waiting for a cache slot, or held while generation is paused."
+            "num_requests_waiting",
+            "Sequences queued: waiting for a cache slot, held while generation is paused, or retracted.",
         )
         self.cache_slots_used = gauge("cache_slots_used", "Per-sequence cache slots in use.")
         self.cache_slots_total = gauge("cache_slots_total", "Per-sequence cache slots (max_num_seqs).")

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
 import dsv4
-from dsv4.engine.request import RequestOutput
+from dsv4.engine.outputs import RequestOutput
 from dsv4.server.completions import ChatRenderer, CompletionRenderer, new_id, plan_chat, plan_completion
 from dsv4.server.driver import EngineDriver, OutputStream
 from dsv4.server.metrics import ServerMetrics

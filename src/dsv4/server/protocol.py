@@ -31,6 +31,11 @@ MAX_MESSAGES = 1024
 # OpenAI caps `logprobs` of /v1/completions at 5 and `top_logprobs` of chat at 20; the engine caps both at
 # MAX_LOGPROBS (the host transfer of every requested entry costs per token).
 PauseMode = Literal["abort", "wait", "retract"]
+MAX_PORT = 65535
+MAX_HOST_CHARS = 253  # the longest DNS name
+MAX_GROUP_NAME_CHARS = 256
+# A transfer's waits block the admin thread (later admin operations queue behind it): an hour at most.
+MAX_TRANSFER_TIMEOUT_S = 3600.0
 
 
 class StrictModel(BaseModel):
@@ -230,6 +235,35 @@ class WeightsReloadRequest(StrictModel):
 
     path: str = Field(min_length=1)
     mode: PauseMode = "wait"
+
+
+class InitTransferRequest(StrictModel):
+    """Join a trainer's weight transfer group (`LLM.init_weight_transfer`; the trainer is rank 0).
+    timeout: seconds any single wait may take (None: the group's default)."""
+
+    master_address: str = Field(min_length=1, max_length=MAX_HOST_CHARS)
+    master_port: int = Field(ge=1, le=MAX_PORT)
+    rank_offset: int = Field(1, ge=1)
+    world_size: int = Field(2, ge=2)
+    group_name: str = Field("dsv4", min_length=1, max_length=MAX_GROUP_NAME_CHARS)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    timeout: float | None = Field(None, gt=0.0, le=MAX_TRANSFER_TIMEOUT_S)
+
+
+class UpdateFromDistributedRequest(StrictModel):
+    """Receive the update `metadata` plans (the trainer's `WeightSender.plan(...)`) while the trainer sends
+    it. atomic / full / mode: as for /admin/weights/begin."""
+
+    metadata: dict
+    atomic: bool = True
+    full: bool = False
+    mode: PauseMode = "wait"
+
+
+class UpdateFromSharedRequest(UpdateFromDistributedRequest):
+    """Apply the update a colocated trainer shared (`ColocatedWeightSender.share(...)` is the `handle`)."""
+
+    handle: dict
 
 
 # ---- responses ----
