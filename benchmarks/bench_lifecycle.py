@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from dsv4.embedded import EMBEDDED_MODELS
 
+from dsv4.embedded import EMBEDDED_MODELS
 from dsv4.quant import quantize_fp4
 from dsv4.weights.checkpoint import CheckpointDir
 from dsv4.weights.export import iter_weights, save_checkpoint
