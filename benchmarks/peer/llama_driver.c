@@ -13,8 +13,10 @@
  *              (the numerical check against dsv4 before anything is timed)
  *
  * Protocol: one command per line on stdin, one reply line on stdout ("ok ..." or "err <reason>").
- *   ctx N_SEQ N_CTX N_BATCH          (re)create the context: N_SEQ sequences, N_CTX cells in all, batches
- *                                    of up to N_BATCH tokens (n_ubatch stays llama.cpp's default)
+ *   ctx N_SEQ N_CTX N_BATCH KV FA    (re)create the context: N_SEQ sequences, N_CTX cells in all, batches
+ *                                    of up to N_BATCH tokens (n_ubatch stays llama.cpp's default), KV cache
+ *                                    stored as KV = f32 | f16 | bf16, flash attention FA = on | off | auto
+ *                                    (llama.cpp's defaults: f16, auto)
  *   decode STEPS N t_0 .. t_{N-1}    -> ok <seconds of step 1> ... <seconds of step STEPS>
  *   generate NEW BATCH LEN t...      -> ok <seconds> <sum of generated token ids>   (BATCH*LEN tokens)
  *   prefill N t_0 .. t_{N-1}         -> ok <seconds>
@@ -88,7 +90,8 @@ static int decode_or_err(struct driver *d, struct llama_batch batch) {
     return 0;
 }
 
-static int cmd_ctx(struct driver *d, int n_seq, int n_ctx, int n_batch) {
+static int cmd_ctx(struct driver *d, int n_seq, int n_ctx, int n_batch, enum ggml_type kv_type,
+                   enum llama_flash_attn_type flash_attn) {
     if (d->ctx) llama_free(d->ctx);
     struct llama_context_params p = llama_context_default_params();
     p.n_ctx = (uint32_t)n_ctx;
@@ -98,6 +101,9 @@ static int cmd_ctx(struct driver *d, int n_seq, int n_ctx, int n_batch) {
     p.n_threads_batch = d->threads;
     /* Separate per-sequence caches: the sequences share no prefix (llama.h's advice for n_seq_max > 1). */
     p.kv_unified = false;
+    p.type_k = kv_type;
+    p.type_v = kv_type;
+    p.flash_attn_type = flash_attn;
     p.no_perf = true;
     d->ctx = llama_init_from_model(d->model, p);
     if (!d->ctx) {
@@ -243,10 +249,21 @@ int main(int argc, char **argv) {
         if (strcmp(cmd, "quit") == 0) break;
         if (strcmp(cmd, "ctx") == 0) {
             long n_seq = next_int(), n_ctx = next_int(), n_batch = next_int();
-            if (n_seq <= 0 || n_ctx <= 0 || n_batch <= 0) printf("err ctx needs N_SEQ N_CTX N_BATCH > 0\n");
-            else cmd_ctx(&d, (int)n_seq, (int)n_ctx, (int)n_batch);
+            char *kv = strtok(NULL, " \t\n"), *fa = strtok(NULL, " \t\n");
+            enum ggml_type kv_type = GGML_TYPE_COUNT;
+            if (kv && strcmp(kv, "f32") == 0) kv_type = GGML_TYPE_F32;
+            if (kv && strcmp(kv, "f16") == 0) kv_type = GGML_TYPE_F16;
+            if (kv && strcmp(kv, "bf16") == 0) kv_type = GGML_TYPE_BF16;
+            int flash = -2; /* not given */
+            if (fa && strcmp(fa, "on") == 0) flash = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+            if (fa && strcmp(fa, "off") == 0) flash = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+            if (fa && strcmp(fa, "auto") == 0) flash = LLAMA_FLASH_ATTN_TYPE_AUTO;
+            if (n_seq <= 0 || n_ctx <= 0 || n_batch <= 0 || kv_type == GGML_TYPE_COUNT || flash == -2)
+                printf("err ctx N_SEQ N_CTX N_BATCH f32|f16|bf16 on|off|auto\n");
+            else
+                cmd_ctx(&d, (int)n_seq, (int)n_ctx, (int)n_batch, kv_type, (enum llama_flash_attn_type)flash);
         } else if (!d.ctx) {
-            printf("err no context: send 'ctx N_SEQ N_CTX N_BATCH' first\n");
+            printf("err no context: send 'ctx N_SEQ N_CTX N_BATCH KV FA' first\n");
         } else {
             llama_memory_clear(llama_get_memory(d.ctx), true);
             if (strcmp(cmd, "decode") == 0) {

@@ -30,6 +30,23 @@ DEFAULT_WORKDIR = HERE.parent / ".peer"  # benchmarks/.peer, ignored by git
 SDIST_NAME = "llama_cpp_python-0.3.36"
 GGUF_EXPERTS = ("mxfp4", "f32")
 
+
+@dataclass(frozen=True)
+class PeerAttention:
+    """How llama.cpp stores its caches and runs attention.
+
+    llama.cpp's defaults (f16 caches, flash attention "auto", which is on for the CPU backend) compute
+    attention partly in fp16; with f32 caches and flash attention off, its F32 model computes what dsv4's
+    fp32 model computes (the benchmark's logits check measures ~1e-5 max abs difference that way).
+    """
+
+    kv_cache: str  # "f32" | "f16" | "bf16"
+    flash_attn: str  # "on" | "off" | "auto"
+
+
+EXACT_ATTENTION = PeerAttention("f32", "off")
+DEFAULT_ATTENTION = PeerAttention("f16", "auto")
+
 # Native names of the routed experts: the only tensors stored FP4 (DeepSeek's release layout).
 _ROUTED_EXPERT = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 # quantization_config of a native checkpoint whose routed experts are FP4 (dense tensors are fp32 here,
@@ -120,9 +137,10 @@ class LlamaDriver:
             raise RuntimeError(f"llama_driver: {' '.join(reply) or 'exited'} (command {words[0]})")
         return reply[1:]
 
-    def context(self, n_seq: int, n_ctx: int, n_batch: int) -> None:
-        """(Re)create the context: n_seq separate sequences, n_ctx cells in all, up to n_batch tokens a call."""
-        self._ask("ctx", n_seq, n_ctx, n_batch)
+    def context(self, n_seq: int, n_ctx: int, n_batch: int, attention: PeerAttention) -> None:
+        """(Re)create the context: n_seq separate sequences, n_ctx cells in all, up to n_batch tokens a call,
+        the cache type and flash-attention setting of `attention`."""
+        self._ask("ctx", n_seq, n_ctx, n_batch, attention.kv_cache, attention.flash_attn)
 
     def decode_steps(self, prompt: list[int], steps: int) -> list[float]:
         """Seconds of each of `steps` greedy single-token steps after `prompt` (prefill untimed)."""
