@@ -78,17 +78,23 @@ from paired import paired  # noqa: E402
 MODEL_SEED = 0
 # llama.cpp sizes its per-sequence caches in whole multiples of this many cells.
 CTX_ROUND = 256
+# llama.cpp rotates the lightning indexer's keys with Hadamard blocks of at least 64 (llama_kv_cache::
+# build_input_k_rot), so its DeepSeek-V4 graph needs index_head_dim to be a multiple of 64 (released models:
+# 128); with the small config's 32 it aborts at context creation. Both benchmark models use 64, as the
+# issue's measurements did.
+PEER_INDEX_HEAD_DIM = 64
 # A quick model for smoke runs: the small config cut down, keeping what llama.cpp's DeepSeek-V4 graph
 # hard-codes (CSA rate 4, HCA rate 128, 4 hyper-connection streams).
 _QUICK_OVERRIDES = {
     "vocab_size": 2048, "hidden_size": 128, "moe_intermediate_size": 64, "num_hidden_layers": 4,
     "num_attention_heads": 4, "head_dim": 64, "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 32,
-    "n_routed_experts": 8, "index_n_heads": 4, "index_head_dim": 64,
+    "n_routed_experts": 8, "index_n_heads": 4,
     "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                     "compressed_sparse_attention"],
     "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
 }
-CONFIGS = {"small": ref.small_config, "quick": lambda: ref.small_config(**_QUICK_OVERRIDES)}
+CONFIGS = {"small": lambda: ref.small_config(index_head_dim=PEER_INDEX_HEAD_DIM),
+           "quick": lambda: ref.small_config(**_QUICK_OVERRIDES, index_head_dim=PEER_INDEX_HEAD_DIM)}
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Where dsv4's batch-1 decode step goes: module breakdown (forward hooks) and aten ops (torch.profiler).
 
 The model is the benchmark checkpoint of bench_llamacpp.py (the small config, fp32 dense tensors, FP4
-routed experts), loaded with the routed experts FP4 (`--experts fp4`) or as dense fp32 stacks
-(`--experts dense`), eager or `--compile`. One sequence: a --prompt-len prompt, warm-up steps, then:
+routed experts; written once under benchmarks/.peer/models), loaded with the routed experts FP4
+(`--experts fp4`) or as dense fp32 stacks (`--experts dense`), eager or `--compile`. One sequence: a
+--prompt-len prompt, warm-up steps, then:
 
   plain     --steps engine steps timed without any instrumentation (the reference step time)
   modules   the same steps with forward hooks on every module: wall time per module kind, exclusive
@@ -24,7 +25,6 @@ import collections
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,11 +37,10 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "peer"))
 
 import llama_peer  # noqa: E402
 
-import reference as ref  # noqa: E402
+from bench_llamacpp import CONFIGS, prepare_models  # noqa: E402
 from dsv4 import LLM, SamplingParams  # noqa: E402
 from dsv4.kernels import describe_backends  # noqa: E402
 
-MODEL_SEED = 0
 PROMPT_SEED = 1
 TOP_OPS = 15
 
@@ -106,12 +105,10 @@ def _start(llm: LLM, prompt: list[int], steps: int, warmup: int) -> None:
 
 def profile_decode(args) -> dict:
     torch.set_num_threads(args.threads)
-    config = ref.small_config()
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / "ckpt"
-        llama_peer.write_bench_checkpoint(ckpt, config, MODEL_SEED)
-        llm = LLM(ckpt, dtype="float32", expert_dtype=args.experts, max_num_seqs=1,
-                  max_model_len=args.prompt_len + args.warmup + 3 * args.steps + 8, compile=args.compile)
+    config = CONFIGS["small"]()
+    checkpoint = prepare_models(llama_peer.PeerBuild(), "small", set(), rebuild=False)["checkpoint"]
+    llm = LLM(checkpoint, dtype="float32", expert_dtype=args.experts, max_num_seqs=1,
+              max_model_len=args.prompt_len + args.warmup + 3 * args.steps + 8, compile=args.compile)
     prompt = _prompt(args.prompt_len, config["vocab_size"])
     _start(llm, prompt, args.steps, args.warmup)
     engine = llm.engine
