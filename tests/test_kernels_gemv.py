@@ -19,6 +19,7 @@ from dsv4.kernels.gemv_cpu import (
     FusedExperts,
     FusedQuantExperts,
     QuantGemv,
+    WorkerPool,
     build_library,
 )
 from dsv4.model.linear import input_major
@@ -35,6 +36,13 @@ FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 @pytest.fixture(scope="module")
 def lib():
     return build_library()
+
+
+@pytest.fixture(scope="module")
+def pool(lib):
+    workers = WorkerPool(lib, workers=1)  # calls use up to torch.get_num_threads() threads: 1 or 2 here
+    yield workers
+    workers.close()
 
 
 @pytest.fixture
@@ -62,33 +70,26 @@ def _assert_bf16_close(got: torch.Tensor, want_fp32: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want_fp32, rtol=2**-8, atol=1e-5)
 
 
-def test_library_runs_on_torchs_openmp_runtime(lib):
-    """The kernels' threads are torch's: exactly one OpenMP runtime is mapped in the process."""
-    maps = open("/proc/self/maps").read().splitlines()
-    runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
-    assert len(runtimes) == 1, runtimes
-
-
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 16384, 512), (1, 37, 33), (3, 1000, 7),
                                                              (MAX_DENSE_ROWS, 257, 130), (5, 2048, 64)])
-def test_dense_gemv_fp32_matches_linear(lib, two_threads, rows, out_features, in_features):
+def test_dense_gemv_fp32_matches_linear(lib, pool, two_threads, rows, out_features, in_features):
     w = _weight(out_features, in_features, torch.float32, seed=out_features)
     x = _rows(rows, in_features, torch.float32, seed=rows)
-    kernel = DenseGemv(lib)
+    kernel = DenseGemv(lib, pool)
     assert kernel.supports(x, w)
     torch.testing.assert_close(kernel(x, w), F.linear(x, w), **FP32_TOL)
 
 
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 4096, 512), (4, 301, 96)])
-def test_dense_gemv_bf16_matches_linear(lib, two_threads, rows, out_features, in_features):
+def test_dense_gemv_bf16_matches_linear(lib, pool, two_threads, rows, out_features, in_features):
     w = _weight(out_features, in_features, torch.bfloat16, seed=1)
     x = _rows(rows, in_features, torch.bfloat16, seed=2)
-    got = DenseGemv(lib)(x, w)
+    got = DenseGemv(lib, pool)(x, w)
     _assert_bf16_close(got, F.linear(x.float(), w.float()))
 
 
-def test_dense_gemv_declines_what_it_cannot_run(lib):
-    kernel = DenseGemv(lib)
+def test_dense_gemv_declines_what_it_cannot_run(lib, pool):
+    kernel = DenseGemv(lib, pool)
     w = _weight(64, 32, torch.float32, seed=0)
     x = _rows(2, 32, torch.float32, seed=0)
     assert kernel.supports(x, w)
@@ -113,10 +114,10 @@ def _fp4_weight(out_features: int, in_features: int, seed: int) -> tuple[torch.T
 
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 512, 256), (3, 200, 300), (17, 129, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_gemv_matches_dequantized_product(lib, two_threads, rows, out_features, in_features, dtype):
+def test_fp8_gemv_matches_dequantized_product(lib, pool, two_threads, rows, out_features, in_features, dtype):
     q, scale = _fp8_weight(out_features, in_features, seed=in_features)
     x = _rows(rows, in_features, dtype, seed=3)
-    kernel = QuantGemv(lib)
+    kernel = QuantGemv(lib, pool)
     assert kernel.supports(x, q, scale, FP8_BLOCK)
     want = x.float() @ dequantize_fp8_blockwise(q, scale, FP8_BLOCK).t()
     got = kernel(x, q, scale, FP8_BLOCK)
@@ -128,10 +129,10 @@ def test_fp8_gemv_matches_dequantized_product(lib, two_threads, rows, out_featur
 
 @pytest.mark.parametrize("rows, out_features, in_features", [(1, 256, 512), (2, 77, 96), (20, 512, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp4_gemv_matches_dequantized_product(lib, two_threads, rows, out_features, in_features, dtype):
+def test_fp4_gemv_matches_dequantized_product(lib, pool, two_threads, rows, out_features, in_features, dtype):
     packed, scale = _fp4_weight(out_features, in_features, seed=out_features)
     x = _rows(rows, in_features, dtype, seed=4)
-    kernel = QuantGemv(lib)
+    kernel = QuantGemv(lib, pool)
     assert kernel.supports(x, packed, scale, FP4_BLOCK)
     want = x.float() @ dequantize_fp4(packed, scale).t()
     got = kernel(x, packed, scale, FP4_BLOCK)
@@ -141,7 +142,7 @@ def test_fp4_gemv_matches_dequantized_product(lib, two_threads, rows, out_featur
         _assert_bf16_close(got, want)
 
 
-def test_fp8_decode_covers_every_code(lib):
+def test_fp8_decode_covers_every_code(lib, pool):
     """All 254 finite e4m3 codes (subnormals, both zeros, the largest normal) decode exactly: one-hot rows of x
     read the weight's values back one by one."""
     codes = torch.arange(256, dtype=torch.uint8)
@@ -149,22 +150,22 @@ def test_fp8_decode_covers_every_code(lib):
     q = finite.view(torch.float8_e4m3fn).reshape(1, -1)
     scale = torch.ones(1, -(-q.shape[1] // 128))
     eye = torch.eye(q.shape[1])
-    got = QuantGemv(lib)(eye, q, scale, FP8_BLOCK)
+    got = QuantGemv(lib, pool)(eye, q, scale, FP8_BLOCK)
     assert torch.equal(got[:, 0], q.float()[0])
 
 
-def test_fp4_decode_covers_every_code(lib):
+def test_fp4_decode_covers_every_code(lib, pool):
     """All 16 e2m1 codes in both nibbles, and scales 2^-20 .. 2^20, decode exactly."""
     codes = torch.arange(16, dtype=torch.uint8)
     packed = (codes | (codes.flip(0) << 4)).repeat(2).reshape(1, 32).view(torch.int8)  # 64 inputs
     scale = torch.tensor([[127 - 20, 127 + 20]], dtype=torch.uint8)
     eye = torch.eye(64)
-    got = QuantGemv(lib)(eye, packed, scale, FP4_BLOCK)
+    got = QuantGemv(lib, pool)(eye, packed, scale, FP4_BLOCK)
     assert torch.equal(got[:, 0], dequantize_fp4(packed, scale)[0])
 
 
-def test_quant_gemv_declines_what_it_cannot_run(lib):
-    kernel = QuantGemv(lib)
+def test_quant_gemv_declines_what_it_cannot_run(lib, pool):
+    kernel = QuantGemv(lib, pool)
     packed, scale = _fp4_weight(64, 64, seed=0)
     x = _rows(1, 64, torch.float32, seed=0)
     assert kernel.supports(x, packed, scale, FP4_BLOCK)
@@ -204,11 +205,11 @@ def _reference(x, ids, weights, expert_weight):
 
 @pytest.mark.parametrize("tokens, k", [(1, 2), (5, 3), (64, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_dense_experts_match_loop(lib, two_threads, tokens, k, dtype):
+def test_fused_dense_experts_match_loop(lib, pool, two_threads, tokens, k, dtype):
     s = _dense_stacks(dtype, seed=tokens)
     x = _rows(tokens, DIM, dtype, seed=5)
     ids, weights = _routing(tokens, k, seed=tokens + k)
-    kernel = FusedExperts(lib)
+    kernel = FusedExperts(lib, pool)
     args = (x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
     assert kernel.supports(*args)
     got = kernel(*args)
@@ -249,21 +250,21 @@ def _dequantized(stacks, fmt: str, block):
 
 @pytest.mark.parametrize("fmt, block", [("fp8", FP8_BLOCK), ("fp4", FP4_BLOCK)])
 @pytest.mark.parametrize("tokens, k", [(1, 2), (7, 2), (64, 2)])
-def test_fused_quant_experts_match_loop(lib, two_threads, fmt, block, tokens, k):
+def test_fused_quant_experts_match_loop(lib, pool, two_threads, fmt, block, tokens, k):
     s = _quant_stacks(fmt, seed=tokens)
     x = _rows(tokens, DIM, torch.float32, seed=6)
     ids, weights = _routing(tokens, k, seed=tokens * k)
-    kernel = FusedQuantExperts(lib)
+    kernel = FusedQuantExperts(lib, pool)
     args = (x, ids, weights, s["w1"], s["w1_scale"], s["w3"], s["w3_scale"], s["w2"], s["w2_scale"], block, LIMIT)
     assert kernel.supports(*args)
     torch.testing.assert_close(kernel(*args), _reference(x, ids, weights, _dequantized(s, fmt, block)), **FP32_TOL)
 
 
-def test_fused_experts_decline_what_they_cannot_run(lib):
+def test_fused_experts_decline_what_they_cannot_run(lib, pool):
     s = _dense_stacks(torch.float32, seed=0)
     x = _rows(4, DIM, torch.float32, seed=0)
     ids, weights = _routing(4, 2, seed=0)
-    kernel = FusedExperts(lib)
+    kernel = FusedExperts(lib, pool)
     assert kernel.supports(x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
     assert not kernel.supports(x, ids.int(), weights, s["w1"], s["w3"], s["w2"], LIMIT)
     assert not kernel.supports(x, ids, weights, s["w1"].contiguous(), s["w3"], s["w2"], LIMIT)  # output-major
@@ -271,23 +272,23 @@ def test_fused_experts_decline_what_they_cannot_run(lib):
     big_ids, big_w = _routing(many, 2, seed=1)
     assert not kernel.supports(_rows(many, DIM, torch.float32, 0), big_ids, big_w, s["w1"], s["w3"], s["w2"], LIMIT)
     q = _quant_stacks("fp4", seed=0)
-    quant = FusedQuantExperts(lib)
+    quant = FusedQuantExperts(lib, pool)
     args = [x, ids, weights, q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"], FP4_BLOCK, LIMIT]
     assert quant.supports(*args)
     args[4] = q["w1_scale"][:, :, :1]  # scale grid of another group size
     assert not quant.supports(*args)
 
 
-def test_fused_experts_reject_out_of_range_ids(lib):
+def test_fused_experts_reject_out_of_range_ids(lib, pool):
     s = _dense_stacks(torch.float32, seed=0)
     x = _rows(2, DIM, torch.float32, seed=0)
     ids, weights = _routing(2, 2, seed=0)
     ids[1, 0] = E
     with pytest.raises(ValueError, match="moe_experts"):
-        FusedExperts(lib)(x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
+        FusedExperts(lib, pool)(x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
 
 
-def test_results_do_not_depend_on_threads_or_batch(lib):
+def test_results_do_not_depend_on_threads_or_batch(lib, pool):
     """Each output element is summed by one thread in a fixed order: 1 or 2 threads, and a row alone or with
     others, give bit-identical results (batch invariance)."""
     saved = torch.get_num_threads()
@@ -297,7 +298,7 @@ def test_results_do_not_depend_on_threads_or_batch(lib):
     x = _rows(6, 512, torch.float32, seed=9)
     xe = _rows(6, DIM, torch.float32, seed=9)
     ids, weights = _routing(6, 2, seed=9)
-    dense, quant, experts = DenseGemv(lib), QuantGemv(lib), FusedExperts(lib)
+    dense, quant, experts = DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool)
     results = []
     try:
         for threads in (1, 2):
@@ -312,3 +313,37 @@ def test_results_do_not_depend_on_threads_or_batch(lib):
         assert torch.equal(one, two)
     for batched, alone in zip(results[0][:3], results[0][3:]):
         assert torch.equal(batched[2:3], alone)
+
+
+def test_results_are_complete_when_the_call_returns(lib, pool, two_threads):
+    """The caller waits for the chunks the worker took: a copy taken the moment a call returns (before a
+    late worker could finish its chunk) always equals the full product, over many calls."""
+    kernel = DenseGemv(lib, pool)
+    w = _weight(16384, 512, torch.float32, seed=12)  # 32 MiB: 8 chunks of ~4 MiB for two threads
+    x = _rows(1, 512, torch.float32, seed=12)
+    want = F.linear(x, w)
+    copies = [kernel(x, w).clone() for _ in range(20)]
+    for got in copies:
+        torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+def _forked_product(conn, kernel, x, w) -> None:
+    conn.send(kernel(x, w).numpy().tobytes())  # bytes: tensors would travel through shared-memory handles
+    conn.close()
+
+
+def test_forked_child_computes_on_its_own_thread(lib, pool, two_threads):
+    """A fork inherits the pool's handle but not its threads: the child's calls run on the calling thread
+    alone and give the parent's results."""
+    import multiprocessing
+
+    kernel = DenseGemv(lib, pool)
+    w = _weight(4096, 512, torch.float32, seed=11)  # 8 MiB: split into chunks for two threads
+    x = _rows(1, 512, torch.float32, seed=11)
+    parent_end, child_end = multiprocessing.get_context("fork").Pipe()
+    child = multiprocessing.get_context("fork").Process(target=_forked_product, args=(child_end, kernel, x, w))
+    child.start()
+    assert parent_end.poll(60), "the forked child did not answer"
+    got = parent_end.recv()
+    child.join(10)
+    assert got == kernel(x, w).numpy().tobytes()

@@ -11,14 +11,31 @@
  *               W2_e (silu(min(W1_e x, L)) * clamp(W3_e x, -L, L)), for dense, FP8 or FP4 expert stacks
  *
  * Activations (x, y, out) are fp32 or bf16 (bf16: widened on load, rounded to nearest-even once on store);
- * all arithmetic is fp32. Threads: OpenMP, linked against the libgomp torch itself loads (same soname),
- * so these loops run on torch's own intra-op threads instead of competing with them.
+ * all arithmetic is fp32.
+ *
+ * Threads: a caller-runs pool (pool_create). A call is cut into chunks of output features; the calling
+ * thread takes chunks itself and the pool's workers take chunks when they get a core, so the caller only
+ * ever waits for chunks a worker has already started, never for a worker to be scheduled. On a machine
+ * whose other core is busy (a co-running process), a call therefore costs what one thread costs instead of
+ * a scheduler time slice spent spinning at a barrier (which is what an OpenMP region pays there). Each
+ * output element is computed by one thread in a fixed order: results do not depend on the thread count.
  */
+#define _GNU_SOURCE
 #include <math.h>
-#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
 
 enum { ACT_F32 = 0, ACT_BF16 = 1 };
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_FP8 = 2, FMT_FP4 = 3 };
@@ -29,9 +46,15 @@ enum { OK = 0, ERR_ALLOC = 1, ERR_ARGS = 2 };
 /* Weight rows folded per pass over the accumulators: 4 independent streams keep the prefetchers busy and
    cut the accumulator traffic to 1/4 of the weight traffic. */
 #define K_UNROLL 4
-/* Output features are split between threads in multiples of this (one cache line of fp32). */
+/* Dense chunks are cut at multiples of this many columns (one cache line of fp32). */
 #define SPLIT_ALIGN 16
-/* Below this many weight bytes a call runs on one thread: waking a second costs more than it saves. */
+/* A dense chunk streams at least this many columns of each weight row (shorter row pieces defeat the
+   hardware prefetchers), a quantized chunk at least MIN_CHUNK_ROWS weight rows. */
+#define MIN_CHUNK_COLS 256
+#define MIN_CHUNK_ROWS 8
+/* Chunks per thread: enough that a late thread's share is picked up by the others. */
+#define CHUNKS_PER_THREAD 4
+/* Below this many weight bytes a call runs in one chunk: waking a worker costs more than it saves. */
 #define MIN_PARALLEL_BYTES (64 * 1024)
 #define E8M0_BIAS 127
 
@@ -78,21 +101,172 @@ static inline float e2m1_to_f32(uint32_t c) {
 
 static inline float e8m0_to_f32(uint8_t s) { return ldexpf(1.0f, (int)s - E8M0_BIAS); }
 
-/* [lo, hi) of n items for thread t of nt, cut at multiples of align. */
-static void split(long n, int t, int nt, long align, long *lo, long *hi) {
-    long units = (n + align - 1) / align;
-    long a = units * t / nt, b = units * (t + 1) / nt;
-    *lo = a * align < n ? a * align : n;
-    *hi = b * align < n ? b * align : n;
-}
-
 /* Bytes a matrix of `elements` weights occupies in format fmt. */
 static long matrix_bytes(int fmt, long elements) {
     return fmt == FMT_F32 ? 4 * elements : fmt == FMT_BF16 ? 2 * elements : fmt == FMT_FP8 ? elements : elements / 2;
 }
 
-static int threads_for(long weight_bytes, int nthreads) {
-    return weight_bytes < MIN_PARALLEL_BYTES || nthreads < 1 ? 1 : nthreads;
+/* Chunk size for n items: about CHUNKS_PER_THREAD chunks a thread, at least `least` items, a multiple of
+   `align`; the whole range when the weights are too small to be worth a second thread. */
+static long chunk_size(long n, int nthreads, long weight_bytes, long least, long align) {
+    if (nthreads <= 1 || weight_bytes < MIN_PARALLEL_BYTES) return n;
+    long size = (n + (long)CHUNKS_PER_THREAD * nthreads - 1) / ((long)CHUNKS_PER_THREAD * nthreads);
+    size = (size + align - 1) / align * align;
+    return size < least ? least : size;
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* The caller-runs pool.                                                                                */
+/* ---------------------------------------------------------------------------------------------------- */
+
+#define MAX_WORKERS 63
+/* After a job a worker keeps polling this long for the next one before it sleeps: the kernels of one
+   decode step come microseconds apart, and a sleeping worker takes tens of microseconds to wake. */
+#define WORKER_SPIN_NS 50000L
+#define GEN_SHIFT 32
+#define CHUNK_MASK 0xffffffffull
+
+typedef void (*chunk_fn)(const void *job, long chunk);
+
+typedef struct pool {
+    pid_t owner; /* the process whose threads these are: a forked child runs every call on its own */
+    int n_workers;
+    pthread_t threads[MAX_WORKERS];
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    atomic_int sleepers;
+    atomic_int stop;
+    _Atomic uint64_t state; /* generation << 32 | next chunk of the current job */
+    atomic_long done;       /* chunks of the current job finished */
+    atomic_int helpers;     /* workers allowed to help the current job */
+    /* the current job (read by workers after they observe its generation) */
+    _Atomic(chunk_fn) fn;
+    _Atomic(const void *) job;
+    atomic_long n_chunks;
+} pool;
+
+typedef struct {
+    pool *p;
+    int index;
+} worker_arg;
+
+/* Take and run chunks of generation `gen` until none is left (or a newer job started). */
+static void help(pool *p, uint32_t gen) {
+    const chunk_fn fn = atomic_load_explicit(&p->fn, memory_order_relaxed);
+    const void *job = atomic_load_explicit(&p->job, memory_order_relaxed);
+    const long n = atomic_load_explicit(&p->n_chunks, memory_order_relaxed);
+    uint64_t s = atomic_load(&p->state);
+    for (;;) {
+        if ((uint32_t)(s >> GEN_SHIFT) != gen || (long)(s & CHUNK_MASK) >= n) return;
+        /* A successful exchange proves the job is still `gen` and unfinished, so fn/job/n were its own. */
+        if (atomic_compare_exchange_weak(&p->state, &s, s + 1)) {
+            fn(job, (long)(s & CHUNK_MASK));
+            atomic_fetch_add(&p->done, 1);
+            s = atomic_load(&p->state);
+        }
+    }
+}
+
+static long elapsed_ns(const struct timespec *since) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (t.tv_sec - since->tv_sec) * 1000000000L + (t.tv_nsec - since->tv_nsec);
+}
+
+static void *worker_main(void *arg) {
+    worker_arg self = *(worker_arg *)arg;
+    free(arg);
+    pool *p = self.p;
+    uint32_t seen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT);
+    for (;;) {
+        struct timespec start;
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        uint32_t gen = seen;
+        for (long polls = 0; gen == seen && !atomic_load(&p->stop); ++polls) {
+            CPU_RELAX();
+            gen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT);
+            if (gen == seen && (polls & 63) == 63 && elapsed_ns(&start) > WORKER_SPIN_NS) {
+                pthread_mutex_lock(&p->mu);
+                atomic_fetch_add(&p->sleepers, 1);
+                /* seq_cst: either the caller sees this sleeper and signals, or this load sees its job */
+                gen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT);
+                if (gen == seen && !atomic_load(&p->stop)) pthread_cond_wait(&p->wake, &p->mu);
+                atomic_fetch_sub(&p->sleepers, 1);
+                pthread_mutex_unlock(&p->mu);
+                gen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT);
+                clock_gettime(CLOCK_MONOTONIC, &start);
+            }
+        }
+        if (atomic_load(&p->stop)) return NULL;
+        seen = gen;
+        if (self.index < atomic_load(&p->helpers)) help(p, gen);
+    }
+}
+
+/* A pool of n_workers threads (the caller is the extra one); NULL when threads cannot be made. */
+pool *pool_create(int n_workers) {
+    if (n_workers < 0) n_workers = 0;
+    if (n_workers > MAX_WORKERS) n_workers = MAX_WORKERS;
+    pool *p = calloc(1, sizeof(pool));
+    if (!p) return NULL;
+    p->owner = getpid();
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    for (int i = 0; i < n_workers; ++i) {
+        worker_arg *arg = malloc(sizeof(worker_arg));
+        if (!arg) break;
+        arg->p = p;
+        arg->index = i;
+        if (pthread_create(&p->threads[i], NULL, worker_main, arg) != 0) {
+            free(arg);
+            break;
+        }
+        p->n_workers = i + 1;
+    }
+    return p;
+}
+
+void pool_destroy(pool *p) {
+    if (!p) return;
+    if (p->owner == getpid()) {
+        pthread_mutex_lock(&p->mu);
+        atomic_store(&p->stop, 1);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mu);
+        for (int i = 0; i < p->n_workers; ++i) pthread_join(p->threads[i], NULL);
+    }
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->wake);
+    free(p);
+}
+
+int pool_workers(const pool *p) { return p ? p->n_workers : 0; }
+
+/* Run fn(job, c) for c in [0, n_chunks), with up to nthreads threads (the caller and nthreads - 1 workers).
+   Returns when every chunk has run. */
+static void pool_run(pool *p, long n_chunks, chunk_fn fn, const void *job, int nthreads) {
+    if (!p || p->owner != getpid() || p->n_workers == 0 || n_chunks <= 1 || nthreads <= 1) {
+        for (long c = 0; c < n_chunks; ++c) fn(job, c);
+        return;
+    }
+    atomic_store(&p->done, 0);
+    atomic_store_explicit(&p->fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&p->job, job, memory_order_relaxed);
+    atomic_store_explicit(&p->n_chunks, n_chunks, memory_order_relaxed);
+    atomic_store(&p->helpers, nthreads - 1);
+    const uint32_t gen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT) + 1;
+    atomic_store(&p->state, (uint64_t)gen << GEN_SHIFT); /* publishes the job (seq_cst) */
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mu);
+    }
+    help(p, gen);
+    /* Only chunks a running worker has taken remain. */
+    for (long polls = 0; atomic_load(&p->done) < n_chunks; ++polls) {
+        if (polls < 4096) CPU_RELAX();
+        else sched_yield();
+    }
 }
 
 /* Rows of x as fp32 (a copy only for bf16). */
@@ -175,34 +349,38 @@ static void dense_range(const float *x, long R, long K, long ldx, const void *w,
     }
 }
 
-int dense_xw(const void *x, int act, long R, long K, const void *w, int wfmt, long ldw, long N, void *y,
+typedef struct {
+    const float *x;
+    long R, K, N, ldw, chunk;
+    const void *w;
+    int wfmt, act;
+    float *acc; /* [R, N]: y itself for fp32 outputs, else scratch rounded into y per chunk */
+    void *y;
+} dense_job;
+
+static void dense_chunk(const void *arg, long c) {
+    const dense_job *j = arg;
+    const long n0 = c * j->chunk, n1 = n0 + j->chunk < j->N ? n0 + j->chunk : j->N;
+    dense_range(j->x, j->R, j->K, j->K, j->w, j->wfmt, j->ldw, n0, n1, j->acc + n0, j->N);
+    if (j->act != ACT_F32)
+        for (long r = 0; r < j->R; ++r) store_row(j->y, j->act, r * j->N + n0, j->acc + r * j->N + n0, n1 - n0);
+}
+
+int dense_xw(pool *p, const void *x, int act, long R, long K, const void *w, int wfmt, long ldw, long N, void *y,
              int nthreads) {
     if ((wfmt != FMT_F32 && wfmt != FMT_BF16) || R <= 0 || K <= 0 || N <= 0 || ldw < N) return ERR_ARGS;
     float *xf = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
-    if (act == ACT_BF16 && !xf) return ERR_ALLOC;
-    const float *xs = rows_f32(x, act, R * K, xf);
-    const long wbytes = matrix_bytes(wfmt, K * N);
+    float *acc = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * N)) : (float *)y;
     int status = OK;
-#pragma omp parallel num_threads(threads_for(wbytes, nthreads))
-    {
-        long n0, n1;
-        split(N, omp_get_thread_num(), omp_get_num_threads(), SPLIT_ALIGN, &n0, &n1);
-        if (n1 > n0) {
-            float *acc = act == ACT_F32 ? NULL : malloc(sizeof(float) * (size_t)(R * (n1 - n0)));
-            if (act == ACT_F32) {
-                /* accumulate straight into y's columns */
-                dense_range(xs, R, K, K, w, wfmt, ldw, n0, n1, (float *)y + n0, N);
-            } else if (acc) {
-                dense_range(xs, R, K, K, w, wfmt, ldw, n0, n1, acc, n1 - n0);
-                for (long r = 0; r < R; ++r) store_row(y, act, r * N + n0, acc + r * (n1 - n0), n1 - n0);
-            } else {
-#pragma omp atomic write
-                status = ERR_ALLOC;
-            }
-            free(acc);
-        }
+    if (act == ACT_BF16 && (!xf || !acc)) {
+        status = ERR_ALLOC;
+    } else {
+        const long chunk = chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_COLS, SPLIT_ALIGN);
+        dense_job job = {rows_f32(x, act, R * K, xf), R, K, N, ldw, chunk, w, wfmt, act, acc, y};
+        pool_run(p, (N + chunk - 1) / chunk, dense_chunk, &job, nthreads);
     }
     free(xf);
+    if (act == ACT_BF16) free(acc);
     return status;
 }
 
@@ -289,32 +467,39 @@ static int quant_args_ok(int wfmt, long K, long b0, long b1) {
     return 0;
 }
 
+typedef struct {
+    const float *x;
+    long R, K, N, b0, b1, chunk;
+    int wfmt, act;
+    const void *w, *scale;
+    float *acc; /* [R, N]: y itself for fp32 outputs, else scratch rounded into y per chunk */
+    void *y;
+} quant_job;
+
+static void quant_chunk(const void *arg, long c) {
+    const quant_job *j = arg;
+    const long n0 = c * j->chunk, n1 = n0 + j->chunk < j->N ? n0 + j->chunk : j->N;
+    quant_range(j->x, j->R, j->K, j->wfmt, j->w, j->scale, j->b0, j->b1, n0, n1, j->acc + n0, j->N);
+    if (j->act != ACT_F32)
+        for (long r = 0; r < j->R; ++r) store_row(j->y, j->act, r * j->N + n0, j->acc + r * j->N + n0, n1 - n0);
+}
+
 /* b0, b1: the FP8 block (b0 output rows x b1 inputs); FP4: b1 = inputs per scale (b0 unused). */
-int quant_xw(const void *x, int act, long R, long K, int wfmt, const void *w, const void *scale, long b0, long b1,
-             long N, void *y, int nthreads) {
+int quant_xw(pool *p, const void *x, int act, long R, long K, int wfmt, const void *w, const void *scale, long b0,
+             long b1, long N, void *y, int nthreads) {
     if (!quant_args_ok(wfmt, K, b0, b1) || R <= 0 || N <= 0) return ERR_ARGS;
     float *xf = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
-    if (act == ACT_BF16 && !xf) return ERR_ALLOC;
-    const float *xs = rows_f32(x, act, R * K, xf);
-    const long wbytes = matrix_bytes(wfmt, K * N);
+    float *acc = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * N)) : (float *)y;
     int status = OK;
-#pragma omp parallel num_threads(threads_for(wbytes, nthreads))
-    {
-        long n0, n1;
-        split(N, omp_get_thread_num(), omp_get_num_threads(), 1, &n0, &n1);
-        if (n1 > n0) {
-            float *acc = malloc(sizeof(float) * (size_t)(R * (n1 - n0)));
-            if (acc) {
-                quant_range(xs, R, K, wfmt, w, scale, b0, b1, n0, n1, acc, n1 - n0);
-                for (long r = 0; r < R; ++r) store_row(y, act, r * N + n0, acc + r * (n1 - n0), n1 - n0);
-                free(acc);
-            } else {
-#pragma omp atomic write
-                status = ERR_ALLOC;
-            }
-        }
+    if (act == ACT_BF16 && (!xf || !acc)) {
+        status = ERR_ALLOC;
+    } else {
+        const long chunk = chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_ROWS, 1);
+        quant_job job = {rows_f32(x, act, R * K, xf), R, K, N, b0, b1, chunk, wfmt, act, w, scale, acc, y};
+        pool_run(p, (N + chunk - 1) / chunk, quant_chunk, &job, nthreads);
     }
     free(xf);
+    if (act == ACT_BF16) free(acc);
     return status;
 }
 
@@ -355,108 +540,117 @@ static void matrix_range(const float *x, long R, expert_matrix m, long b0, long 
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
+typedef struct {
+    long D, I, E, b0, b1, chunk_i, chunk_d;
+    int fmt, act;
+    float limit;
+    const long *start, *token;
+    const float *pick_w, *xs;
+    float *gate, *up, *h, *y, *accum; /* [P, I] x 3, [P, D], [T, D] */
+    const void *w1, *s1, *w3, *s3, *w2, *s2;
+} moe_job;
+
+/* Phase 1, chunk c: hidden columns [i0, i1) of every pick's row, expert by expert. */
+static void moe_hidden_chunk(const void *arg, long c) {
+    const moe_job *j = arg;
+    const long i0 = c * j->chunk_i, i1 = i0 + j->chunk_i < j->I ? i0 + j->chunk_i : j->I;
+    for (long e = 0; e < j->E; ++e) {
+        const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
+        if (rows == 0) continue;
+        const float *xe = j->xs + first * j->D;
+        float *gate = j->gate + first * j->I, *up = j->up + first * j->I, *h = j->h + first * j->I;
+        matrix_range(xe, rows, expert(j->fmt, j->w1, j->s1, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1,
+                     gate + i0, j->I);
+        matrix_range(xe, rows, expert(j->fmt, j->w3, j->s3, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1,
+                     up + i0, j->I);
+        for (long r = 0; r < rows; ++r)
+            for (long i = i0; i < i1; ++i) {
+                const float g = gate[r * j->I + i], u = up[r * j->I + i];
+                const float gc = g < j->limit ? g : j->limit;
+                const float uc = u < -j->limit ? -j->limit : (u > j->limit ? j->limit : u);
+                h[r * j->I + i] = silu(gc) * uc;
+            }
+    }
+}
+
+/* Phase 2, chunk c: output columns [d0, d1), experts in ascending order into each token's sum. */
+static void moe_output_chunk(const void *arg, long c) {
+    const moe_job *j = arg;
+    const long d0 = c * j->chunk_d, d1 = d0 + j->chunk_d < j->D ? d0 + j->chunk_d : j->D;
+    for (long e = 0; e < j->E; ++e) {
+        const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
+        if (rows == 0) continue;
+        float *y = j->y + first * j->D;
+        matrix_range(j->h + first * j->I, rows, expert(j->fmt, j->w2, j->s2, e, j->I, j->D, j->b0, j->b1), j->b0,
+                     j->b1, d0, d1, y + d0, j->D);
+        for (long r = 0; r < rows; ++r) {
+            const long s = first + r;
+            float *dst = j->accum + j->token[s] * j->D;
+            for (long d = d0; d < d1; ++d) {
+                const float v = y[r * j->D + d] * j->pick_w[s];
+                /* bf16: the reference adds bf16-rounded products into a bf16 sum */
+                dst[d] = j->act == ACT_F32 ? dst[d] + v
+                                           : bf16_to_f32(f32_to_bf16(dst[d] + bf16_to_f32(f32_to_bf16(v))));
+            }
+        }
+    }
+}
+
 /* x [T, D] (act), ids [T, k] int64, weights [T, k] fp32 -> out [T, D] (act, overwritten).
    w1/w3: [E, I, D] logical (gate / up), w2: [E, D, I] logical, in format fmt (dense: input-major storage).
    Experts run in ascending id order and each output element accumulates in that order, as the reference
    loop does; the only differences from it are the fp32 summation orders inside the products. */
-int moe_experts(const void *x, int act, long T, long D, long I, long topk, const int64_t *ids, const float *weights,
-                long E, int fmt, const void *w1, const void *s1, const void *w3, const void *s3, const void *w2,
-                const void *s2, long b0, long b1, float limit, void *out, int nthreads) {
+int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long topk, const int64_t *ids,
+                const float *weights, long E, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
+                const void *w2, const void *s2, long b0, long b1, float limit, void *out, int nthreads) {
     if (T <= 0 || D <= 0 || I <= 0 || topk <= 0 || E <= 0) return ERR_ARGS;
     if ((fmt == FMT_FP8 || fmt == FMT_FP4) && (!quant_args_ok(fmt, D, b0, b1) || !quant_args_ok(fmt, I, b0, b1)))
         return ERR_ARGS;
     const long P = T * topk;
-    for (long p = 0; p < P; ++p)
-        if (ids[p] < 0 || ids[p] >= E) return ERR_ARGS;
-    /* Counting sort of the picks by expert (stable: token order within an expert). */
-    long *start = calloc((size_t)E + 1, sizeof(long));
+    for (long q = 0; q < P; ++q)
+        if (ids[q] < 0 || ids[q] >= E) return ERR_ARGS;
+    long *start = calloc((size_t)E + 1, sizeof(long)), *fill = malloc(sizeof(long) * (size_t)E);
     long *token = malloc(sizeof(long) * (size_t)P);
     float *pick_w = malloc(sizeof(float) * (size_t)P);
     float *xs = malloc(sizeof(float) * (size_t)(P * D)); /* gathered rows, grouped by expert */
-    float *h = malloc(sizeof(float) * (size_t)(P * I));  /* SwiGLU hidden rows */
-    float *accum = malloc(sizeof(float) * (size_t)(T * D));
-    long *fill = malloc(sizeof(long) * (size_t)E);
+    float *hidden = malloc(sizeof(float) * (size_t)(3 * P * I)); /* gate | up | SwiGLU */
+    float *y = malloc(sizeof(float) * (size_t)(P * D));
+    float *accum = calloc((size_t)(T * D), sizeof(float));
     int status = OK;
-    if (!start || !token || !pick_w || !xs || !h || !accum || !fill) {
+    if (!start || !fill || !token || !pick_w || !xs || !hidden || !y || !accum) {
         status = ERR_ALLOC;
         goto done;
     }
-    for (long p = 0; p < P; ++p) start[ids[p] + 1]++;
+    /* Counting sort of the picks by expert (stable: token order within an expert). */
+    for (long q = 0; q < P; ++q) start[ids[q] + 1]++;
     for (long e = 0; e < E; ++e) start[e + 1] += start[e];
     memcpy(fill, start, sizeof(long) * (size_t)E);
-    for (long p = 0; p < P; ++p) {
-        long slot = fill[ids[p]]++;
-        token[slot] = p / topk;
-        pick_w[slot] = weights[p];
+    for (long q = 0; q < P; ++q) {
+        const long slot = fill[ids[q]]++;
+        token[slot] = q / topk;
+        pick_w[slot] = weights[q];
     }
     for (long s = 0; s < P; ++s) {
         if (act == ACT_F32) memcpy(xs + s * D, (const float *)x + token[s] * D, sizeof(float) * (size_t)D);
         else
             for (long d = 0; d < D; ++d) xs[s * D + d] = bf16_to_f32(((const uint16_t *)x)[token[s] * D + d]);
     }
-    memset(accum, 0, sizeof(float) * (size_t)(T * D));
-    const long used_bytes = 3 * matrix_bytes(fmt, D * I) * (P < E ? P : E); /* at most P experts are read */
-#pragma omp parallel num_threads(threads_for(used_bytes, nthreads))
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long i0, i1, d0, d1;
-        split(I, t, nt, SPLIT_ALIGN, &i0, &i1);
-        split(D, t, nt, SPLIT_ALIGN, &d0, &d1);
-        float *gate = malloc(sizeof(float) * (size_t)(P * (i1 - i0 > 0 ? i1 - i0 : 1)));
-        float *up = malloc(sizeof(float) * (size_t)(P * (i1 - i0 > 0 ? i1 - i0 : 1)));
-        float *y = malloc(sizeof(float) * (size_t)(P * (d1 - d0 > 0 ? d1 - d0 : 1)));
-        int ok = gate && up && y;
-        if (!ok) {
-#pragma omp atomic write
-            status = ERR_ALLOC;
-        }
-        /* Phase 1: this thread's hidden columns [i0, i1) of every pick's row. */
-        for (long e = 0; ok && e < E && i1 > i0; ++e) {
-            const long rows = start[e + 1] - start[e];
-            if (rows == 0) continue;
-            const float *xe = xs + start[e] * D;
-            const long w = i1 - i0;
-            matrix_range(xe, rows, expert(fmt, w1, s1, e, D, I, b0, b1), b0, b1, i0, i1, gate, w);
-            matrix_range(xe, rows, expert(fmt, w3, s3, e, D, I, b0, b1), b0, b1, i0, i1, up, w);
-            for (long r = 0; r < rows; ++r)
-                for (long i = 0; i < w; ++i) {
-                    const float g = gate[r * w + i], u = up[r * w + i];
-                    const float gc = g < limit ? g : limit;
-                    const float uc = u < -limit ? -limit : (u > limit ? limit : u);
-                    h[(start[e] + r) * I + i0 + i] = silu(gc) * uc;
-                }
-        }
-#pragma omp barrier
-        /* Phase 2: this thread's output columns [d0, d1), experts in ascending order. */
-        for (long e = 0; ok && e < E && d1 > d0; ++e) {
-            const long rows = start[e + 1] - start[e];
-            if (rows == 0) continue;
-            const long w = d1 - d0;
-            matrix_range(h + start[e] * I, rows, expert(fmt, w2, s2, e, I, D, b0, b1), b0, b1, d0, d1, y, w);
-            for (long r = 0; r < rows; ++r) {
-                const long s = start[e] + r;
-                float *dst = accum + token[s] * D + d0;
-                for (long d = 0; d < w; ++d) {
-                    const float v = y[r * w + d] * pick_w[s];
-                    /* bf16: the reference adds bf16-rounded products into a bf16 sum */
-                    dst[d] = act == ACT_F32 ? dst[d] + v
-                                            : bf16_to_f32(f32_to_bf16(dst[d] + bf16_to_f32(f32_to_bf16(v))));
-                }
-            }
-        }
-        free(gate);
-        free(up);
-        free(y);
-    }
-    if (status == OK)
-        for (long tkn = 0; tkn < T; ++tkn) store_row(out, act, tkn * D, accum + tkn * D, D);
+    const long used = P < E ? P : E; /* at most P distinct experts are read */
+    const long matrix = matrix_bytes(fmt, D * I);
+    moe_job job = {D, I, E, b0, b1, chunk_size(I, nthreads, 2 * matrix * used, SPLIT_ALIGN, SPLIT_ALIGN),
+                   chunk_size(D, nthreads, matrix * used, SPLIT_ALIGN, SPLIT_ALIGN), fmt, act, limit, start, token,
+                   pick_w, xs, hidden, hidden + P * I, hidden + 2 * P * I, y, accum, w1, s1, w3, s3, w2, s2};
+    pool_run(p, (I + job.chunk_i - 1) / job.chunk_i, moe_hidden_chunk, &job, nthreads);
+    pool_run(p, (D + job.chunk_d - 1) / job.chunk_d, moe_output_chunk, &job, nthreads);
+    for (long t = 0; t < T; ++t) store_row(out, act, t * D, accum + t * D, D);
 done:
     free(start);
+    free(fill);
     free(token);
     free(pick_w);
     free(xs);
-    free(h);
+    free(hidden);
+    free(y);
     free(accum);
-    free(fill);
     return status;
 }

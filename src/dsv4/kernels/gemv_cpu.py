@@ -19,11 +19,16 @@ Kernels (each `supports(*args)` / `__call__(*args)` with one signature, as the r
                     FP8 / FP4 stacks, format from w1's dtype (float8_e4m3fn: FP8 with `block`; int8: FP4 with
                     group block[1])
 
-Build: the C source is compiled once per machine into the per-user kernel cache (well under a second; no
-torch headers), with -march=native (the cache key includes this CPU's feature flags, so a shared home
-directory on a different CPU builds its own copy) and -fopenmp. The library links `libgomp.so.1`, the
-soname of the OpenMP runtime torch loads first, so the dynamic linker binds it to torch's runtime: the
-kernels' parallel regions run on torch's intra-op threads (no second pool spinning against it).
+Threads: the library's own caller-runs pool (`WorkerPool`, one per `build_kernels()`). A call is cut into
+chunks of output features; the calling thread works through them and the pool's workers join when they get
+a core, so a call never waits for a worker that has not started (an OpenMP region, torch's included, waits
+at its closing barrier for every thread of the team: on a machine whose other core is busy that costs a
+scheduler time slice per region). Workers poll ~50 us for the next call, then sleep. The pool has
+torch.get_num_threads() - 1 workers when built; a call uses at most torch.get_num_threads() threads.
+
+Build: the C source is compiled once per machine into the per-user kernel cache (about a second; no torch
+headers), with -march=native (the cache key includes this CPU's feature flags, so a shared home directory on
+a different CPU builds its own copy).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-fast-math")
+_FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-fno-fast-math")
 _MAX_ERROR_CHARS = 500
 
 # Codes shared with gemv_cpu.c.
@@ -101,13 +106,41 @@ def build_library() -> ctypes.CDLL:
             os.replace(built, target)  # atomic: concurrent processes never load a half-written file
     lib = ctypes.CDLL(str(target))
     P, L, Int, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    lib.pool_create.restype = P
+    lib.pool_create.argtypes = [Int]
+    lib.pool_destroy.restype = None
+    lib.pool_destroy.argtypes = [P]
+    lib.pool_workers.restype = Int
+    lib.pool_workers.argtypes = [P]
     lib.dense_xw.restype = Int
-    lib.dense_xw.argtypes = [P, Int, L, L, P, Int, L, L, P, Int]
+    lib.dense_xw.argtypes = [P, P, Int, L, L, P, Int, L, L, P, Int]
     lib.quant_xw.restype = Int
-    lib.quant_xw.argtypes = [P, Int, L, L, Int, P, P, L, L, L, P, Int]
+    lib.quant_xw.argtypes = [P, P, Int, L, L, Int, P, P, L, L, L, P, Int]
     lib.moe_experts.restype = Int
-    lib.moe_experts.argtypes = [P, Int, L, L, L, L, P, P, L, Int, P, P, P, P, P, P, L, L, F, P, Int]
+    lib.moe_experts.argtypes = [P, P, Int, L, L, L, L, P, P, L, Int, P, P, P, P, P, P, L, L, F, P, Int]
     return lib
+
+
+class WorkerPool:
+    """The C library's caller-runs thread pool: `workers` threads besides the caller, joined at close.
+
+    A forked child inherits the handle but not the threads: there every call runs on the calling thread.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, workers: int):
+        self._lib = lib
+        self.handle = lib.pool_create(workers)
+        if not self.handle:
+            raise MemoryError("gemv_cpu: could not allocate the worker pool")
+        self.workers = lib.pool_workers(self.handle)
+
+    def close(self) -> None:
+        if self.handle:
+            self._lib.pool_destroy(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def _check(status: int, kernel: str) -> None:
@@ -153,8 +186,8 @@ def _quant_ok(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
 class DenseGemv:
     """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K] (R <= MAX_DENSE_ROWS)."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.dense_xw
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
+        self._fn, self._pool = lib.dense_xw, pool
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -164,7 +197,8 @@ class DenseGemv:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         (R, K), N = x.shape, weight.shape[0]
         y = x.new_empty(R, N)
-        status = self._fn(x.data_ptr(), _ACT[x.dtype], R, K, weight.data_ptr(), _DENSE_FMT[weight.dtype], N, N,
+        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, K, weight.data_ptr(),
+                          _DENSE_FMT[weight.dtype], N, N,
                           y.data_ptr(), torch.get_num_threads())
         _check(status, "dense_xw")
         return y
@@ -173,8 +207,8 @@ class DenseGemv:
 class QuantGemv:
     """x [R, K] @ W.T for an output-major FP8 or FP4 weight W [N, K] decoded in registers."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.quant_xw
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
+        self._fn, self._pool = lib.quant_xw, pool
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> bool:
@@ -185,8 +219,9 @@ class QuantGemv:
     ) -> torch.Tensor:
         (R, K), N = x.shape, weight.shape[0]
         y = x.new_empty(R, N)
-        status = self._fn(x.data_ptr(), _ACT[x.dtype], R, K, _quant_format(weight), weight.data_ptr(),
-                          scale.data_ptr(), block[0], block[1], N, y.data_ptr(), torch.get_num_threads())
+        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, K, _quant_format(weight),
+                          weight.data_ptr(), scale.data_ptr(), block[0], block[1], N, y.data_ptr(),
+                          torch.get_num_threads())
         _check(status, "quant_xw")
         return y
 
@@ -197,12 +232,12 @@ def _routing_ok(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
             and ids.shape[0] == x.shape[0] and ids.numel() <= MAX_EXPERT_PICKS and experts > 0)
 
 
-def _run_experts(fn, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, limit) -> torch.Tensor:
+def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, limit) -> torch.Tensor:
     (T, D), (E, inter) = x.shape, (w1.shape[0], w1.shape[1])
     out = torch.empty_like(x)
-    status = fn(x.data_ptr(), _ACT[x.dtype], T, D, inter, ids.shape[1], ids.data_ptr(), weights.data_ptr(), E, fmt,
-                w1.data_ptr(), s1, w3.data_ptr(), s3, w2.data_ptr(), s2, block[0], block[1], float(limit),
-                out.data_ptr(), torch.get_num_threads())
+    status = fn(pool.handle, x.data_ptr(), _ACT[x.dtype], T, D, inter, ids.shape[1], ids.data_ptr(),
+                weights.data_ptr(), E, fmt, w1.data_ptr(), s1, w3.data_ptr(), s3, w2.data_ptr(), s2, block[0], block[1],
+                float(limit), out.data_ptr(), torch.get_num_threads())
     _check(status, "moe_experts")
     return out
 
@@ -210,8 +245,8 @@ def _run_experts(fn, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, limit)
 class FusedExperts:
     """Routed experts of one MoE layer over dense input-major stacks w1/w3 [E, I, D], w2 [E, D, I]."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.moe_experts
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
+        self._fn, self._pool = lib.moe_experts, pool
 
     @staticmethod
     def supports(x, ids, weights, w1, w3, w2, limit) -> bool:
@@ -222,15 +257,15 @@ class FusedExperts:
         return layouts and D == x.shape[1] and w3.shape == w1.shape and w2.shape == (E, D, inter)
 
     def __call__(self, x, ids, weights, w1, w3, w2, limit) -> torch.Tensor:
-        return _run_experts(self._fn, x, ids, weights, _DENSE_FMT[w1.dtype], w1, None, w3, None, w2, None, (1, 1),
-                            limit)
+        return _run_experts(self._fn, self._pool, x, ids, weights, _DENSE_FMT[w1.dtype], w1, None, w3, None, w2,
+                            None, (1, 1), limit)
 
 
 class FusedQuantExperts:
     """Routed experts of one MoE layer over FP8 or FP4 stacks, decoded in registers (no dequantised copy)."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.moe_experts
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
+        self._fn, self._pool = lib.moe_experts, pool
 
     @staticmethod
     def supports(x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> bool:
@@ -243,11 +278,20 @@ class FusedQuantExperts:
                 and _quant_ok(w2, w2_scale, block, inter))
 
     def __call__(self, x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> torch.Tensor:
-        return _run_experts(self._fn, x, ids, weights, _quant_format(w1), w1, w1_scale.data_ptr(), w3,
+        return _run_experts(self._fn, self._pool, x, ids, weights, _quant_format(w1), w1, w1_scale.data_ptr(), w3,
                             w3_scale.data_ptr(), w2, w2_scale.data_ptr(), block, limit)
 
 
-def build_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts]:
-    """All four kernels over one build of the library (raises as `build_library` does)."""
+def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts]:
+    """All four kernels over one build of the library and one worker pool.
+
+    Args:
+        threads: the most threads a call may use (the pool gets threads - 1 workers); default
+            torch.get_num_threads().
+
+    Raises:
+        As `build_library` does; MemoryError if the pool cannot be allocated.
+    """
     lib = build_library()
-    return DenseGemv(lib), QuantGemv(lib), FusedExperts(lib), FusedQuantExperts(lib)
+    pool = WorkerPool(lib, (threads or torch.get_num_threads()) - 1)
+    return DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool)
