@@ -99,7 +99,10 @@ static inline float e2m1_to_f32(uint32_t c) {
     return (c & 8u) ? -mag : mag;
 }
 
-static inline float e8m0_to_f32(uint8_t s) { return ldexpf(1.0f, (int)s - E8M0_BIAS); }
+/* ue8m0 byte -> 2^(s - 127), built in the exponent field (a libm ldexpf call per group would dominate the
+   FP4 loop). Byte 0 is the subnormal 2^-127; byte 255 (NaN in e8m0) becomes +inf: resident scales are
+   validated finite. */
+static inline float e8m0_to_f32(uint8_t s) { return s ? as_float((uint32_t)s << 23) : as_float(0x00400000u); }
 
 /* Bytes a matrix of `elements` weights occupies in format fmt. */
 static long matrix_bytes(int fmt, long elements) {
@@ -393,60 +396,201 @@ int dense_xw(pool *p, const void *x, int act, long R, long K, const void *w, int
 /* Rows of x one decoded weight row is reused for before the next chunk of rows. */
 #define ROW_CHUNK 16
 
-/* Partial sums per dot product: 16 independent lanes (one AVX-512 / two AVX vectors) let the compiler
-   vectorise the reductions without reassociating them (no -ffast-math): lane l sums inputs l, l+16, ... */
-#define LANES 16
+/* Inputs of one FP4 decode step: 16 bytes = 32 codes. FP4 groups must be a multiple of this. */
+#define FP4_STEP 32
+/* Inputs of one FP8 decode step. */
+#define FP8_STEP 16
 
-/* sum over the blocks [k0, k1) of K of scale(block) * (x . w) with w decoded into dec[]; blocks of `block`
-   inputs (a multiple of LANES, or the tail of K), the block scales given by scale_of(b). */
-static inline float scaled_dot(const float *restrict x, const float *restrict dec, long K, long block,
-                               const float *restrict scales) {
-    float acc[LANES] = {0.0f};
-    for (long k0 = 0, b = 0; k0 < K; k0 += block, ++b) {
-        const long k1 = k0 + block < K ? k0 + block : K;
-        float part[LANES] = {0.0f};
-        long k = k0;
-        for (; k + LANES <= k1; k += LANES)
-            for (int l = 0; l < LANES; ++l) part[l] += x[k + l] * dec[k + l];
-        for (int l = 0; k < k1; ++k, ++l) part[l] += x[k] * dec[k];
-        for (int l = 0; l < LANES; ++l) acc[l] += scales[b] * part[l];
-    }
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-    return acc[0];
+/* x rows [R, K] -> xp with each 32-input step reordered [inputs 0, 2, .., 30 | 1, 3, .., 31]: the order in
+   which the FP4 decode produces a step's values (low nibbles, then high nibbles). */
+static void fp4_order_rows(const float *x, long R, long K, float *xp) {
+    for (long r = 0; r < R; ++r)
+        for (long k0 = 0; k0 < K; k0 += FP4_STEP)
+            for (long i = 0; i < FP4_STEP / 2; ++i) {
+                xp[r * K + k0 + i] = x[r * K + k0 + 2 * i];
+                xp[r * K + k0 + FP4_STEP / 2 + i] = x[r * K + k0 + 2 * i + 1];
+            }
 }
 
-/* FP8 rows [n0, n1): each row decoded once into dec, then dotted with every x row. */
-static void fp8_rows(const float *x, long R, long K, const uint8_t *w, const float *scale, long b0, long b1,
-                     long n0, long n1, float *acc, long ldacc) {
-    float dec[MAX_QUANT_K];
-    const long kb_count = (K + b1 - 1) / b1;
-    for (long n = n0; n < n1; ++n) {
-        const uint8_t *restrict wr = w + n * K;
-        for (long k = 0; k < K; ++k) dec[k] = e4m3_to_f32(wr[k]);
-        const float *srow = scale + (n / b0) * kb_count;
-        for (long r = 0; r < R; ++r) acc[r * ldacc + (n - n0)] = scaled_dot(x + r * K, dec, K, b1, srow);
-    }
+#if defined(__AVX512F__)
+/* e2m1 magnitudes and signs: the 16 code values as one vector (permutexvar indexes it by code). */
+static inline __m512 e2m1_table(void) {
+    return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
+                          -4.0f, -6.0f);
 }
 
-/* FP4 rows [n0, n1): decoded in input order (byte j = inputs 2j | 2j+1), then dotted group by group. */
-static void fp4_rows(const float *x, long R, long K, const uint8_t *w, const uint8_t *scale, long group, long n0,
+/* Rows of x one pass over a weight row serves: 2 accumulators per row stay in registers (an accumulator
+   array indexed at run time would live in memory, and each FMA would wait on a store-to-load round trip). */
+#define ROW_BLOCK 4
+
+/* One FP4 weight row against `rb` (constant after inlining) FP4-ordered x rows: per 32-input step, 16 bytes ->
+   2 x 16 values times the group's scale (exact: a power of two), one FMA per vector and x row, low and high
+   nibbles in separate accumulators. */
+static inline __attribute__((always_inline)) void fp4_row_block(const float *xp, const int rb, long K,
+                                                                const uint8_t *wr, const uint8_t *srow, long group,
+                                                                float *out, long ldout) {
+    const __m512 table = e2m1_table();
+    const __m512i nibble = _mm512_set1_epi32(0xf);
+    __m512 lo_sum[ROW_BLOCK], hi_sum[ROW_BLOCK];
+    for (int r = 0; r < rb; ++r) lo_sum[r] = hi_sum[r] = _mm512_setzero_ps();
+    for (long g = 0, k0 = 0; k0 < K; ++g) {
+        const __m512 s = _mm512_set1_ps(e8m0_to_f32(srow[g]));
+        for (const long end = k0 + group; k0 < end; k0 += FP4_STEP) {
+            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + k0 / 2)));
+            const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, nibble), table), s);
+            const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table), s);
+            for (int r = 0; r < rb; ++r) {
+                lo_sum[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + r * K + k0), lo_sum[r]);
+                hi_sum[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + r * K + k0 + FP4_STEP / 2), hi_sum[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rb; ++r) out[r * ldout] = _mm512_reduce_add_ps(_mm512_add_ps(lo_sum[r], hi_sum[r]));
+}
+
+/* FP4 rows [n0, n1) against R FP4-ordered x rows (xp), ROW_BLOCK x rows per pass. */
+static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const uint8_t *scale, long group, long n0,
                      long n1, float *acc, long ldacc) {
-    float dec[MAX_QUANT_K];
-    float sc[MAX_QUANT_K / 2];
     const long half = K / 2, groups = K / group;
     for (long n = n0; n < n1; ++n) {
-        const uint8_t *restrict wr = w + n * half;
-        for (long j = 0; j < half; ++j) {
-            dec[2 * j] = e2m1_to_f32(wr[j] & 0xfu);
-            dec[2 * j + 1] = e2m1_to_f32(wr[j] >> 4);
+        const uint8_t *wr = w + n * half, *srow = scale + n * groups;
+        for (long r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const float *x = xp + r0 * K;
+            float *out = acc + r0 * ldacc + (n - n0);
+            switch (R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK) {
+            case 1: fp4_row_block(x, 1, K, wr, srow, group, out, ldacc); break;
+            case 2: fp4_row_block(x, 2, K, wr, srow, group, out, ldacc); break;
+            case 3: fp4_row_block(x, 3, K, wr, srow, group, out, ldacc); break;
+            default: fp4_row_block(x, ROW_BLOCK, K, wr, srow, group, out, ldacc); break;
+            }
         }
-        const uint8_t *srow = scale + n * groups;
-        for (long g = 0; g < groups; ++g) sc[g] = e8m0_to_f32(srow[g]);
-        for (long r = 0; r < R; ++r) acc[r * ldacc + (n - n0)] = scaled_dot(x + r * K, dec, K, group, sc);
     }
 }
 
+/* 16 e4m3 bytes -> 16 floats: normals get the exponent bias difference (127 - 7 = 120) added under the fp32
+   exponent, subnormals (exponent 0) are mantissa * 2^-9, then the sign bit. */
+static inline __m512 e4m3x16(const uint8_t *b) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    const __m512i em = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20),
+                                                               _mm512_set1_epi32(120 << 23)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(0x1p-9f));
+    const __mmask16 is_sub = _mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8));
+    const __m512 mag = _mm512_mask_blend_ps(is_sub, normal, sub);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+}
+
+/* One FP8 weight row against `rb` (constant after inlining) x rows: 16 inputs at a time decoded and
+   multiplied by their block's scale (the reference's dequantised value, rounded the same way), one FMA per x
+   row; even and odd steps in separate accumulators. K and b1 are multiples of 2 * FP8_STEP here. */
+static inline __attribute__((always_inline)) void fp8_row_block(const float *x, const int rb, long K,
+                                                                const uint8_t *wr, const float *srow, long b1,
+                                                                float *out, long ldout) {
+    __m512 even[ROW_BLOCK], odd[ROW_BLOCK];
+    for (int r = 0; r < rb; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (long kb = 0, k0 = 0; k0 < K; ++kb) {
+        const __m512 s = _mm512_set1_ps(srow[kb]);
+        for (const long end = k0 + b1 < K ? k0 + b1 : K; k0 < end; k0 += 2 * FP8_STEP) {
+            const __m512 v0 = _mm512_mul_ps(e4m3x16(wr + k0), s), v1 = _mm512_mul_ps(e4m3x16(wr + k0 + FP8_STEP), s);
+            for (int r = 0; r < rb; ++r) {
+                even[r] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + r * K + k0), even[r]);
+                odd[r] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + r * K + k0 + FP8_STEP), odd[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rb; ++r) out[r * ldout] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+static void fp8_rows_vec(const float *x, long R, long K, const uint8_t *w, const float *scale, long b0, long b1,
+                         long n0, long n1, float *acc, long ldacc) {
+    const long kb_count = (K + b1 - 1) / b1;
+    for (long n = n0; n < n1; ++n) {
+        const uint8_t *wr = w + n * K;
+        const float *srow = scale + (n / b0) * kb_count;
+        for (long r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const float *xr = x + r0 * K;
+            float *out = acc + r0 * ldacc + (n - n0);
+            switch (R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK) {
+            case 1: fp8_row_block(xr, 1, K, wr, srow, b1, out, ldacc); break;
+            case 2: fp8_row_block(xr, 2, K, wr, srow, b1, out, ldacc); break;
+            case 3: fp8_row_block(xr, 3, K, wr, srow, b1, out, ldacc); break;
+            default: fp8_row_block(xr, ROW_BLOCK, K, wr, srow, b1, out, ldacc); break;
+            }
+        }
+    }
+}
+#define HAVE_FP8_VEC 1
+#else
+/* Portable paths: a table per byte (branch-free; the compiler vectorises the products). */
+
+/* Partial sums per dot product: 16 independent lanes let the compiler vectorise the reduction without
+   reassociating it (no -ffast-math): lane l sums inputs l, l + 16, ... */
+#define LANES 16
+
+static float dot_lanes(const float *restrict a, const float *restrict b, long n) {
+    float lanes[LANES] = {0.0f};
+    long k = 0;
+    for (; k + LANES <= n; k += LANES)
+        for (int l = 0; l < LANES; ++l) lanes[l] += a[k + l] * b[k + l];
+    for (int l = 0; k < n; ++k, ++l) lanes[l] += a[k] * b[k];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+    return lanes[0];
+}
+
+static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const uint8_t *scale, long group, long n0,
+                     long n1, float *acc, long ldacc) {
+    float table[16], dec[MAX_QUANT_K];
+    for (uint32_t c = 0; c < 16; ++c) table[c] = e2m1_to_f32(c);
+    const long half = K / 2, groups = K / group;
+    for (long n = n0; n < n1; ++n) {
+        const uint8_t *wr = w + n * half, *srow = scale + n * groups;
+        for (long g = 0; g < groups; ++g) {
+            const float s = e8m0_to_f32(srow[g]);
+            for (long k0 = g * group; k0 < (g + 1) * group; k0 += FP4_STEP)
+                for (long i = 0; i < FP4_STEP / 2; ++i) {
+                    dec[k0 + i] = table[wr[k0 / 2 + i] & 0xf] * s;
+                    dec[k0 + FP4_STEP / 2 + i] = table[wr[k0 / 2 + i] >> 4] * s;
+                }
+        }
+        for (long r = 0; r < R; ++r) acc[r * ldacc + (n - n0)] = dot_lanes(xp + r * K, dec, K);
+    }
+}
+#define HAVE_FP8_VEC 0
+#endif
+
+/* FP8 rows [n0, n1), any K: each row decoded once through a 256-entry table and scaled per block. */
+static void fp8_rows_table(const float *x, long R, long K, const uint8_t *w, const float *scale, long b0, long b1,
+                           long n0, long n1, float *acc, long ldacc) {
+    float table[256], dec[MAX_QUANT_K];
+    for (uint32_t b = 0; b < 256; ++b) table[b] = e4m3_to_f32((uint8_t)b);
+    const long kb_count = (K + b1 - 1) / b1;
+    for (long n = n0; n < n1; ++n) {
+        const uint8_t *wr = w + n * K;
+        const float *srow = scale + (n / b0) * kb_count;
+        for (long kb = 0; kb < kb_count; ++kb)
+            for (long k = kb * b1; k < K && k < (kb + 1) * b1; ++k) dec[k] = table[wr[k]] * srow[kb];
+        for (long r = 0; r < R; ++r) {
+            float total = 0.0f;
+            for (long k = 0; k < K; ++k) total += x[r * K + k] * dec[k];
+            acc[r * ldacc + (n - n0)] = total;
+        }
+    }
+}
+
+static void fp8_rows(const float *x, long R, long K, const uint8_t *w, const float *scale, long b0, long b1,
+                     long n0, long n1, float *acc, long ldacc) {
+#if HAVE_FP8_VEC
+    if (K % (2 * FP8_STEP) == 0 && b1 % (2 * FP8_STEP) == 0) {
+        fp8_rows_vec(x, R, K, w, scale, b0, b1, n0, n1, acc, ldacc);
+        return;
+    }
+#endif
+    fp8_rows_table(x, R, K, w, scale, b0, b1, n0, n1, acc, ldacc);
+}
+
+/* x: [R, K] rows, FP4-ordered (fp4_order_rows) when wfmt is FMT_FP4. */
 static void quant_range(const float *x, long R, long K, int wfmt, const void *w, const void *scale, long b0, long b1,
                         long n0, long n1, float *acc, long ldacc) {
     for (long r0 = 0; r0 < R; r0 += ROW_CHUNK) {
@@ -460,10 +604,16 @@ static void quant_range(const float *x, long R, long K, int wfmt, const void *w,
     }
 }
 
+/* Position of input k in an FP4-ordered row (see fp4_order_rows). */
+static inline long fp4_position(long k) {
+    const long step = k - k % FP4_STEP, i = k % FP4_STEP;
+    return step + (i % 2) * (FP4_STEP / 2) + i / 2;
+}
+
 static int quant_args_ok(int wfmt, long K, long b0, long b1) {
     if (K <= 0 || K > MAX_QUANT_K) return 0;
     if (wfmt == FMT_FP8) return b0 > 0 && b1 > 0;
-    if (wfmt == FMT_FP4) return b1 > 0 && K % b1 == 0 && K % 2 == 0;
+    if (wfmt == FMT_FP4) return b1 > 0 && b1 % FP4_STEP == 0 && K % b1 == 0;
     return 0;
 }
 
@@ -488,16 +638,32 @@ static void quant_chunk(const void *arg, long c) {
 int quant_xw(pool *p, const void *x, int act, long R, long K, int wfmt, const void *w, const void *scale, long b0,
              long b1, long N, void *y, int nthreads) {
     if (!quant_args_ok(wfmt, K, b0, b1) || R <= 0 || N <= 0) return ERR_ARGS;
-    float *xf = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
+    float *xf = act == ACT_BF16 || wfmt == FMT_FP4 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
     float *acc = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * N)) : (float *)y;
     int status = OK;
-    if (act == ACT_BF16 && (!xf || !acc)) {
+    if ((act == ACT_BF16 || wfmt == FMT_FP4) && (!xf || !acc)) {
         status = ERR_ALLOC;
     } else {
+        const float *xs = x;
+        if (act == ACT_BF16) xs = rows_f32(x, act, R * K, xf);
+        if (wfmt == FMT_FP4) { /* in place for bf16 (xf holds the widened rows): order through a temporary row */
+            float *ordered = malloc(sizeof(float) * (size_t)K);
+            if (!ordered) {
+                status = ERR_ALLOC;
+                goto done;
+            }
+            for (long r = 0; r < R; ++r) {
+                fp4_order_rows(xs + r * K, 1, K, ordered);
+                memcpy(xf + r * K, ordered, sizeof(float) * (size_t)K);
+            }
+            free(ordered);
+            xs = xf;
+        }
         const long chunk = chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_ROWS, 1);
-        quant_job job = {rows_f32(x, act, R * K, xf), R, K, N, b0, b1, chunk, wfmt, act, w, scale, acc, y};
+        quant_job job = {xs, R, K, N, b0, b1, chunk, wfmt, act, w, scale, acc, y};
         pool_run(p, (N + chunk - 1) / chunk, quant_chunk, &job, nthreads);
     }
+done:
     free(xf);
     if (act == ACT_BF16) free(acc);
     return status;
@@ -568,7 +734,7 @@ static void moe_hidden_chunk(const void *arg, long c) {
                 const float g = gate[r * j->I + i], u = up[r * j->I + i];
                 const float gc = g < j->limit ? g : j->limit;
                 const float uc = u < -j->limit ? -j->limit : (u > j->limit ? j->limit : u);
-                h[r * j->I + i] = silu(gc) * uc;
+                h[r * j->I + (j->fmt == FMT_FP4 ? fp4_position(i) : i)] = silu(gc) * uc; /* w2's input order */
             }
     }
 }
@@ -631,9 +797,11 @@ int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long to
         pick_w[slot] = weights[q];
     }
     for (long s = 0; s < P; ++s) {
-        if (act == ACT_F32) memcpy(xs + s * D, (const float *)x + token[s] * D, sizeof(float) * (size_t)D);
-        else
-            for (long d = 0; d < D; ++d) xs[s * D + d] = bf16_to_f32(((const uint16_t *)x)[token[s] * D + d]);
+        for (long d = 0; d < D; ++d) { /* FP4 weights read their inputs FP4-ordered */
+            const float v = act == ACT_F32 ? ((const float *)x)[token[s] * D + d]
+                                           : bf16_to_f32(((const uint16_t *)x)[token[s] * D + d]);
+            xs[s * D + (fmt == FMT_FP4 ? fp4_position(d) : d)] = v;
+        }
     }
     const long used = P < E ? P : E; /* at most P distinct experts are read */
     const long matrix = matrix_bytes(fmt, D * I);

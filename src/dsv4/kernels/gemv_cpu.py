@@ -45,7 +45,11 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
-_FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-fno-fast-math")
+_FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-fno-fast-math")
+# The instruction set the library is compiled for: this CPU's. With AVX-512 the FP8/FP4 rows are decoded
+# with vector permutes; without it (or with an older `march`, which the tests use to exercise that path)
+# through per-byte tables.
+NATIVE = "native"
 _MAX_ERROR_CHARS = 500
 
 # Codes shared with gemv_cpu.c.
@@ -59,6 +63,8 @@ _ERR_ALLOC, _ERR_ARGS = 1, 2
 MAX_DENSE_ROWS = 8
 # Input width the quantized kernel decodes a weight row into (its stack buffer, MAX_QUANT_K in the C file).
 MAX_QUANT_K = 16384
+# FP4 inputs one decode step reads (16 bytes): an FP4 scale group must be a multiple of it (FP4_STEP in C).
+FP4_STEP = 32
 # Picks (tokens x k) up to which the fused expert kernel is used: each expert's rows share one decode of
 # its weights, which beats dequantise-then-GEMM while the rows per expert are few.
 MAX_EXPERT_PICKS = 256
@@ -80,8 +86,11 @@ def _cpu_features() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_library() -> ctypes.CDLL:
+def build_library(march: str = NATIVE) -> ctypes.CDLL:
     """Compile gemv_cpu.c once for this machine (cached) and load it.
+
+    Args:
+        march: the compiler's -march target ("native": this CPU).
 
     Returns:
         The loaded library, its argument types set.
@@ -93,13 +102,14 @@ def build_library() -> ctypes.CDLL:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler on PATH (tried $CC, cc, gcc)")
-    key = "\n".join([SOURCE.read_text(), *_FLAGS, compiler, str(os.stat(compiler).st_mtime_ns), _cpu_features()])
+    flags = (*_FLAGS, f"-march={march}")
+    key = "\n".join([SOURCE.read_text(), *flags, compiler, str(os.stat(compiler).st_mtime_ns), _cpu_features()])
     target = _cache_dir() / f"gemv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:_MAX_ERROR_CHARS]}")
@@ -179,7 +189,8 @@ def _quant_ok(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
     if fmt == _FMT_FP8:
         grid = (-(-n // b0), -(-in_features // b1))
         return scale.dtype == torch.float32 and tuple(scale.shape[-2:]) == grid and weight.shape[-1] == in_features
-    return (scale.dtype == torch.uint8 and in_features % b1 == 0 and weight.shape[-1] * 2 == in_features
+    return (scale.dtype == torch.uint8 and b1 % FP4_STEP == 0 and in_features % b1 == 0
+            and weight.shape[-1] * 2 == in_features
             and tuple(scale.shape[-2:]) == (n, in_features // b1))
 
 
