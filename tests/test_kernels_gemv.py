@@ -23,6 +23,7 @@ from dsv4.kernels.gemv_cpu import (
     QuantGemv,
     WorkerPool,
     build_library,
+    describe,
 )
 from dsv4.model.linear import input_major
 from dsv4.model.moe import swiglu
@@ -43,6 +44,17 @@ MARCHES = ["native", "x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") e
 @pytest.fixture(scope="module", params=MARCHES)
 def lib(request):
     return build_library(march=request.param)
+
+
+def test_builds_pick_the_decode_path_of_their_instruction_set(pool):
+    """A native build on an AVX-512 CPU decodes with vector permutes, a baseline x86-64 build with tables,
+    and the description (`dsv4 env`) says which."""
+    native = build_library()
+    has_avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
+    assert (native.vector_isa() == 512) == has_avx512
+    assert ("AVX-512" in describe(native, pool)) == has_avx512
+    if "x86-64-v2" in MARCHES:
+        assert "per-byte tables" in describe(build_library(march="x86-64-v2"), pool)
 
 
 @pytest.fixture(scope="module")

@@ -521,6 +521,7 @@ static void fp8_rows_vec(const float *x, long R, long K, const uint8_t *w, const
     }
 }
 #define HAVE_FP8_VEC 1
+#define VECTOR_ISA 512
 #else
 /* Portable paths: a table per byte (branch-free; the compiler vectorises the products). */
 
@@ -558,7 +559,11 @@ static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const ui
     }
 }
 #define HAVE_FP8_VEC 0
+#define VECTOR_ISA 0
 #endif
+
+/* The decode paths this build has: 512 = AVX-512 permutes, 0 = per-byte tables. */
+int vector_isa(void) { return VECTOR_ISA; }
 
 /* FP8 rows [n0, n1), any K: each row decoded once through a 256-entry table and scaled per block. */
 static void fp8_rows_table(const float *x, long R, long K, const uint8_t *w, const float *scale, long b0, long b1,

@@ -23,8 +23,10 @@ Threads: the library's own caller-runs pool (`WorkerPool`, one per `build_kernel
 chunks of output features; the calling thread works through them and the pool's workers join when they get
 a core, so a call never waits for a worker that has not started (an OpenMP region, torch's included, waits
 at its closing barrier for every thread of the team: on a machine whose other core is busy that costs a
-scheduler time slice per region). Workers poll ~50 us for the next call, then sleep. The pool has
-torch.get_num_threads() - 1 workers when built; a call uses at most torch.get_num_threads() threads.
+scheduler time slice per region). Workers poll ~50 us for the next call, then sleep. A call uses
+`WorkerPool.threads()` threads: a fixed count given to `build_kernels(threads=...)` (so an engine may run
+torch itself on one thread during decode steps while these kernels use every core), or else
+torch.get_num_threads() at the call, up to the pool's size + 1.
 
 Build: the C source is compiled once per machine into the per-user kernel cache (about a second; no torch
 headers), with -march=native (the cache key includes this CPU's feature flags, so a shared home directory on
@@ -57,6 +59,7 @@ _ACT = {torch.float32: 0, torch.bfloat16: 1}
 _FMT_F32, _FMT_BF16, _FMT_FP8, _FMT_FP4 = 0, 1, 2, 3
 _DENSE_FMT = {torch.float32: _FMT_F32, torch.bfloat16: _FMT_BF16}
 _ERR_ALLOC, _ERR_ARGS = 1, 2
+VECTOR_ISA_AVX512 = 512  # vector_isa() of a library built with the AVX-512 decode paths
 
 # Rows up to which the dense kernel beats the BLAS GEMM reading the same input-major weight (measured by
 # benchmarks/bench_gemv.py on the small config's shapes; beyond it the GEMM's register blocking wins).
@@ -122,6 +125,8 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.pool_destroy.argtypes = [P]
     lib.pool_workers.restype = Int
     lib.pool_workers.argtypes = [P]
+    lib.vector_isa.restype = Int
+    lib.vector_isa.argtypes = []
     lib.dense_xw.restype = Int
     lib.dense_xw.argtypes = [P, P, Int, L, L, P, Int, L, L, P, Int]
     lib.quant_xw.restype = Int
@@ -135,14 +140,24 @@ class WorkerPool:
     """The C library's caller-runs thread pool: `workers` threads besides the caller, joined at close.
 
     A forked child inherits the handle but not the threads: there every call runs on the calling thread.
+
+    Args:
+        lib: the loaded library.
+        workers: threads besides the caller.
+        fixed: calls use workers + 1 threads; otherwise torch.get_num_threads() at each call.
     """
 
-    def __init__(self, lib: ctypes.CDLL, workers: int):
+    def __init__(self, lib: ctypes.CDLL, workers: int, fixed: bool = False):
         self._lib = lib
         self.handle = lib.pool_create(workers)
         if not self.handle:
             raise MemoryError("gemv_cpu: could not allocate the worker pool")
         self.workers = lib.pool_workers(self.handle)
+        self.fixed = fixed
+
+    def threads(self) -> int:
+        """Threads a call may use now."""
+        return self.workers + 1 if self.fixed else torch.get_num_threads()
 
     def close(self) -> None:
         if self.handle:
@@ -210,7 +225,7 @@ class DenseGemv:
         y = x.new_empty(R, N)
         status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, K, weight.data_ptr(),
                           _DENSE_FMT[weight.dtype], N, N,
-                          y.data_ptr(), torch.get_num_threads())
+                          y.data_ptr(), self._pool.threads())
         _check(status, "dense_xw")
         return y
 
@@ -232,7 +247,7 @@ class QuantGemv:
         y = x.new_empty(R, N)
         status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, K, _quant_format(weight),
                           weight.data_ptr(), scale.data_ptr(), block[0], block[1], N, y.data_ptr(),
-                          torch.get_num_threads())
+                          self._pool.threads())
         _check(status, "quant_xw")
         return y
 
@@ -248,7 +263,7 @@ def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, 
     out = torch.empty_like(x)
     status = fn(pool.handle, x.data_ptr(), _ACT[x.dtype], T, D, inter, ids.shape[1], ids.data_ptr(),
                 weights.data_ptr(), E, fmt, w1.data_ptr(), s1, w3.data_ptr(), s3, w2.data_ptr(), s2, block[0], block[1],
-                float(limit), out.data_ptr(), torch.get_num_threads())
+                float(limit), out.data_ptr(), pool.threads())
     _check(status, "moe_experts")
     return out
 
@@ -297,12 +312,19 @@ def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, Fus
     """All four kernels over one build of the library and one worker pool.
 
     Args:
-        threads: the most threads a call may use (the pool gets threads - 1 workers); default
-            torch.get_num_threads().
+        threads: threads every call uses (the pool gets threads - 1 workers); None: the pool gets
+            torch.get_num_threads() - 1 workers and each call uses torch.get_num_threads() at that moment.
 
     Raises:
         As `build_library` does; MemoryError if the pool cannot be allocated.
     """
     lib = build_library()
-    pool = WorkerPool(lib, (threads or torch.get_num_threads()) - 1)
+    pool = WorkerPool(lib, (threads or torch.get_num_threads()) - 1, fixed=threads is not None)
     return DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool)
+
+
+def describe(lib: ctypes.CDLL, pool: WorkerPool) -> str:
+    """For `dsv4 env`: the instruction set the FP8/FP4 decode was built for and the threads a call uses."""
+    decode = "AVX-512 permutes" if lib.vector_isa() == VECTOR_ISA_AVX512 else "per-byte tables"
+    threads = f"{pool.workers + 1} threads" if pool.fixed else "torch.get_num_threads() threads"
+    return f"FP8/FP4 decode by {decode}; {threads} (caller-runs pool of {pool.workers} workers)"
