@@ -41,7 +41,9 @@ enum { ACT_F32 = 0, ACT_BF16 = 1 };
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_FP8 = 2, FMT_FP4 = 3 };
 enum { OK = 0, ERR_ALLOC = 1, ERR_ARGS = 2 };
 
-/* Columns of one dense pass: 4 weight rows x TILE_N floats (16 KiB) stay in L1 while every x row uses them. */
+/* Columns of one dense pass over all K weight rows: the accumulator rows (R x TILE_N floats) stay in L2
+   while the weight rows stream through. Long row pieces stream best: on the machine measured (one thread,
+   16384x512 fp32 from cold copies) whole rows ran at 17 GB/s, 1024-column tiles at 16, 256-column ones at 12. */
 #define TILE_N 16384
 /* Weight rows folded per pass over the accumulators: 4 independent streams keep the prefetchers busy and
    cut the accumulator traffic to 1/4 of the weight traffic. */

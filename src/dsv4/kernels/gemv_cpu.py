@@ -10,7 +10,7 @@ results differ from the torch references only by the order of the fp32 sums.
 
 Kernels (each `supports(*args)` / `__call__(*args)` with one signature, as the registry expects):
   DenseGemv         (x, weight): x [R, K] @ weight.T for a [N, K] weight stored input-major ([K, N] storage,
-                    `dsv4.model.linear.input_major`), fp32 or bf16; R <= MAX_DENSE_ROWS
+                    `dsv4.model.linear.input_major`), fp32 or bf16 (`supports`: bf16, R <= MAX_BF16_ROWS)
   QuantGemv         (x, weight, scale, block): x [R, K] @ W.T for an output-major FP8 [N, K] (+ fp32 block
                     scales) or FP4 [N, K/2] (+ ue8m0 bytes [N, K/block[1]]) weight
   FusedExperts      (x, ids, weights, w1, w3, w2, limit): one MoE layer's routed experts (dense stacks),
@@ -61,9 +61,12 @@ _DENSE_FMT = {torch.float32: _FMT_F32, torch.bfloat16: _FMT_BF16}
 _ERR_ALLOC, _ERR_ARGS = 1, 2
 VECTOR_ISA_AVX512 = 512  # vector_isa() of a library built with the AVX-512 decode paths
 
-# Rows up to which the dense kernel beats the BLAS GEMM reading the same input-major weight (measured by
-# benchmarks/bench_gemv.py on the small config's shapes; beyond it the GEMM's register blocking wins).
-MAX_DENSE_ROWS = 8
+# Where DenseGemv beats torch's GEMM on the same input-major weight (benchmarks/bench_gemv.py, small-config
+# shapes, 2 threads, cold weights, shared machine): bf16 one-row products 1.3-3.1x faster (oneDNN's small-row
+# bf16 GEMMs are slow); at 4 rows mixed (0.5-1.5x). fp32: MKL's one-row GEMV is as fast or faster (0.5-0.9x,
+# the 16384x512 head 0.8x), so `supports` declines fp32 and the kernel's fp32 path serves the fused dense
+# experts only.
+MAX_BF16_ROWS = 1
 # Input width the quantized kernel decodes a weight row into (its stack buffer, MAX_QUANT_K in the C file).
 MAX_QUANT_K = 16384
 # FP4 inputs one decode step reads (16 bytes): an FP4 scale group must be a multiple of it (FP4_STEP in C).
@@ -210,14 +213,16 @@ def _quant_ok(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
 
 
 class DenseGemv:
-    """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K] (R <= MAX_DENSE_ROWS)."""
+    """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K]; `supports` accepts the calls where it
+    was measured faster than torch (bf16, R <= MAX_BF16_ROWS), the call itself runs any row count and both."""
 
     def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
         self._fn, self._pool = lib.dense_xw, pool
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (_cpu_rows(x) and x.shape[0] <= MAX_DENSE_ROWS and weight.dim() == 2 and weight.dtype == x.dtype
+        return (_cpu_rows(x) and x.dtype == torch.bfloat16 and x.shape[0] <= MAX_BF16_ROWS and weight.dim() == 2
+                and weight.dtype == x.dtype
                 and weight.shape[1] == x.shape[1] and weight.device.type == "cpu" and _input_major(weight))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
