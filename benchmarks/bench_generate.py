@@ -28,7 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +41,7 @@ import roofline  # noqa: E402
 from dsv4 import LLM, SamplingParams  # noqa: E402
 from dsv4.kernels import describe_backends  # noqa: E402
 from dsv4.model.batch import ForwardBatch  # noqa: E402
+from paired import paired  # noqa: E402
 
 CONFIGS = {"tiny": ref.tiny_config, "small": ref.small_config}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -59,30 +59,6 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-@dataclass(frozen=True)
-class Paired:
-    hf_s: float  # median transformers seconds
-    ds_s: float  # median dsv4 seconds
-    ratios: tuple[float, ...]  # hf / dsv4 of each back-to-back pair
-
-    @property
-    def ratio(self) -> float:
-        return statistics.median(self.ratios)
-
-    def fields(self) -> dict:
-        return {"ratio": self.ratio, "ratio_min": min(self.ratios), "ratio_max": max(self.ratios)}
-
-
-def _paired(hf_seconds, ds_seconds, repeats: int) -> Paired:
-    """Alternate the two engines `repeats` times, after one untimed warm-up each. Neighbours on a
-    shared machine slow both runs of a pair alike, so the median per-pair ratio is steadier than a
-    ratio of medians taken minutes apart."""
-    hf_seconds(), ds_seconds()  # warm-up (kernel build, compilation, allocator, lazy init)
-    pairs = [(hf_seconds(), ds_seconds()) for _ in range(repeats)]
-    return Paired(statistics.median(h for h, _ in pairs), statistics.median(d for _, d in pairs),
-                  tuple(h / d for h, d in pairs))
 
 
 # ---- transformers ----
@@ -140,11 +116,16 @@ def dsv4_decode_step(llm: LLM, prompts: list[list[int]], steps: int) -> float:
     return statistics.median(times)
 
 
-def dsv4_prefill(llm: LLM, prompt: list[int], cache) -> None:
+def dsv4_logits(llm: LLM, prompt: list[int], cache) -> torch.Tensor:
+    """fp32 logits [len(prompt), vocab] of one forward over the prompt (a fresh sequence in slot 0 of cache)."""
     with torch.inference_mode():
         model = llm.loaded.target
         streams, _ = model(ForwardBatch.build([(0, prompt, 0)]), cache)
-        model.logits(streams)
+        return model.logits(streams)
+
+
+def dsv4_prefill(llm: LLM, prompt: list[int], cache) -> None:
+    dsv4_logits(llm, prompt, cache)
 
 
 def run(args) -> dict:
@@ -167,28 +148,28 @@ def run(args) -> dict:
             prompts = _prompts(batch, args.prompt_len, vocab)
             generated = batch * args.new_tokens
             # bind this batch's prompts (a default argument) rather than closing over the loop variable
-            t = _paired(lambda p=prompts: _timed(lambda: hf_generate(hf_model, p, args.new_tokens)),
+            t = paired(lambda p=prompts: _timed(lambda: hf_generate(hf_model, p, args.new_tokens)),
                         lambda p=prompts: _timed(lambda: dsv4_generate(llm, p, args.new_tokens)), args.repeats)
-            row = {"batch": batch, "hf_tok_s": generated / t.hf_s, "dsv4_tok_s": generated / t.ds_s, **t.fields()}
+            row = {"batch": batch, "hf_tok_s": generated / t.peer_s, "dsv4_tok_s": generated / t.ds_s, **t.fields()}
             results["throughput"].append(row)
             print(f"throughput b={batch}: transformers {row['hf_tok_s']:.0f} tok/s, "
                   f"dsv4 {row['dsv4_tok_s']:.0f} tok/s, x{row['ratio']:.2f}", flush=True)
 
         prompt = _prompts(1, args.prompt_len, vocab)[0]
-        t = _paired(lambda: hf_decode_step(hf_model, prompt, args.new_tokens),
+        t = paired(lambda: hf_decode_step(hf_model, prompt, args.new_tokens),
                     lambda: dsv4_decode_step(llm, [prompt], args.new_tokens), args.repeats)
         ds_step = t.ds_s
-        results["decode_b1"] = {"hf_ms": t.hf_s * 1e3, "dsv4_ms": t.ds_s * 1e3, **t.fields()}
-        print(f"decode b=1 step: transformers {t.hf_s * 1e3:.2f} ms, dsv4 {t.ds_s * 1e3:.2f} ms, x{t.ratio:.2f}",
+        results["decode_b1"] = {"hf_ms": t.peer_s * 1e3, "dsv4_ms": t.ds_s * 1e3, **t.fields()}
+        print(f"decode b=1 step: transformers {t.peer_s * 1e3:.2f} ms, dsv4 {t.ds_s * 1e3:.2f} ms, x{t.ratio:.2f}",
               flush=True)
 
         long_prompt = _prompts(1, args.prefill_len, vocab)[0]
         scratch = llm.loaded.target.allocate_cache(1, args.prefill_len + 1)
-        t = _paired(lambda: _timed(lambda: hf_prefill(hf_model, long_prompt)),
+        t = paired(lambda: _timed(lambda: hf_prefill(hf_model, long_prompt)),
                     lambda: _timed(lambda: dsv4_prefill(llm, long_prompt, scratch)), args.repeats)
-        results["prefill"] = {"tokens": args.prefill_len, "hf_tok_s": args.prefill_len / t.hf_s,
+        results["prefill"] = {"tokens": args.prefill_len, "hf_tok_s": args.prefill_len / t.peer_s,
                               "dsv4_tok_s": args.prefill_len / t.ds_s, **t.fields()}
-        print(f"prefill {args.prefill_len}: transformers {args.prefill_len / t.hf_s:.0f} tok/s, "
+        print(f"prefill {args.prefill_len}: transformers {args.prefill_len / t.peer_s:.0f} tok/s, "
               f"dsv4 {args.prefill_len / t.ds_s:.0f} tok/s, x{t.ratio:.2f}", flush=True)
 
         results["roofline"] = measure_roofline(args, llm, vocab, ds_step)

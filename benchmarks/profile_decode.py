@@ -1,0 +1,185 @@
+"""Where dsv4's batch-1 decode step goes: module breakdown (forward hooks) and aten ops (torch.profiler).
+
+The model is the benchmark checkpoint of bench_llamacpp.py (the small config, fp32 dense tensors, FP4
+routed experts; written once under benchmarks/.peer/models), loaded with the routed experts FP4
+(`--experts fp4`) or as dense fp32 stacks (`--experts dense`), eager or `--compile`. One sequence: a
+--prompt-len prompt, warm-up steps, then:
+
+  plain     --steps engine steps timed without any instrumentation (the reference step time)
+  modules   the same steps with forward hooks on every module: wall time per module kind, exclusive
+            of its child modules (a Block's own time is its mHC + norms; Attention's own time is its
+            projections and attention arithmetic outside Compressor/Indexer), per step. The hooks
+            add a few microseconds per module call: compare the "hooked" total with "plain".
+            Compiled steps run as one graph, so no hook fires inside them (this part is skipped).
+  ops       torch.profiler over the same steps: top-level op count per step and self CPU time per
+            aten op (ctypes C kernels are not ops: their time is in "outside ops").
+
+Writes <out>/profile_decode_<experts>[_compiled]_t<threads>.json and prints a summary.
+Usage: python benchmarks/profile_decode.py [--experts fp4|dense] [--compile] [--threads 2] [--steps 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "peer"))
+
+import llama_peer  # noqa: E402
+
+from bench_llamacpp import CONFIGS, prepare_models  # noqa: E402
+from dsv4 import LLM, SamplingParams  # noqa: E402
+from dsv4.kernels import describe_backends  # noqa: E402
+
+PROMPT_SEED = 1
+TOP_OPS = 15
+
+
+def _prompt(length: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(PROMPT_SEED)
+    return torch.randint(2, vocab, (length,), generator=g).tolist()
+
+
+class ModuleTimer:
+    """Forward hooks on every module: wall seconds per module kind, exclusive of child modules."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.exclusive: dict[str, float] = collections.defaultdict(float)
+        self.calls: dict[str, int] = collections.defaultdict(int)
+        self._stack: list[list] = []  # [kind, start, child seconds]
+        self._handles = []
+        for name, module in model.named_modules():
+            kind = self._kind(name, module)
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, k=kind: self._enter(k)))
+            self._handles.append(module.register_forward_hook(lambda m, a, o: self._exit()))
+
+    @staticmethod
+    def _kind(name: str, module: torch.nn.Module) -> str:
+        kind = type(module).__name__
+        layer_type = getattr(module, "layer_type", None)
+        return f"{kind}[{layer_type}]" if kind == "Attention" and layer_type else kind
+
+    def _enter(self, kind: str) -> None:
+        self._stack.append([kind, time.perf_counter(), 0.0])
+
+    def _exit(self) -> None:
+        kind, start, children = self._stack.pop()
+        elapsed = time.perf_counter() - start
+        self.exclusive[kind] += elapsed - children
+        self.calls[kind] += 1
+        if self._stack:
+            self._stack[-1][2] += elapsed
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _run_steps(engine, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _start(llm: LLM, prompt: list[int], steps: int, warmup: int) -> None:
+    """A fresh request with room for `warmup` + 3 x `steps` decode steps; prefill and warm-up run here."""
+    engine = llm.engine
+    engine.add_request(f"profile-{time.monotonic_ns()}", prompt,
+                       SamplingParams(max_tokens=warmup + 3 * steps + 2, ignore_eos=True))
+    engine.step()  # prefill + first token
+    _run_steps(engine, warmup)
+
+
+def profile_decode(args) -> dict:
+    torch.set_num_threads(args.threads)
+    config = CONFIGS["small"]()
+    checkpoint = prepare_models(llama_peer.PeerBuild(), "small", set(), rebuild=False)["checkpoint"]
+    llm = LLM(checkpoint, dtype="float32", expert_dtype=args.experts, max_num_seqs=1,
+              max_model_len=args.prompt_len + args.warmup + 3 * args.steps + 8, compile=args.compile)
+    prompt = _prompt(args.prompt_len, config["vocab_size"])
+    _start(llm, prompt, args.steps, args.warmup)
+    engine = llm.engine
+    plain = _run_steps(engine, args.steps)
+    result: dict = {"experts": args.experts, "compile": args.compile, "threads": args.threads,
+                    "steps": args.steps, "prompt_len": args.prompt_len, "torch": torch.__version__,
+                    "backends": describe_backends(), "plain_step_ms": 1e3 * statistics.median(plain)}
+
+    if not args.compile:
+        timer = ModuleTimer(llm.loaded.target)
+        hooked = _run_steps(engine, args.steps)
+        timer.remove()
+        total = sum(timer.exclusive.values())
+        per_step = {k: 1e3 * v / args.steps for k, v in sorted(timer.exclusive.items(), key=lambda kv: -kv[1])}
+        result["modules"] = {"hooked_step_ms": 1e3 * statistics.median(hooked),
+                             "outside_modules_ms": 1e3 * (sum(hooked) - total) / args.steps,
+                             "exclusive_ms_per_step": per_step,
+                             "calls_per_step": {k: v / args.steps for k, v in timer.calls.items()}}
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = _run_steps(engine, args.steps)
+    events = prof.key_averages()
+    top_level = [e for e in prof.events() if e.cpu_parent is None]
+    op_s = sum(e.cpu_time_total for e in top_level) / 1e6
+    by_self = sorted(events, key=lambda e: -e.self_cpu_time_total)[:TOP_OPS]
+    result["ops"] = {
+        "profiled_step_ms": 1e3 * statistics.median(profiled),
+        "top_level_ops_per_step": len(top_level) / args.steps,
+        "inside_top_level_ops_ms_per_step": 1e3 * op_s / args.steps,
+        "outside_ops_ms_per_step": 1e3 * (sum(profiled) - op_s) / args.steps,
+        "self_cpu_ms_per_step": {e.key: e.self_cpu_time_total / 1e3 / args.steps for e in by_self},
+        "calls_per_step": {e.key: e.count / args.steps for e in by_self},
+    }
+    return result
+
+
+def _print(result: dict) -> None:
+    mode = "compiled" if result["compile"] else "eager"
+    print(f"experts {result['experts']}, {mode}, {result['threads']} thread(s): "
+          f"plain step {result['plain_step_ms']:.2f} ms")
+    if "modules" in result:
+        m = result["modules"]
+        print(f"  modules (hooked step {m['hooked_step_ms']:.2f} ms; outside modules "
+              f"{m['outside_modules_ms']:.2f} ms):")
+        for kind, ms in m["exclusive_ms_per_step"].items():
+            print(f"    {kind:45s} {ms:7.3f} ms  x{m['calls_per_step'][kind]:.0f}")
+    o = result["ops"]
+    print(f"  ops (profiled step {o['profiled_step_ms']:.2f} ms; {o['top_level_ops_per_step']:.0f} top-level ops, "
+          f"{o['inside_top_level_ops_ms_per_step']:.2f} ms inside them, {o['outside_ops_ms_per_step']:.2f} outside):")
+    for key, ms in o["self_cpu_ms_per_step"].items():
+        print(f"    {key:45s} {ms:7.3f} ms  x{o['calls_per_step'][key]:.0f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", choices=("fp4", "dense"), default="fp4")
+    parser.add_argument("--compile", action="store_true", help="LLM(compile=True) (dense experts only)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    result = profile_decode(args)
+    _print(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"profile_decode_{args.experts}{'_compiled' if args.compile else ''}_t{args.threads}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

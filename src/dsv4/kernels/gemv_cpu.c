@@ -1,0 +1,831 @@
+/* Few-row products with weights read straight from their resident layout, for CPU decode steps.
+ *
+ * A decode step of a few rows is bound by reading the weights once: these loops stream each weight
+ * byte once per call, split the output features across the caller's threads, and decode quantized
+ * weights in registers (no dequantized copy is ever written). Python side: gemv_cpu.py.
+ *
+ *   dense_xw    y[R, N] = x[R, K] W^T, W resident input-major: storage [K, N] (row k contiguous), fp32 or bf16
+ *   quant_xw    y[R, N] = x[R, K] W^T, W [N, K] output-major: FP8 e4m3 with fp32 block scales [ceil(N/b0),
+ *               ceil(K/b1)], or FP4 e2m1 (two codes a byte, low nibble = even input) with ue8m0 scales [N, K/g]
+ *   moe_experts the routed-expert sum of one MoE layer, out[T, D] = sum_j w_tj E_{e_tj}(x_t), E_e(x) =
+ *               W2_e (silu(min(W1_e x, L)) * clamp(W3_e x, -L, L)), for dense, FP8 or FP4 expert stacks
+ *
+ * Activations (x, y, out) are fp32 or bf16 (bf16: widened on load, rounded to nearest-even once on store);
+ * all arithmetic is fp32.
+ *
+ * Threads: a caller-runs pool (pool_create). A call is cut into chunks of output features; the calling
+ * thread takes chunks itself and the pool's workers take chunks when they get a core, so the caller only
+ * ever waits for chunks a worker has already started, never for a worker to be scheduled. On a machine
+ * whose other core is busy (a co-running process), a call therefore costs what one thread costs instead of
+ * a scheduler time slice spent spinning at a barrier (which is what an OpenMP region pays there). Each
+ * output element is computed by one thread in a fixed order: results do not depend on the thread count.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+enum { ACT_F32 = 0, ACT_BF16 = 1 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_FP8 = 2, FMT_FP4 = 3 };
+enum { OK = 0, ERR_ALLOC = 1, ERR_ARGS = 2 };
+
+/* Columns of one dense pass over all K weight rows: the accumulator rows (R x TILE_N floats) stay in L2
+   while the weight rows stream through. Long row pieces stream best: on the machine measured (one thread,
+   16384x512 fp32 from cold copies) whole rows ran at 17 GB/s, 1024-column tiles at 16, 256-column ones at 12. */
+#define TILE_N 16384
+/* Weight rows folded per pass over the accumulators: 4 independent streams keep the prefetchers busy and
+   cut the accumulator traffic to 1/4 of the weight traffic. */
+#define K_UNROLL 4
+/* Dense chunks are cut at multiples of this many columns (one cache line of fp32). */
+#define SPLIT_ALIGN 16
+/* A dense chunk streams at least this many columns of each weight row (shorter row pieces defeat the
+   hardware prefetchers), a quantized chunk at least MIN_CHUNK_ROWS weight rows. */
+#define MIN_CHUNK_COLS 256
+#define MIN_CHUNK_ROWS 8
+/* Chunks per thread: enough that a late thread's share is picked up by the others. */
+#define CHUNKS_PER_THREAD 4
+/* Below this many weight bytes a call runs in one chunk: waking a worker costs more than it saves. */
+#define MIN_PARALLEL_BYTES (64 * 1024)
+#define E8M0_BIAS 127
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float as_float(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* e4m3fn byte -> float, branch-free (vectorises). Normals: the 7 exponent+mantissa bits moved under the
+   fp32 exponent with the bias difference (127 - 7 = 120) added; subnormals (exponent 0): mantissa * 2^-9.
+   0x7f/0xff (NaN) decode to 480: resident weights are validated finite, so no NaN code is ever stored. */
+static inline float e4m3_to_f32(uint8_t b) {
+    const uint32_t em = b & 0x7fu;
+    const float normal = as_float((em << 20) + (120u << 23));
+    const float sub = (float)em * 0x1p-9f;
+    const float mag = em < 8 ? sub : normal;
+    return (b & 0x80u) ? -mag : mag;
+}
+
+/* e2m1 code (bit 3 = sign) -> float, branch-free: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6. Codes >= 2 are
+   normals: exponent = code >> 1 (bias 1), one mantissa bit; 0 and 1 are 0 and 0.5. */
+static inline float e2m1_to_f32(uint32_t c) {
+    const uint32_t m = c & 7u;
+    const float normal = as_float((m << 22) + (126u << 23));
+    const float mag = m < 2 ? 0.5f * (float)m : normal;
+    return (c & 8u) ? -mag : mag;
+}
+
+/* ue8m0 byte -> 2^(s - 127), built in the exponent field (a libm ldexpf call per group would dominate the
+   FP4 loop). Byte 0 is the subnormal 2^-127; byte 255 (NaN in e8m0) becomes +inf: resident scales are
+   validated finite. */
+static inline float e8m0_to_f32(uint8_t s) { return s ? as_float((uint32_t)s << 23) : as_float(0x00400000u); }
+
+/* Bytes a matrix of `elements` weights occupies in format fmt. */
+static long matrix_bytes(int fmt, long elements) {
+    return fmt == FMT_F32 ? 4 * elements : fmt == FMT_BF16 ? 2 * elements : fmt == FMT_FP8 ? elements : elements / 2;
+}
+
+/* Chunk size for n items: about CHUNKS_PER_THREAD chunks a thread, at least `least` items, a multiple of
+   `align`; the whole range when the weights are too small to be worth a second thread. */
+static long chunk_size(long n, int nthreads, long weight_bytes, long least, long align) {
+    if (nthreads <= 1 || weight_bytes < MIN_PARALLEL_BYTES) return n;
+    long size = (n + (long)CHUNKS_PER_THREAD * nthreads - 1) / ((long)CHUNKS_PER_THREAD * nthreads);
+    size = (size + align - 1) / align * align;
+    return size < least ? least : size;
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* The caller-runs pool.                                                                                */
+/* ---------------------------------------------------------------------------------------------------- */
+
+#define MAX_WORKERS 63
+/* After a job a worker keeps polling this long for the next one before it sleeps: the kernels of one
+   decode step come microseconds apart, and a sleeping worker takes tens of microseconds to wake. */
+#define WORKER_SPIN_NS 50000L
+#define GEN_SHIFT 32
+#define CHUNK_MASK 0xffffffffull
+
+typedef void (*chunk_fn)(const void *job, long chunk);
+
+typedef struct pool {
+    pid_t owner; /* the process whose threads these are: a forked child runs every call on its own */
+    int n_workers;
+    pthread_t threads[MAX_WORKERS];
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    atomic_int sleepers;
+    atomic_int stop;
+    _Atomic uint64_t state; /* generation << 32 | next chunk of the current job */
+    atomic_long done;       /* chunks of the current job finished */
+    atomic_int helpers;     /* workers allowed to help the current job */
+    /* the current job (read by workers after they observe its generation) */
+    _Atomic(chunk_fn) fn;
+    _Atomic(const void *) job;
+    atomic_long n_chunks;
+} pool;
+
+typedef struct {
+    pool *p;
+    int index;
+} worker_arg;
+
+/* Take and run chunks of generation `gen` until none is left (or a newer job started). */
+static void help(pool *p, uint32_t gen) {
+    const chunk_fn fn = atomic_load_explicit(&p->fn, memory_order_relaxed);
+    const void *job = atomic_load_explicit(&p->job, memory_order_relaxed);
+    const long n = atomic_load_explicit(&p->n_chunks, memory_order_relaxed);
+    uint64_t s = atomic_load(&p->state);
+    for (;;) {
+        if ((uint32_t)(s >> GEN_SHIFT) != gen || (long)(s & CHUNK_MASK) >= n) return;
+        /* A successful exchange proves the job is still `gen` and unfinished, so fn/job/n were its own. */
+        if (atomic_compare_exchange_weak(&p->state, &s, s + 1)) {
+            fn(job, (long)(s & CHUNK_MASK));
+            atomic_fetch_add(&p->done, 1);
+            s = atomic_load(&p->state);
+        }
+    }
+}
+
+static long elapsed_ns(const struct timespec *since) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (t.tv_sec - since->tv_sec) * 1000000000L + (t.tv_nsec - since->tv_nsec);
+}
+
+static void *worker_main(void *arg) {
+    worker_arg self = *(worker_arg *)arg;
+    free(arg);
+    pool *p = self.p;
+    uint32_t seen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT);
+    for (;;) {
+        struct timespec start;
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        uint32_t gen = seen;
+        for (long polls = 0; gen == seen && !atomic_load(&p->stop); ++polls) {
+            CPU_RELAX();
+            gen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT);
+            if (gen == seen && (polls & 63) == 63 && elapsed_ns(&start) > WORKER_SPIN_NS) {
+                pthread_mutex_lock(&p->mu);
+                atomic_fetch_add(&p->sleepers, 1);
+                /* seq_cst: either the caller sees this sleeper and signals, or this load sees its job */
+                gen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT);
+                if (gen == seen && !atomic_load(&p->stop)) pthread_cond_wait(&p->wake, &p->mu);
+                atomic_fetch_sub(&p->sleepers, 1);
+                pthread_mutex_unlock(&p->mu);
+                gen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT);
+                clock_gettime(CLOCK_MONOTONIC, &start);
+            }
+        }
+        if (atomic_load(&p->stop)) return NULL;
+        seen = gen;
+        if (self.index < atomic_load(&p->helpers)) help(p, gen);
+    }
+}
+
+/* A pool of n_workers threads (the caller is the extra one); NULL when threads cannot be made. */
+pool *pool_create(int n_workers) {
+    if (n_workers < 0) n_workers = 0;
+    if (n_workers > MAX_WORKERS) n_workers = MAX_WORKERS;
+    pool *p = calloc(1, sizeof(pool));
+    if (!p) return NULL;
+    p->owner = getpid();
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    for (int i = 0; i < n_workers; ++i) {
+        worker_arg *arg = malloc(sizeof(worker_arg));
+        if (!arg) break;
+        arg->p = p;
+        arg->index = i;
+        if (pthread_create(&p->threads[i], NULL, worker_main, arg) != 0) {
+            free(arg);
+            break;
+        }
+        p->n_workers = i + 1;
+    }
+    return p;
+}
+
+void pool_destroy(pool *p) {
+    if (!p) return;
+    if (p->owner == getpid()) {
+        pthread_mutex_lock(&p->mu);
+        atomic_store(&p->stop, 1);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mu);
+        for (int i = 0; i < p->n_workers; ++i) pthread_join(p->threads[i], NULL);
+    }
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->wake);
+    free(p);
+}
+
+int pool_workers(const pool *p) { return p ? p->n_workers : 0; }
+
+/* Run fn(job, c) for c in [0, n_chunks), with up to nthreads threads (the caller and nthreads - 1 workers).
+   Returns when every chunk has run. */
+static void pool_run(pool *p, long n_chunks, chunk_fn fn, const void *job, int nthreads) {
+    if (!p || p->owner != getpid() || p->n_workers == 0 || n_chunks <= 1 || nthreads <= 1) {
+        for (long c = 0; c < n_chunks; ++c) fn(job, c);
+        return;
+    }
+    atomic_store(&p->done, 0);
+    atomic_store_explicit(&p->fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&p->job, job, memory_order_relaxed);
+    atomic_store_explicit(&p->n_chunks, n_chunks, memory_order_relaxed);
+    atomic_store(&p->helpers, nthreads - 1);
+    const uint32_t gen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT) + 1;
+    atomic_store(&p->state, (uint64_t)gen << GEN_SHIFT); /* publishes the job (seq_cst) */
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mu);
+    }
+    help(p, gen);
+    /* Only chunks a running worker has taken remain. */
+    for (long polls = 0; atomic_load(&p->done) < n_chunks; ++polls) {
+        if (polls < 4096) CPU_RELAX();
+        else sched_yield();
+    }
+}
+
+/* Rows of x as fp32 (a copy only for bf16). */
+static const float *rows_f32(const void *x, int act, long count, float *scratch) {
+    if (act == ACT_F32) return (const float *)x;
+    const uint16_t *h = (const uint16_t *)x;
+    for (long i = 0; i < count; ++i) scratch[i] = bf16_to_f32(h[i]);
+    return scratch;
+}
+
+static void store_row(void *y, int act, long offset, const float *v, long n) {
+    if (act == ACT_F32) {
+        memcpy((float *)y + offset, v, sizeof(float) * (size_t)n);
+    } else {
+        uint16_t *h = (uint16_t *)y + offset;
+        for (long i = 0; i < n; ++i) h[i] = f32_to_bf16(v[i]);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* Dense, input-major: acc[r, n0:n1] = sum_k x[r, k] W[k, n] for W rows of ldw elements (fp32 or bf16).  */
+/* ---------------------------------------------------------------------------------------------------- */
+
+static void dense_tile(const float *restrict x, long R, long K, long ldx, const void *w, int wfmt, long ldw,
+                       long n0, long n1, float *restrict acc, long ldacc) {
+    const long width = n1 - n0;
+    for (long r = 0; r < R; ++r) memset(acc + r * ldacc, 0, sizeof(float) * (size_t)width);
+    long k = 0;
+    if (wfmt == FMT_F32) {
+        const float *W = (const float *)w;
+        for (; k + K_UNROLL <= K; k += K_UNROLL) {
+            const float *restrict w0 = W + k * ldw + n0, *restrict w1 = w0 + ldw, *restrict w2 = w1 + ldw,
+                                  *restrict w3 = w2 + ldw;
+            for (long r = 0; r < R; ++r) {
+                const float a0 = x[r * ldx + k], a1 = x[r * ldx + k + 1], a2 = x[r * ldx + k + 2],
+                            a3 = x[r * ldx + k + 3];
+                float *restrict out = acc + r * ldacc;
+                for (long n = 0; n < width; ++n) out[n] += a0 * w0[n] + a1 * w1[n] + a2 * w2[n] + a3 * w3[n];
+            }
+        }
+        for (; k < K; ++k) {
+            const float *restrict w0 = W + k * ldw + n0;
+            for (long r = 0; r < R; ++r) {
+                const float a0 = x[r * ldx + k];
+                float *restrict out = acc + r * ldacc;
+                for (long n = 0; n < width; ++n) out[n] += a0 * w0[n];
+            }
+        }
+    } else {
+        const uint16_t *W = (const uint16_t *)w;
+        for (; k + K_UNROLL <= K; k += K_UNROLL) {
+            const uint16_t *restrict w0 = W + k * ldw + n0, *restrict w1 = w0 + ldw, *restrict w2 = w1 + ldw,
+                                     *restrict w3 = w2 + ldw;
+            for (long r = 0; r < R; ++r) {
+                const float a0 = x[r * ldx + k], a1 = x[r * ldx + k + 1], a2 = x[r * ldx + k + 2],
+                            a3 = x[r * ldx + k + 3];
+                float *restrict out = acc + r * ldacc;
+                for (long n = 0; n < width; ++n)
+                    out[n] += a0 * bf16_to_f32(w0[n]) + a1 * bf16_to_f32(w1[n]) + a2 * bf16_to_f32(w2[n]) +
+                              a3 * bf16_to_f32(w3[n]);
+            }
+        }
+        for (; k < K; ++k) {
+            const uint16_t *restrict w0 = W + k * ldw + n0;
+            for (long r = 0; r < R; ++r) {
+                const float a0 = x[r * ldx + k];
+                float *restrict out = acc + r * ldacc;
+                for (long n = 0; n < width; ++n) out[n] += a0 * bf16_to_f32(w0[n]);
+            }
+        }
+    }
+}
+
+/* acc[R, n0:n1) for a dense input-major W, a TILE_N-column tile at a time (acc rows of ldacc floats). */
+static void dense_range(const float *x, long R, long K, long ldx, const void *w, int wfmt, long ldw, long n0, long n1,
+                        float *acc, long ldacc) {
+    for (long t0 = n0; t0 < n1; t0 += TILE_N) {
+        long t1 = t0 + TILE_N < n1 ? t0 + TILE_N : n1;
+        dense_tile(x, R, K, ldx, w, wfmt, ldw, t0, t1, acc + (t0 - n0), ldacc);
+    }
+}
+
+typedef struct {
+    const float *x;
+    long R, K, N, ldw, chunk;
+    const void *w;
+    int wfmt, act;
+    float *acc; /* [R, N]: y itself for fp32 outputs, else scratch rounded into y per chunk */
+    void *y;
+} dense_job;
+
+static void dense_chunk(const void *arg, long c) {
+    const dense_job *j = arg;
+    const long n0 = c * j->chunk, n1 = n0 + j->chunk < j->N ? n0 + j->chunk : j->N;
+    dense_range(j->x, j->R, j->K, j->K, j->w, j->wfmt, j->ldw, n0, n1, j->acc + n0, j->N);
+    if (j->act != ACT_F32)
+        for (long r = 0; r < j->R; ++r) store_row(j->y, j->act, r * j->N + n0, j->acc + r * j->N + n0, n1 - n0);
+}
+
+int dense_xw(pool *p, const void *x, int act, long R, long K, const void *w, int wfmt, long ldw, long N, void *y,
+             int nthreads) {
+    if ((wfmt != FMT_F32 && wfmt != FMT_BF16) || R <= 0 || K <= 0 || N <= 0 || ldw < N) return ERR_ARGS;
+    float *xf = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
+    float *acc = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * N)) : (float *)y;
+    int status = OK;
+    if (act == ACT_BF16 && (!xf || !acc)) {
+        status = ERR_ALLOC;
+    } else {
+        const long chunk = chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_COLS, SPLIT_ALIGN);
+        dense_job job = {rows_f32(x, act, R * K, xf), R, K, N, ldw, chunk, w, wfmt, act, acc, y};
+        pool_run(p, (N + chunk - 1) / chunk, dense_chunk, &job, nthreads);
+    }
+    free(xf);
+    if (act == ACT_BF16) free(acc);
+    return status;
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* Quantized, output-major: acc[r, n] for n in [n0, n1), weight row n decoded in registers.             */
+/* ---------------------------------------------------------------------------------------------------- */
+
+/* Largest K the per-row decode buffer holds (the stack array below); larger inputs are an argument error. */
+#define MAX_QUANT_K 16384
+/* Rows of x one decoded weight row is reused for before the next chunk of rows. */
+#define ROW_CHUNK 16
+
+/* Inputs of one FP4 decode step: 16 bytes = 32 codes. FP4 groups must be a multiple of this. */
+#define FP4_STEP 32
+/* Inputs of one FP8 decode step. */
+#define FP8_STEP 16
+
+/* x rows [R, K] -> xp with each 32-input step reordered [inputs 0, 2, .., 30 | 1, 3, .., 31]: the order in
+   which the FP4 decode produces a step's values (low nibbles, then high nibbles). */
+static void fp4_order_rows(const float *x, long R, long K, float *xp) {
+    for (long r = 0; r < R; ++r)
+        for (long k0 = 0; k0 < K; k0 += FP4_STEP)
+            for (long i = 0; i < FP4_STEP / 2; ++i) {
+                xp[r * K + k0 + i] = x[r * K + k0 + 2 * i];
+                xp[r * K + k0 + FP4_STEP / 2 + i] = x[r * K + k0 + 2 * i + 1];
+            }
+}
+
+#if defined(__AVX512F__)
+/* e2m1 magnitudes and signs: the 16 code values as one vector (permutexvar indexes it by code). */
+static inline __m512 e2m1_table(void) {
+    return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
+                          -4.0f, -6.0f);
+}
+
+/* Rows of x one pass over a weight row serves: 2 accumulators per row stay in registers (an accumulator
+   array indexed at run time would live in memory, and each FMA would wait on a store-to-load round trip). */
+#define ROW_BLOCK 4
+
+/* One FP4 weight row against `rb` (constant after inlining) FP4-ordered x rows: per 32-input step, 16 bytes ->
+   2 x 16 values times the group's scale (exact: a power of two), one FMA per vector and x row, low and high
+   nibbles in separate accumulators. */
+static inline __attribute__((always_inline)) void fp4_row_block(const float *xp, const int rb, long K,
+                                                                const uint8_t *wr, const uint8_t *srow, long group,
+                                                                float *out, long ldout) {
+    const __m512 table = e2m1_table();
+    const __m512i nibble = _mm512_set1_epi32(0xf);
+    __m512 lo_sum[ROW_BLOCK], hi_sum[ROW_BLOCK];
+    for (int r = 0; r < rb; ++r) lo_sum[r] = hi_sum[r] = _mm512_setzero_ps();
+    for (long g = 0, k0 = 0; k0 < K; ++g) {
+        const __m512 s = _mm512_set1_ps(e8m0_to_f32(srow[g]));
+        for (const long end = k0 + group; k0 < end; k0 += FP4_STEP) {
+            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + k0 / 2)));
+            const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, nibble), table), s);
+            const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table), s);
+            for (int r = 0; r < rb; ++r) {
+                lo_sum[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + r * K + k0), lo_sum[r]);
+                hi_sum[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + r * K + k0 + FP4_STEP / 2), hi_sum[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rb; ++r) out[r * ldout] = _mm512_reduce_add_ps(_mm512_add_ps(lo_sum[r], hi_sum[r]));
+}
+
+/* FP4 rows [n0, n1) against R FP4-ordered x rows (xp), ROW_BLOCK x rows per pass. */
+static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const uint8_t *scale, long group, long n0,
+                     long n1, float *acc, long ldacc) {
+    const long half = K / 2, groups = K / group;
+    for (long n = n0; n < n1; ++n) {
+        const uint8_t *wr = w + n * half, *srow = scale + n * groups;
+        for (long r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const float *x = xp + r0 * K;
+            float *out = acc + r0 * ldacc + (n - n0);
+            switch (R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK) {
+            case 1: fp4_row_block(x, 1, K, wr, srow, group, out, ldacc); break;
+            case 2: fp4_row_block(x, 2, K, wr, srow, group, out, ldacc); break;
+            case 3: fp4_row_block(x, 3, K, wr, srow, group, out, ldacc); break;
+            default: fp4_row_block(x, ROW_BLOCK, K, wr, srow, group, out, ldacc); break;
+            }
+        }
+    }
+}
+
+/* 16 e4m3 bytes -> 16 floats: normals get the exponent bias difference (127 - 7 = 120) added under the fp32
+   exponent, subnormals (exponent 0) are mantissa * 2^-9, then the sign bit. */
+static inline __m512 e4m3x16(const uint8_t *b) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    const __m512i em = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(em, 20),
+                                                               _mm512_set1_epi32(120 << 23)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(0x1p-9f));
+    const __mmask16 is_sub = _mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8));
+    const __m512 mag = _mm512_mask_blend_ps(is_sub, normal, sub);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+}
+
+/* One FP8 weight row against `rb` (constant after inlining) x rows: 16 inputs at a time decoded and
+   multiplied by their block's scale (the reference's dequantised value, rounded the same way), one FMA per x
+   row; even and odd steps in separate accumulators. K and b1 are multiples of 2 * FP8_STEP here. */
+static inline __attribute__((always_inline)) void fp8_row_block(const float *x, const int rb, long K,
+                                                                const uint8_t *wr, const float *srow, long b1,
+                                                                float *out, long ldout) {
+    __m512 even[ROW_BLOCK], odd[ROW_BLOCK];
+    for (int r = 0; r < rb; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (long kb = 0, k0 = 0; k0 < K; ++kb) {
+        const __m512 s = _mm512_set1_ps(srow[kb]);
+        for (const long end = k0 + b1 < K ? k0 + b1 : K; k0 < end; k0 += 2 * FP8_STEP) {
+            const __m512 v0 = _mm512_mul_ps(e4m3x16(wr + k0), s), v1 = _mm512_mul_ps(e4m3x16(wr + k0 + FP8_STEP), s);
+            for (int r = 0; r < rb; ++r) {
+                even[r] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + r * K + k0), even[r]);
+                odd[r] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + r * K + k0 + FP8_STEP), odd[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rb; ++r) out[r * ldout] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+}
+
+static void fp8_rows_vec(const float *x, long R, long K, const uint8_t *w, const float *scale, long b0, long b1,
+                         long n0, long n1, float *acc, long ldacc) {
+    const long kb_count = (K + b1 - 1) / b1;
+    for (long n = n0; n < n1; ++n) {
+        const uint8_t *wr = w + n * K;
+        const float *srow = scale + (n / b0) * kb_count;
+        for (long r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const float *xr = x + r0 * K;
+            float *out = acc + r0 * ldacc + (n - n0);
+            switch (R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK) {
+            case 1: fp8_row_block(xr, 1, K, wr, srow, b1, out, ldacc); break;
+            case 2: fp8_row_block(xr, 2, K, wr, srow, b1, out, ldacc); break;
+            case 3: fp8_row_block(xr, 3, K, wr, srow, b1, out, ldacc); break;
+            default: fp8_row_block(xr, ROW_BLOCK, K, wr, srow, b1, out, ldacc); break;
+            }
+        }
+    }
+}
+#define HAVE_FP8_VEC 1
+#define VECTOR_ISA 512
+#else
+/* Portable paths: a table per byte (branch-free; the compiler vectorises the products). */
+
+/* Partial sums per dot product: 16 independent lanes let the compiler vectorise the reduction without
+   reassociating it (no -ffast-math): lane l sums inputs l, l + 16, ... */
+#define LANES 16
+
+static float dot_lanes(const float *restrict a, const float *restrict b, long n) {
+    float lanes[LANES] = {0.0f};
+    long k = 0;
+    for (; k + LANES <= n; k += LANES)
+        for (int l = 0; l < LANES; ++l) lanes[l] += a[k + l] * b[k + l];
+    for (int l = 0; k < n; ++k, ++l) lanes[l] += a[k] * b[k];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+    return lanes[0];
+}
+
+static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const uint8_t *scale, long group, long n0,
+                     long n1, float *acc, long ldacc) {
+    float table[16], dec[MAX_QUANT_K];
+    for (uint32_t c = 0; c < 16; ++c) table[c] = e2m1_to_f32(c);
+    const long half = K / 2, groups = K / group;
+    for (long n = n0; n < n1; ++n) {
+        const uint8_t *wr = w + n * half, *srow = scale + n * groups;
+        for (long g = 0; g < groups; ++g) {
+            const float s = e8m0_to_f32(srow[g]);
+            for (long k0 = g * group; k0 < (g + 1) * group; k0 += FP4_STEP)
+                for (long i = 0; i < FP4_STEP / 2; ++i) {
+                    dec[k0 + i] = table[wr[k0 / 2 + i] & 0xf] * s;
+                    dec[k0 + FP4_STEP / 2 + i] = table[wr[k0 / 2 + i] >> 4] * s;
+                }
+        }
+        for (long r = 0; r < R; ++r) acc[r * ldacc + (n - n0)] = dot_lanes(xp + r * K, dec, K);
+    }
+}
+#define HAVE_FP8_VEC 0
+#define VECTOR_ISA 0
+#endif
+
+/* The decode paths this build has: 512 = AVX-512 permutes, 0 = per-byte tables. */
+int vector_isa(void) { return VECTOR_ISA; }
+
+/* FP8 rows [n0, n1), any K: each row decoded once through a 256-entry table and scaled per block. */
+static void fp8_rows_table(const float *x, long R, long K, const uint8_t *w, const float *scale, long b0, long b1,
+                           long n0, long n1, float *acc, long ldacc) {
+    float table[256], dec[MAX_QUANT_K];
+    for (uint32_t b = 0; b < 256; ++b) table[b] = e4m3_to_f32((uint8_t)b);
+    const long kb_count = (K + b1 - 1) / b1;
+    for (long n = n0; n < n1; ++n) {
+        const uint8_t *wr = w + n * K;
+        const float *srow = scale + (n / b0) * kb_count;
+        for (long kb = 0; kb < kb_count; ++kb)
+            for (long k = kb * b1; k < K && k < (kb + 1) * b1; ++k) dec[k] = table[wr[k]] * srow[kb];
+        for (long r = 0; r < R; ++r) {
+            float total = 0.0f;
+            for (long k = 0; k < K; ++k) total += x[r * K + k] * dec[k];
+            acc[r * ldacc + (n - n0)] = total;
+        }
+    }
+}
+
+static void fp8_rows(const float *x, long R, long K, const uint8_t *w, const float *scale, long b0, long b1,
+                     long n0, long n1, float *acc, long ldacc) {
+#if HAVE_FP8_VEC
+    if (K % (2 * FP8_STEP) == 0 && b1 % (2 * FP8_STEP) == 0) {
+        fp8_rows_vec(x, R, K, w, scale, b0, b1, n0, n1, acc, ldacc);
+        return;
+    }
+#endif
+    fp8_rows_table(x, R, K, w, scale, b0, b1, n0, n1, acc, ldacc);
+}
+
+/* x: [R, K] rows, FP4-ordered (fp4_order_rows) when wfmt is FMT_FP4. */
+static void quant_range(const float *x, long R, long K, int wfmt, const void *w, const void *scale, long b0, long b1,
+                        long n0, long n1, float *acc, long ldacc) {
+    for (long r0 = 0; r0 < R; r0 += ROW_CHUNK) {
+        long rows = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
+        if (wfmt == FMT_FP8)
+            fp8_rows(x + r0 * K, rows, K, (const uint8_t *)w, (const float *)scale, b0, b1, n0, n1,
+                     acc + r0 * ldacc, ldacc);
+        else
+            fp4_rows(x + r0 * K, rows, K, (const uint8_t *)w, (const uint8_t *)scale, b1, n0, n1, acc + r0 * ldacc,
+                     ldacc);
+    }
+}
+
+/* Position of input k in an FP4-ordered row (see fp4_order_rows). */
+static inline long fp4_position(long k) {
+    const long step = k - k % FP4_STEP, i = k % FP4_STEP;
+    return step + (i % 2) * (FP4_STEP / 2) + i / 2;
+}
+
+static int quant_args_ok(int wfmt, long K, long b0, long b1) {
+    if (K <= 0 || K > MAX_QUANT_K) return 0;
+    if (wfmt == FMT_FP8) return b0 > 0 && b1 > 0;
+    if (wfmt == FMT_FP4) return b1 > 0 && b1 % FP4_STEP == 0 && K % b1 == 0;
+    return 0;
+}
+
+typedef struct {
+    const float *x;
+    long R, K, N, b0, b1, chunk;
+    int wfmt, act;
+    const void *w, *scale;
+    float *acc; /* [R, N]: y itself for fp32 outputs, else scratch rounded into y per chunk */
+    void *y;
+} quant_job;
+
+static void quant_chunk(const void *arg, long c) {
+    const quant_job *j = arg;
+    const long n0 = c * j->chunk, n1 = n0 + j->chunk < j->N ? n0 + j->chunk : j->N;
+    quant_range(j->x, j->R, j->K, j->wfmt, j->w, j->scale, j->b0, j->b1, n0, n1, j->acc + n0, j->N);
+    if (j->act != ACT_F32)
+        for (long r = 0; r < j->R; ++r) store_row(j->y, j->act, r * j->N + n0, j->acc + r * j->N + n0, n1 - n0);
+}
+
+/* b0, b1: the FP8 block (b0 output rows x b1 inputs); FP4: b1 = inputs per scale (b0 unused). */
+int quant_xw(pool *p, const void *x, int act, long R, long K, int wfmt, const void *w, const void *scale, long b0,
+             long b1, long N, void *y, int nthreads) {
+    if (!quant_args_ok(wfmt, K, b0, b1) || R <= 0 || N <= 0) return ERR_ARGS;
+    float *xf = act == ACT_BF16 || wfmt == FMT_FP4 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
+    float *acc = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * N)) : (float *)y;
+    int status = OK;
+    if ((act == ACT_BF16 || wfmt == FMT_FP4) && (!xf || !acc)) {
+        status = ERR_ALLOC;
+    } else {
+        const float *xs = x;
+        if (act == ACT_BF16) xs = rows_f32(x, act, R * K, xf);
+        if (wfmt == FMT_FP4) { /* in place for bf16 (xf holds the widened rows): order through a temporary row */
+            float *ordered = malloc(sizeof(float) * (size_t)K);
+            if (!ordered) {
+                status = ERR_ALLOC;
+                goto done;
+            }
+            for (long r = 0; r < R; ++r) {
+                fp4_order_rows(xs + r * K, 1, K, ordered);
+                memcpy(xf + r * K, ordered, sizeof(float) * (size_t)K);
+            }
+            free(ordered);
+            xs = xf;
+        }
+        const long chunk = chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_ROWS, 1);
+        quant_job job = {xs, R, K, N, b0, b1, chunk, wfmt, act, w, scale, acc, y};
+        pool_run(p, (N + chunk - 1) / chunk, quant_chunk, &job, nthreads);
+    }
+done:
+    free(xf);
+    if (act == ACT_BF16) free(acc);
+    return status;
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* Routed experts of one MoE layer.                                                                     */
+/* ---------------------------------------------------------------------------------------------------- */
+
+/* One expert matrix: dense input-major [in, out] (ld = out) or quantized output-major [out, in]. */
+typedef struct {
+    int fmt;
+    const void *w;     /* this expert's weight */
+    const void *scale; /* FP8: fp32 block grid; FP4: ue8m0 bytes [out, in / b1] */
+    long in, out;
+} expert_matrix;
+
+static expert_matrix expert(int fmt, const void *w, const void *scale, long e, long in, long out, long b0, long b1) {
+    expert_matrix m = {fmt, NULL, NULL, in, out};
+    if (fmt == FMT_F32) m.w = (const float *)w + e * in * out;
+    else if (fmt == FMT_BF16) m.w = (const uint16_t *)w + e * in * out;
+    else if (fmt == FMT_FP8) {
+        m.w = (const uint8_t *)w + e * in * out;
+        m.scale = (const float *)scale + e * ((out + b0 - 1) / b0) * ((in + b1 - 1) / b1);
+    } else {
+        m.w = (const uint8_t *)w + e * in * out / 2;
+        m.scale = (const uint8_t *)scale + e * out * (in / b1);
+    }
+    return m;
+}
+
+/* acc[R, n0:n1) = x[R, in] M^T restricted to outputs [n0, n1). */
+static void matrix_range(const float *x, long R, expert_matrix m, long b0, long b1, long n0, long n1, float *acc,
+                         long ldacc) {
+    if (m.fmt == FMT_F32 || m.fmt == FMT_BF16)
+        dense_range(x, R, m.in, m.in, m.w, m.fmt, m.out, n0, n1, acc, ldacc);
+    else
+        quant_range(x, R, m.in, m.fmt, m.w, m.scale, b0, b1, n0, n1, acc, ldacc);
+}
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+typedef struct {
+    long D, I, E, b0, b1, chunk_i, chunk_d;
+    int fmt, act;
+    float limit;
+    const long *start, *token;
+    const float *pick_w, *xs;
+    float *gate, *up, *h, *y, *accum; /* [P, I] x 3, [P, D], [T, D] */
+    const void *w1, *s1, *w3, *s3, *w2, *s2;
+} moe_job;
+
+/* Phase 1, chunk c: hidden columns [i0, i1) of every pick's row, expert by expert. */
+static void moe_hidden_chunk(const void *arg, long c) {
+    const moe_job *j = arg;
+    const long i0 = c * j->chunk_i, i1 = i0 + j->chunk_i < j->I ? i0 + j->chunk_i : j->I;
+    for (long e = 0; e < j->E; ++e) {
+        const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
+        if (rows == 0) continue;
+        const float *xe = j->xs + first * j->D;
+        float *gate = j->gate + first * j->I, *up = j->up + first * j->I, *h = j->h + first * j->I;
+        matrix_range(xe, rows, expert(j->fmt, j->w1, j->s1, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1,
+                     gate + i0, j->I);
+        matrix_range(xe, rows, expert(j->fmt, j->w3, j->s3, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1,
+                     up + i0, j->I);
+        for (long r = 0; r < rows; ++r)
+            for (long i = i0; i < i1; ++i) {
+                const float g = gate[r * j->I + i], u = up[r * j->I + i];
+                const float gc = g < j->limit ? g : j->limit;
+                const float uc = u < -j->limit ? -j->limit : (u > j->limit ? j->limit : u);
+                h[r * j->I + (j->fmt == FMT_FP4 ? fp4_position(i) : i)] = silu(gc) * uc; /* w2's input order */
+            }
+    }
+}
+
+/* Phase 2, chunk c: output columns [d0, d1), experts in ascending order into each token's sum. */
+static void moe_output_chunk(const void *arg, long c) {
+    const moe_job *j = arg;
+    const long d0 = c * j->chunk_d, d1 = d0 + j->chunk_d < j->D ? d0 + j->chunk_d : j->D;
+    for (long e = 0; e < j->E; ++e) {
+        const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
+        if (rows == 0) continue;
+        float *y = j->y + first * j->D;
+        matrix_range(j->h + first * j->I, rows, expert(j->fmt, j->w2, j->s2, e, j->I, j->D, j->b0, j->b1), j->b0,
+                     j->b1, d0, d1, y + d0, j->D);
+        for (long r = 0; r < rows; ++r) {
+            const long s = first + r;
+            float *dst = j->accum + j->token[s] * j->D;
+            for (long d = d0; d < d1; ++d) {
+                const float v = y[r * j->D + d] * j->pick_w[s];
+                /* bf16: the reference adds bf16-rounded products into a bf16 sum */
+                dst[d] = j->act == ACT_F32 ? dst[d] + v
+                                           : bf16_to_f32(f32_to_bf16(dst[d] + bf16_to_f32(f32_to_bf16(v))));
+            }
+        }
+    }
+}
+
+/* x [T, D] (act), ids [T, k] int64, weights [T, k] fp32 -> out [T, D] (act, overwritten).
+   w1/w3: [E, I, D] logical (gate / up), w2: [E, D, I] logical, in format fmt (dense: input-major storage).
+   Experts run in ascending id order and each output element accumulates in that order, as the reference
+   loop does; the only differences from it are the fp32 summation orders inside the products. */
+int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long topk, const int64_t *ids,
+                const float *weights, long E, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
+                const void *w2, const void *s2, long b0, long b1, float limit, void *out, int nthreads) {
+    if (T <= 0 || D <= 0 || I <= 0 || topk <= 0 || E <= 0) return ERR_ARGS;
+    if ((fmt == FMT_FP8 || fmt == FMT_FP4) && (!quant_args_ok(fmt, D, b0, b1) || !quant_args_ok(fmt, I, b0, b1)))
+        return ERR_ARGS;
+    const long P = T * topk;
+    for (long q = 0; q < P; ++q)
+        if (ids[q] < 0 || ids[q] >= E) return ERR_ARGS;
+    long *start = calloc((size_t)E + 1, sizeof(long)), *fill = malloc(sizeof(long) * (size_t)E);
+    long *token = malloc(sizeof(long) * (size_t)P);
+    float *pick_w = malloc(sizeof(float) * (size_t)P);
+    float *xs = malloc(sizeof(float) * (size_t)(P * D)); /* gathered rows, grouped by expert */
+    float *hidden = malloc(sizeof(float) * (size_t)(3 * P * I)); /* gate | up | SwiGLU */
+    float *y = malloc(sizeof(float) * (size_t)(P * D));
+    float *accum = calloc((size_t)(T * D), sizeof(float));
+    int status = OK;
+    if (!start || !fill || !token || !pick_w || !xs || !hidden || !y || !accum) {
+        status = ERR_ALLOC;
+        goto done;
+    }
+    /* Counting sort of the picks by expert (stable: token order within an expert). */
+    for (long q = 0; q < P; ++q) start[ids[q] + 1]++;
+    for (long e = 0; e < E; ++e) start[e + 1] += start[e];
+    memcpy(fill, start, sizeof(long) * (size_t)E);
+    for (long q = 0; q < P; ++q) {
+        const long slot = fill[ids[q]]++;
+        token[slot] = q / topk;
+        pick_w[slot] = weights[q];
+    }
+    for (long s = 0; s < P; ++s) {
+        for (long d = 0; d < D; ++d) { /* FP4 weights read their inputs FP4-ordered */
+            const float v = act == ACT_F32 ? ((const float *)x)[token[s] * D + d]
+                                           : bf16_to_f32(((const uint16_t *)x)[token[s] * D + d]);
+            xs[s * D + (fmt == FMT_FP4 ? fp4_position(d) : d)] = v;
+        }
+    }
+    const long used = P < E ? P : E; /* at most P distinct experts are read */
+    const long matrix = matrix_bytes(fmt, D * I);
+    moe_job job = {D, I, E, b0, b1, chunk_size(I, nthreads, 2 * matrix * used, SPLIT_ALIGN, SPLIT_ALIGN),
+                   chunk_size(D, nthreads, matrix * used, SPLIT_ALIGN, SPLIT_ALIGN), fmt, act, limit, start, token,
+                   pick_w, xs, hidden, hidden + P * I, hidden + 2 * P * I, y, accum, w1, s1, w3, s3, w2, s2};
+    pool_run(p, (I + job.chunk_i - 1) / job.chunk_i, moe_hidden_chunk, &job, nthreads);
+    pool_run(p, (D + job.chunk_d - 1) / job.chunk_d, moe_output_chunk, &job, nthreads);
+    for (long t = 0; t < T; ++t) store_row(out, act, t * D, accum + t * D, D);
+done:
+    free(start);
+    free(fill);
+    free(token);
+    free(pick_w);
+    free(xs);
+    free(hidden);
+    free(y);
+    free(accum);
+    return status;
+}

@@ -1,0 +1,335 @@
+"""Few-row products on CPU that read each weight byte once, in its resident layout (gemv_cpu.c).
+
+A decode step of one or a few rows is bound by reading the weights: one-row fp32 `F.linear` streams them
+at a fraction of the machine's bandwidth and gains nothing from a second thread, and FP4/FP8 experts are
+dequantised to a full fp32 copy per expert per call before their GEMM. These kernels stream the weights
+once, split the output features across torch's own intra-op threads, and decode FP8 (e4m3, 128x128
+block scales) and FP4 (e2m1, one ue8m0 scale per 32 inputs) weights in registers, never materialising a
+dequantised matrix. Arithmetic is fp32 (bf16 activations are widened on load and rounded once on store);
+results differ from the torch references only by the order of the fp32 sums.
+
+Kernels (each `supports(*args)` / `__call__(*args)` with one signature, as the registry expects):
+  DenseGemv         (x, weight): x [R, K] @ weight.T for a [N, K] weight stored input-major ([K, N] storage,
+                    `dsv4.model.linear.input_major`), fp32 or bf16 (`supports`: bf16, R <= MAX_BF16_ROWS)
+  QuantGemv         (x, weight, scale, block): x [R, K] @ W.T for an output-major FP8 [N, K] (+ fp32 block
+                    scales) or FP4 [N, K/2] (+ ue8m0 bytes [N, K/block[1]]) weight
+  FusedExperts      (x, ids, weights, w1, w3, w2, limit): one MoE layer's routed experts (dense stacks),
+                    the arguments of `loop_experts` over dense stacks
+  FusedQuantExperts (x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit): the same for
+                    FP8 / FP4 stacks, format from w1's dtype (float8_e4m3fn: FP8 with `block`; int8: FP4 with
+                    group block[1])
+
+Threads: the library's own caller-runs pool (`WorkerPool`, one per `build_kernels()`). A call is cut into
+chunks of output features; the calling thread works through them and the pool's workers join when they get
+a core, so a call never waits for a worker that has not started (an OpenMP region, torch's included, waits
+at its closing barrier for every thread of the team: on a machine whose other core is busy that costs a
+scheduler time slice per region). Workers poll ~50 us for the next call, then sleep. A call uses
+`WorkerPool.threads()` threads: a fixed count given to `build_kernels(threads=...)` (so an engine may run
+torch itself on one thread during decode steps while these kernels use every core), or else
+torch.get_num_threads() at the call, up to the pool's size + 1.
+
+Build: the C source is compiled once per machine into the per-user kernel cache (about a second; no torch
+headers), with -march=native (the cache key includes this CPU's feature flags, so a shared home directory on
+a different CPU builds its own copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("gemv_cpu.c")
+_FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-fno-fast-math")
+# The instruction set the library is compiled for: this CPU's. With AVX-512 the FP8/FP4 rows are decoded
+# with vector permutes; without it (or with an older `march`, which the tests use to exercise that path)
+# through per-byte tables.
+NATIVE = "native"
+_MAX_ERROR_CHARS = 500
+
+# Codes shared with gemv_cpu.c.
+_ACT = {torch.float32: 0, torch.bfloat16: 1}
+_FMT_F32, _FMT_BF16, _FMT_FP8, _FMT_FP4 = 0, 1, 2, 3
+_DENSE_FMT = {torch.float32: _FMT_F32, torch.bfloat16: _FMT_BF16}
+_ERR_ALLOC, _ERR_ARGS = 1, 2
+VECTOR_ISA_AVX512 = 512  # vector_isa() of a library built with the AVX-512 decode paths
+
+# Where DenseGemv beats torch's GEMM on the same input-major weight (benchmarks/bench_gemv.py, small-config
+# shapes, 2 threads, cold weights, shared machine): bf16 one-row products 1.3-3.1x faster (oneDNN's small-row
+# bf16 GEMMs are slow); at 4 rows mixed (0.5-1.5x). fp32: MKL's one-row GEMV is as fast or faster (0.5-0.9x,
+# the 16384x512 head 0.8x), so `supports` declines fp32 and the kernel's fp32 path serves the fused dense
+# experts only.
+MAX_BF16_ROWS = 1
+# Input width the quantized kernel decodes a weight row into (its stack buffer, MAX_QUANT_K in the C file).
+MAX_QUANT_K = 16384
+# FP4 inputs one decode step reads (16 bytes): an FP4 scale group must be a multiple of it (FP4_STEP in C).
+FP4_STEP = 32
+# Picks (tokens x k) up to which the fused expert kernel is used: each expert's rows share one decode of
+# its weights, which beats dequantise-then-GEMM while the rows per expert are few.
+MAX_EXPERT_PICKS = 256
+
+
+def _cache_dir() -> Path:
+    override = os.environ.get("DSV4_KERNEL_CACHE")
+    return Path(override) if override else Path.home() / ".cache" / "dsv4" / "kernels"
+
+
+def _cpu_features() -> str:
+    """This CPU's feature flags (what -march=native compiles for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_library(march: str = NATIVE) -> ctypes.CDLL:
+    """Compile gemv_cpu.c once for this machine (cached) and load it.
+
+    Args:
+        march: the compiler's -march target ("native": this CPU).
+
+    Returns:
+        The loaded library, its argument types set.
+
+    Raises:
+        RuntimeError: no C compiler, or the compilation failed (its message included).
+        OSError: the library could not be written or loaded.
+    """
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler on PATH (tried $CC, cc, gcc)")
+    flags = (*_FLAGS, f"-march={march}")
+    key = "\n".join([SOURCE.read_text(), *flags, compiler, str(os.stat(compiler).st_mtime_ns), _cpu_features()])
+    target = _cache_dir() / f"gemv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:_MAX_ERROR_CHARS]}")
+            os.replace(built, target)  # atomic: concurrent processes never load a half-written file
+    lib = ctypes.CDLL(str(target))
+    P, L, Int, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    lib.pool_create.restype = P
+    lib.pool_create.argtypes = [Int]
+    lib.pool_destroy.restype = None
+    lib.pool_destroy.argtypes = [P]
+    lib.pool_workers.restype = Int
+    lib.pool_workers.argtypes = [P]
+    lib.vector_isa.restype = Int
+    lib.vector_isa.argtypes = []
+    lib.dense_xw.restype = Int
+    lib.dense_xw.argtypes = [P, P, Int, L, L, P, Int, L, L, P, Int]
+    lib.quant_xw.restype = Int
+    lib.quant_xw.argtypes = [P, P, Int, L, L, Int, P, P, L, L, L, P, Int]
+    lib.moe_experts.restype = Int
+    lib.moe_experts.argtypes = [P, P, Int, L, L, L, L, P, P, L, Int, P, P, P, P, P, P, L, L, F, P, Int]
+    return lib
+
+
+class WorkerPool:
+    """The C library's caller-runs thread pool: `workers` threads besides the caller, joined at close.
+
+    A forked child inherits the handle but not the threads: there every call runs on the calling thread.
+
+    Args:
+        lib: the loaded library.
+        workers: threads besides the caller.
+        fixed: calls use workers + 1 threads; otherwise torch.get_num_threads() at each call.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, workers: int, fixed: bool = False):
+        self._lib = lib
+        self.handle = lib.pool_create(workers)
+        if not self.handle:
+            raise MemoryError("gemv_cpu: could not allocate the worker pool")
+        self.workers = lib.pool_workers(self.handle)
+        self.fixed = fixed
+
+    def threads(self) -> int:
+        """Threads a call may use now."""
+        return self.workers + 1 if self.fixed else torch.get_num_threads()
+
+    def close(self) -> None:
+        if self.handle:
+            self._lib.pool_destroy(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _check(status: int, kernel: str) -> None:
+    if status == _ERR_ALLOC:
+        raise MemoryError(f"{kernel}: could not allocate its scratch rows")
+    if status != 0:
+        raise ValueError(f"{kernel}: arguments outside what the kernel supports (status {status})")
+
+
+def _cpu_rows(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dim() == 2 and x.dtype in _ACT and x.is_contiguous() and x.numel() > 0
+
+
+def _input_major(weight: torch.Tensor) -> bool:
+    """A [..., out, in] weight whose storage is [..., in, out] contiguous (`input_major`), from offset 0."""
+    return weight.transpose(-1, -2).is_contiguous() and weight.storage_offset() == 0
+
+
+def _quant_format(weight: torch.Tensor) -> int | None:
+    if weight.dtype == torch.float8_e4m3fn:
+        return _FMT_FP8
+    if weight.dtype in (torch.int8, torch.uint8):
+        return _FMT_FP4
+    return None
+
+
+def _quant_ok(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], in_features: int) -> bool:
+    """FP8 [.., N, K] + fp32 [.., ceil(N/b0), ceil(K/b1)], or FP4 [.., N, K/2] + uint8 [.., N, K/b1]."""
+    fmt = _quant_format(weight)
+    if fmt is None or weight.device.type != "cpu" or not weight.is_contiguous() or not scale.is_contiguous():
+        return False
+    if in_features > MAX_QUANT_K or weight.storage_offset() or scale.storage_offset():
+        return False
+    b0, b1 = block
+    n = weight.shape[-2]
+    if fmt == _FMT_FP8:
+        grid = (-(-n // b0), -(-in_features // b1))
+        return scale.dtype == torch.float32 and tuple(scale.shape[-2:]) == grid and weight.shape[-1] == in_features
+    return (scale.dtype == torch.uint8 and b1 % FP4_STEP == 0 and in_features % b1 == 0
+            and weight.shape[-1] * 2 == in_features
+            and tuple(scale.shape[-2:]) == (n, in_features // b1))
+
+
+class DenseGemv:
+    """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K]; `supports` accepts the calls where it
+    was measured faster than torch (bf16, R <= MAX_BF16_ROWS), the call itself runs any row count and both."""
+
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
+        self._fn, self._pool = lib.dense_xw, pool
+
+    @staticmethod
+    def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (_cpu_rows(x) and x.dtype == torch.bfloat16 and x.shape[0] <= MAX_BF16_ROWS and weight.dim() == 2
+                and weight.dtype == x.dtype
+                and weight.shape[1] == x.shape[1] and weight.device.type == "cpu" and _input_major(weight))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        (R, K), N = x.shape, weight.shape[0]
+        y = x.new_empty(R, N)
+        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, K, weight.data_ptr(),
+                          _DENSE_FMT[weight.dtype], N, N,
+                          y.data_ptr(), self._pool.threads())
+        _check(status, "dense_xw")
+        return y
+
+
+class QuantGemv:
+    """x [R, K] @ W.T for an output-major FP8 or FP4 weight W [N, K] decoded in registers."""
+
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
+        self._fn, self._pool = lib.quant_xw, pool
+
+    @staticmethod
+    def supports(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> bool:
+        return _cpu_rows(x) and weight.dim() == 2 and _quant_ok(weight, scale, block, x.shape[1])
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+    ) -> torch.Tensor:
+        (R, K), N = x.shape, weight.shape[0]
+        y = x.new_empty(R, N)
+        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, K, _quant_format(weight),
+                          weight.data_ptr(), scale.data_ptr(), block[0], block[1], N, y.data_ptr(),
+                          self._pool.threads())
+        _check(status, "quant_xw")
+        return y
+
+
+def _routing_ok(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: int) -> bool:
+    return (_cpu_rows(x) and ids.dtype == torch.int64 and ids.is_contiguous() and weights.dtype == torch.float32
+            and weights.is_contiguous() and ids.dim() == 2 and ids.shape == weights.shape
+            and ids.shape[0] == x.shape[0] and ids.numel() <= MAX_EXPERT_PICKS and experts > 0)
+
+
+def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, limit) -> torch.Tensor:
+    (T, D), (E, inter) = x.shape, (w1.shape[0], w1.shape[1])
+    out = torch.empty_like(x)
+    status = fn(pool.handle, x.data_ptr(), _ACT[x.dtype], T, D, inter, ids.shape[1], ids.data_ptr(),
+                weights.data_ptr(), E, fmt, w1.data_ptr(), s1, w3.data_ptr(), s3, w2.data_ptr(), s2, block[0], block[1],
+                float(limit), out.data_ptr(), pool.threads())
+    _check(status, "moe_experts")
+    return out
+
+
+class FusedExperts:
+    """Routed experts of one MoE layer over dense input-major stacks w1/w3 [E, I, D], w2 [E, D, I]."""
+
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
+        self._fn, self._pool = lib.moe_experts, pool
+
+    @staticmethod
+    def supports(x, ids, weights, w1, w3, w2, limit) -> bool:
+        if w1.dim() != 3 or not _routing_ok(x, ids, weights, w1.shape[0]):
+            return False
+        E, inter, D = w1.shape
+        layouts = all(w.dtype == x.dtype and w.device.type == "cpu" and _input_major(w) for w in (w1, w3, w2))
+        return layouts and D == x.shape[1] and w3.shape == w1.shape and w2.shape == (E, D, inter)
+
+    def __call__(self, x, ids, weights, w1, w3, w2, limit) -> torch.Tensor:
+        return _run_experts(self._fn, self._pool, x, ids, weights, _DENSE_FMT[w1.dtype], w1, None, w3, None, w2,
+                            None, (1, 1), limit)
+
+
+class FusedQuantExperts:
+    """Routed experts of one MoE layer over FP8 or FP4 stacks, decoded in registers (no dequantised copy)."""
+
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
+        self._fn, self._pool = lib.moe_experts, pool
+
+    @staticmethod
+    def supports(x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> bool:
+        if not _routing_ok(x, ids, weights, w1.shape[0]) or w1.dim() != 3:
+            return False
+        D, inter = x.shape[1], w1.shape[1]
+        same = _quant_format(w1) == _quant_format(w3) == _quant_format(w2)
+        return (same and w1.shape == w3.shape and w2.shape[:2] == (w1.shape[0], D)
+                and _quant_ok(w1, w1_scale, block, D) and _quant_ok(w3, w3_scale, block, D)
+                and _quant_ok(w2, w2_scale, block, inter))
+
+    def __call__(self, x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> torch.Tensor:
+        return _run_experts(self._fn, self._pool, x, ids, weights, _quant_format(w1), w1, w1_scale.data_ptr(), w3,
+                            w3_scale.data_ptr(), w2, w2_scale.data_ptr(), block, limit)
+
+
+def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts]:
+    """All four kernels over one build of the library and one worker pool.
+
+    Args:
+        threads: threads every call uses (the pool gets threads - 1 workers); None: the pool gets
+            torch.get_num_threads() - 1 workers and each call uses torch.get_num_threads() at that moment.
+
+    Raises:
+        As `build_library` does; MemoryError if the pool cannot be allocated.
+    """
+    lib = build_library()
+    pool = WorkerPool(lib, (threads or torch.get_num_threads()) - 1, fixed=threads is not None)
+    return DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool)
+
+
+def describe(lib: ctypes.CDLL, pool: WorkerPool) -> str:
+    """For `dsv4 env`: the instruction set the FP8/FP4 decode was built for and the threads a call uses."""
+    decode = "AVX-512 permutes" if lib.vector_isa() == VECTOR_ISA_AVX512 else "per-byte tables"
+    threads = f"{pool.workers + 1} threads" if pool.fixed else "torch.get_num_threads() threads"
+    return f"FP8/FP4 decode by {decode}; {threads} (caller-runs pool of {pool.workers} workers)"

@@ -1,0 +1,370 @@
+"""The few-row CPU kernels of dsv4/kernels/gemv_cpu.py against their torch references.
+
+References: `F.linear` on the same (input-major) weight; FP8 / FP4 products against the dequantised weight
+(dsv4.quant, itself checked against the independent formulas in test_quant.py) times the fp32 input;
+routed experts against `loop_experts`, the model's reference loop. The kernels sum in a different order
+than the references, so fp32 results agree to fp32 rounding and bf16 results to one bf16 rounding of
+that. Shapes include widths that are not multiples of the vector width, the thread split or the blocks.
+"""
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4.kernels.gathered_experts import loop_experts
+from dsv4.kernels.gemv_cpu import (
+    MAX_BF16_ROWS,
+    MAX_EXPERT_PICKS,
+    DenseGemv,
+    FusedExperts,
+    FusedQuantExperts,
+    QuantGemv,
+    WorkerPool,
+    build_library,
+    describe,
+)
+from dsv4.model.linear import input_major
+from dsv4.model.moe import swiglu
+from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise, quantize_fp4, quantize_fp8_blockwise
+
+FP8_BLOCK = (128, 128)
+FP4_BLOCK = (1, 32)  # FP4: one ue8m0 scale per 32 inputs of a row
+LIMIT = 10.0
+# fp32: the kernels' sums run in another order than MKL's; relative to the result's scale.
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+# This CPU's instruction set, and a baseline x86-64 one: without AVX-512 the FP8/FP4 rows take the per-byte
+# table paths, which this machine would otherwise never run.
+MARCHES = ["native", "x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else ["native"]
+
+
+@pytest.fixture(scope="module", params=MARCHES)
+def lib(request):
+    return build_library(march=request.param)
+
+
+def test_builds_pick_the_decode_path_of_their_instruction_set(pool):
+    """A native build on an AVX-512 CPU decodes with vector permutes, a baseline x86-64 build with tables,
+    and the description (`dsv4 env`) says which."""
+    native = build_library()
+    has_avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
+    assert (native.vector_isa() == 512) == has_avx512
+    assert ("AVX-512" in describe(native, pool)) == has_avx512
+    if "x86-64-v2" in MARCHES:
+        assert "per-byte tables" in describe(build_library(march="x86-64-v2"), pool)
+
+
+@pytest.fixture(scope="module")
+def pool(lib):
+    workers = WorkerPool(lib, workers=1)  # calls use up to torch.get_num_threads() threads: 1 or 2 here
+    yield workers
+    workers.close()
+
+
+@pytest.fixture
+def two_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _weight(out_features: int, in_features: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = input_major(out_features, in_features, dtype)
+    w.copy_(torch.randn(out_features, in_features, generator=g) / in_features**0.5)
+    return w
+
+
+def _rows(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _assert_bf16_close(got: torch.Tensor, want_fp32: torch.Tensor) -> None:
+    """bf16 results: within one bf16 rounding (2^-8 relative) of the fp32 product of the same values."""
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want_fp32, rtol=2**-8, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 16384, 512), (1, 37, 33), (3, 1000, 7),
+                                                             (8, 257, 130), (5, 2048, 64)])
+def test_dense_gemv_fp32_matches_linear(lib, pool, two_threads, rows, out_features, in_features):
+    """fp32 (the path the fused dense experts run; `supports` leaves fp32 projections to MKL)."""
+    w = _weight(out_features, in_features, torch.float32, seed=out_features)
+    x = _rows(rows, in_features, torch.float32, seed=rows)
+    kernel = DenseGemv(lib, pool)
+    torch.testing.assert_close(kernel(x, w), F.linear(x, w), **FP32_TOL)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 4096, 512), (4, 301, 96)])
+def test_dense_gemv_bf16_matches_linear(lib, pool, two_threads, rows, out_features, in_features):
+    w = _weight(out_features, in_features, torch.bfloat16, seed=1)
+    x = _rows(rows, in_features, torch.bfloat16, seed=2)
+    got = DenseGemv(lib, pool)(x, w)
+    _assert_bf16_close(got, F.linear(x.float(), w.float()))
+
+
+def test_dense_gemv_declines_what_it_cannot_run_or_loses(lib, pool):
+    kernel = DenseGemv(lib, pool)
+    bf16 = torch.bfloat16
+    w = _weight(64, 32, bf16, seed=0)
+    x = _rows(1, 32, bf16, seed=0)
+    assert kernel.supports(x, w)
+    assert not kernel.supports(x, w.t().contiguous().t().contiguous())  # output-major storage
+    assert not kernel.supports(_rows(MAX_BF16_ROWS + 1, 32, bf16, 0), w)  # measured slower than the GEMM
+    assert not kernel.supports(x.float(), w.float())  # fp32: MKL's GEMV measured as fast or faster
+    assert not kernel.supports(x.float(), w)  # mixed dtypes
+    assert not kernel.supports(_rows(1, 64, bf16, 0)[:, ::2], w)  # row not contiguous
+    assert not kernel.supports(_rows(1, 31, bf16, 0), w)  # width mismatch
+
+
+def _fp8_weight(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    q, scale = quantize_fp8_blockwise(w, FP8_BLOCK, scale_fmt="float")
+    return q, scale.float()
+
+
+def _fp4_weight(out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    return quantize_fp4(w)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 512, 256), (3, 200, 300), (17, 129, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_gemv_matches_dequantized_product(lib, pool, two_threads, rows, out_features, in_features, dtype):
+    q, scale = _fp8_weight(out_features, in_features, seed=in_features)
+    x = _rows(rows, in_features, dtype, seed=3)
+    kernel = QuantGemv(lib, pool)
+    assert kernel.supports(x, q, scale, FP8_BLOCK)
+    want = x.float() @ dequantize_fp8_blockwise(q, scale, FP8_BLOCK).t()
+    got = kernel(x, q, scale, FP8_BLOCK)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **FP32_TOL)
+    else:
+        _assert_bf16_close(got, want)
+
+
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 256, 512), (2, 77, 96), (20, 512, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_gemv_matches_dequantized_product(lib, pool, two_threads, rows, out_features, in_features, dtype):
+    packed, scale = _fp4_weight(out_features, in_features, seed=out_features)
+    x = _rows(rows, in_features, dtype, seed=4)
+    kernel = QuantGemv(lib, pool)
+    assert kernel.supports(x, packed, scale, FP4_BLOCK)
+    want = x.float() @ dequantize_fp4(packed, scale).t()
+    got = kernel(x, packed, scale, FP4_BLOCK)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **FP32_TOL)
+    else:
+        _assert_bf16_close(got, want)
+
+
+@pytest.mark.parametrize("pad", [0, 2])  # 254 inputs: the per-byte table path; 256: the vector path (AVX-512)
+def test_fp8_decode_covers_every_code(lib, pool, pad):
+    """All 254 finite e4m3 codes (subnormals, both zeros, the largest normal) decode exactly: one-hot rows of x
+    read the weight's values back one by one."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = torch.cat([codes[(codes & 0x7F) != 0x7F], torch.zeros(pad, dtype=torch.uint8)])
+    q = finite.view(torch.float8_e4m3fn).reshape(1, -1)
+    scale = torch.ones(1, -(-q.shape[1] // 128))
+    eye = torch.eye(q.shape[1])
+    got = QuantGemv(lib, pool)(eye, q, scale, FP8_BLOCK)
+    assert torch.equal(got[:, 0], q.float()[0])
+
+
+def test_fp4_decode_covers_every_code(lib, pool):
+    """All 16 e2m1 codes in both nibbles, and scales 2^-20 .. 2^20, decode exactly."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    packed = (codes | (codes.flip(0) << 4)).repeat(2).reshape(1, 32).view(torch.int8)  # 64 inputs
+    scale = torch.tensor([[127 - 20, 127 + 20]], dtype=torch.uint8)
+    eye = torch.eye(64)
+    got = QuantGemv(lib, pool)(eye, packed, scale, FP4_BLOCK)
+    assert torch.equal(got[:, 0], dequantize_fp4(packed, scale)[0])
+
+
+def test_quant_gemv_declines_what_it_cannot_run(lib, pool):
+    kernel = QuantGemv(lib, pool)
+    packed, scale = _fp4_weight(64, 64, seed=0)
+    x = _rows(1, 64, torch.float32, seed=0)
+    assert kernel.supports(x, packed, scale, FP4_BLOCK)
+    assert not kernel.supports(x, packed, scale, (1, 16))  # scale grid does not match the group
+    assert not kernel.supports(_rows(1, 62, torch.float32, 0), packed, scale, FP4_BLOCK)
+    assert not kernel.supports(x, packed, scale.float(), FP4_BLOCK)  # decoded scales, not e8m0 bytes
+    q, s8 = _fp8_weight(200, 300, seed=0)  # scale grid 2 x 3 of 128-blocks
+    x = _rows(1, 300, torch.float32, seed=0)
+    assert kernel.supports(x, q, s8, FP8_BLOCK)
+    assert not kernel.supports(x, q, s8, (64, 64))
+
+
+# ---- routed experts ----
+E, DIM, INTER = 8, 96, 64
+
+
+def _routing(tokens: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g) + 0.1
+    return ids, weights
+
+
+def _dense_stacks(dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    stacks = {}
+    for name, (out_features, in_features) in (("w1", (INTER, DIM)), ("w3", (INTER, DIM)), ("w2", (DIM, INTER))):
+        w = input_major(out_features, in_features, dtype, stack=(E,))
+        w.copy_(torch.randn(E, out_features, in_features, generator=g) * 2 / in_features**0.5)
+        stacks[name] = w
+    return stacks
+
+
+def _reference(x, ids, weights, expert_weight):
+    return loop_experts(x, ids, weights, expert_weight, E, LIMIT, swiglu)
+
+
+@pytest.mark.parametrize("tokens, k", [(1, 2), (5, 3), (64, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_dense_experts_match_loop(lib, pool, two_threads, tokens, k, dtype):
+    s = _dense_stacks(dtype, seed=tokens)
+    x = _rows(tokens, DIM, dtype, seed=5)
+    ids, weights = _routing(tokens, k, seed=tokens + k)
+    kernel = FusedExperts(lib, pool)
+    args = (x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
+    assert kernel.supports(*args)
+    got = kernel(*args)
+    want = _reference(x, ids, weights, lambda name, e: s[name][e])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **FP32_TOL)
+    else:
+        # The bf16 reference rounds the hidden rows and every product to bf16; the kernel keeps them fp32 and
+        # rounds the sum: it must be at least as close to the exact (fp32) result as the reference is.
+        exact = _reference(x.float(), ids, weights, lambda name, e: s[name][e].float())
+        kernel_error, reference_error = (got.float() - exact).abs(), (want.float() - exact).abs()
+        assert kernel_error.max() <= reference_error.max() and kernel_error.mean() <= reference_error.mean()
+
+
+def _quant_stacks(fmt: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    stacks = {}
+    for name, (out_features, in_features) in (("w1", (INTER, DIM)), ("w3", (INTER, DIM)), ("w2", (DIM, INTER))):
+        dense = torch.randn(E, out_features, in_features, generator=g) * 2 / in_features**0.5
+        if fmt == "fp8":
+            pairs = [quantize_fp8_blockwise(w, FP8_BLOCK, scale_fmt="float") for w in dense]
+            stacks[name] = torch.stack([q for q, _ in pairs])
+            stacks[f"{name}_scale"] = torch.stack([sc.float() for _, sc in pairs])
+        else:
+            pairs = [quantize_fp4(w) for w in dense]
+            stacks[name] = torch.stack([q for q, _ in pairs])
+            stacks[f"{name}_scale"] = torch.stack([sc for _, sc in pairs])
+    return stacks
+
+
+def _dequantized(stacks, fmt: str, block):
+    def expert_weight(name: str, e: int) -> torch.Tensor:
+        if fmt == "fp8":
+            return dequantize_fp8_blockwise(stacks[name][e], stacks[f"{name}_scale"][e], block)
+        return dequantize_fp4(stacks[name][e], stacks[f"{name}_scale"][e])
+    return expert_weight
+
+
+@pytest.mark.parametrize("fmt, block", [("fp8", FP8_BLOCK), ("fp4", FP4_BLOCK)])
+@pytest.mark.parametrize("tokens, k", [(1, 2), (7, 2), (64, 2)])
+def test_fused_quant_experts_match_loop(lib, pool, two_threads, fmt, block, tokens, k):
+    s = _quant_stacks(fmt, seed=tokens)
+    x = _rows(tokens, DIM, torch.float32, seed=6)
+    ids, weights = _routing(tokens, k, seed=tokens * k)
+    kernel = FusedQuantExperts(lib, pool)
+    args = (x, ids, weights, s["w1"], s["w1_scale"], s["w3"], s["w3_scale"], s["w2"], s["w2_scale"], block, LIMIT)
+    assert kernel.supports(*args)
+    torch.testing.assert_close(kernel(*args), _reference(x, ids, weights, _dequantized(s, fmt, block)), **FP32_TOL)
+
+
+def test_fused_experts_decline_what_they_cannot_run(lib, pool):
+    s = _dense_stacks(torch.float32, seed=0)
+    x = _rows(4, DIM, torch.float32, seed=0)
+    ids, weights = _routing(4, 2, seed=0)
+    kernel = FusedExperts(lib, pool)
+    assert kernel.supports(x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
+    assert not kernel.supports(x, ids.int(), weights, s["w1"], s["w3"], s["w2"], LIMIT)
+    assert not kernel.supports(x, ids, weights, s["w1"].contiguous(), s["w3"], s["w2"], LIMIT)  # output-major
+    many = MAX_EXPERT_PICKS // 2 + 1
+    big_ids, big_w = _routing(many, 2, seed=1)
+    assert not kernel.supports(_rows(many, DIM, torch.float32, 0), big_ids, big_w, s["w1"], s["w3"], s["w2"], LIMIT)
+    q = _quant_stacks("fp4", seed=0)
+    quant = FusedQuantExperts(lib, pool)
+    args = [x, ids, weights, q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"], FP4_BLOCK, LIMIT]
+    assert quant.supports(*args)
+    args[4] = q["w1_scale"][:, :, :1]  # scale grid of another group size
+    assert not quant.supports(*args)
+
+
+def test_fused_experts_reject_out_of_range_ids(lib, pool):
+    s = _dense_stacks(torch.float32, seed=0)
+    x = _rows(2, DIM, torch.float32, seed=0)
+    ids, weights = _routing(2, 2, seed=0)
+    ids[1, 0] = E
+    with pytest.raises(ValueError, match="moe_experts"):
+        FusedExperts(lib, pool)(x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
+
+
+def test_results_do_not_depend_on_threads_or_batch(lib, pool):
+    """Each output element is summed by one thread in a fixed order: 1 or 2 threads, and a row alone or with
+    others, give bit-identical results (batch invariance)."""
+    saved = torch.get_num_threads()
+    w = _weight(3000, 512, torch.float32, seed=9)
+    packed, scale = _fp4_weight(1000, 512, seed=9)
+    s = _dense_stacks(torch.float32, seed=9)
+    x = _rows(6, 512, torch.float32, seed=9)
+    xe = _rows(6, DIM, torch.float32, seed=9)
+    ids, weights = _routing(6, 2, seed=9)
+    dense, quant, experts = DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool)
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append((dense(x, w), quant(x, packed, scale, FP4_BLOCK),
+                            experts(xe, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT),
+                            dense(x[2:3], w), quant(x[2:3], packed, scale, FP4_BLOCK),
+                            experts(xe[2:3], ids[2:3], weights[2:3], s["w1"], s["w3"], s["w2"], LIMIT)))
+    finally:
+        torch.set_num_threads(saved)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+    for batched, alone in zip(results[0][:3], results[0][3:]):
+        assert torch.equal(batched[2:3], alone)
+
+
+def test_results_are_complete_when_the_call_returns(lib, pool, two_threads):
+    """The caller waits for the chunks the worker took: a copy taken the moment a call returns (before a
+    late worker could finish its chunk) always equals the full product, over many calls."""
+    kernel = DenseGemv(lib, pool)
+    w = _weight(16384, 512, torch.float32, seed=12)  # 32 MiB: 8 chunks of ~4 MiB for two threads
+    x = _rows(1, 512, torch.float32, seed=12)
+    want = F.linear(x, w)
+    copies = [kernel(x, w).clone() for _ in range(20)]
+    for got in copies:
+        torch.testing.assert_close(got, want, **FP32_TOL)
+
+
+def _forked_product(conn, kernel, x, w) -> None:
+    conn.send(kernel(x, w).numpy().tobytes())  # bytes: tensors would travel through shared-memory handles
+    conn.close()
+
+
+def test_forked_child_computes_on_its_own_thread(lib, pool, two_threads):
+    """A fork inherits the pool's handle but not its threads: the child's calls run on the calling thread
+    alone and give the parent's results."""
+    import multiprocessing
+
+    kernel = DenseGemv(lib, pool)
+    w = _weight(4096, 512, torch.float32, seed=11)  # 8 MiB: split into chunks for two threads
+    x = _rows(1, 512, torch.float32, seed=11)
+    parent_end, child_end = multiprocessing.get_context("fork").Pipe()
+    child = multiprocessing.get_context("fork").Process(target=_forked_product, args=(child_end, kernel, x, w))
+    child.start()
+    assert parent_end.poll(60), "the forked child did not answer"
+    got = parent_end.recv()
+    child.join(10)
+    assert got == kernel(x, w).numpy().tobytes()
