@@ -158,8 +158,11 @@ def _merged(stretches: list[dict], length: int) -> list[tuple[int, int, int]]:
             merged[-1][2] = s["end"]
         else:
             merged.append([s["version"], s["start"], s["end"]])
+    if not merged:  # a request aborted before its first token has no tokens and so no stretches
+        assert length == 0, (stretches, length)
+        return []
     assert [b for _, b, _ in merged] == [0] + [e for _, _, e in merged[:-1]], stretches
-    assert (merged[-1][2] if merged else 0) == length, (stretches, length)
+    assert merged[-1][2] == length, (stretches, length)
     assert all(v1 < v2 for (v1, _, _), (v2, _, _) in itertools.pairwise(merged)), stretches
     return [tuple(m) for m in merged]
 
