@@ -427,7 +427,7 @@ def plot(results: dict, path: Path) -> None:
 
     metrics = [m for m in TARGETS if any(m in r for r in results["sizes"].values())]
     sizes = list(results["sizes"])
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(metrics) * len(sizes) / 2), 4.5))
+    fig, ax = plt.subplots(figsize=(min(18, max(8, 1.1 * len(metrics) * len(sizes) / 2)), 5))
     width = 0.8 / max(1, len(sizes))
     for i, size in enumerate(sizes):
         row = results["sizes"][size]
