@@ -118,8 +118,9 @@ class DiscardSession:
         self.active = False
 
 
-def trainer(ports: dict[str, int], tensors_path: str, buckets: list[int], repeats: int, out) -> None:
-    """Rank 0: per mode (its own group), for every update of `schedule`: plan, then send."""
+def trainer(ports: dict[str, int], tensors_path: str, buckets: list[int], repeats: int, out, ready) -> None:
+    """Rank 0: per mode (its own group), for every update of `schedule`: once the engine says it is ready (so
+    that sync_s does not count the engine's own preparations, e.g. a stream starting), plan, then send."""
     torch.set_num_threads(1)
     try:
         tensors = load_file(tensors_path)
@@ -128,6 +129,7 @@ def trainer(ports: dict[str, int], tensors_path: str, buckets: list[int], repeat
             sender = WeightSender("127.0.0.1", ports[mode], 2, group_name=mode, timeout=TIMEOUT_S)
             for count, bucket, _ in schedule(mode, len(names), buckets, repeats):
                 update = {n: tensors[n] for n in names[:count]}
+                ready.get(timeout=TIMEOUT_S)
                 start = time.perf_counter()
                 meta = sender.plan(update, bucket_bytes=bucket)
                 out.put(("meta", (meta, time.perf_counter() - start)))
@@ -236,8 +238,8 @@ def run_config(name: str, args) -> list[dict]:
         num_tensors = sum(1 for _ in llm.iter_weights())
         ports = {mode: _free_port() for mode in MODES}
         context = multiprocessing.get_context("spawn")
-        q = context.Queue()
-        proc = context.Process(target=trainer, args=(ports, str(tensors_path), args.buckets, args.repeats, q),
+        q, ready = context.Queue(), context.Queue()
+        proc = context.Process(target=trainer, args=(ports, str(tensors_path), args.buckets, args.repeats, q, ready),
                                daemon=True)
         proc.start()
         rows = []
@@ -254,11 +256,11 @@ def run_config(name: str, args) -> list[dict]:
                     if mode == SERVING:
                         with Stream(llm) as stream:
                             stream.wait_for_tokens(2)
-                            row = _measure(q, update, name, mode, bucket, rep)
+                            row = _measure(q, ready, update, name, mode, bucket, rep)
                             stream.wait_for_tokens(stream.tokens() + 2)  # generating again after it
                         row.update(request_wait(stream.events, row.pop("start"), row.pop("end")))
                     else:
-                        row = _measure(q, update, name, mode, bucket, rep)
+                        row = _measure(q, ready, update, name, mode, bucket, rep)
                         del row["start"], row["end"]
                     print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}),
                           flush=True)
@@ -278,7 +280,8 @@ def run(args) -> dict:
             "note": "contended 2-core VM unless re-run on a quiet machine"}
 
 
-def _measure(q, update, config: str, mode: str, bucket: int, rep: int) -> dict:
+def _measure(q, ready, update, config: str, mode: str, bucket: int, rep: int) -> dict:
+    ready.put(True)
     meta, plan_s = _next(q, "meta")
     start = time.perf_counter()
     got = update(meta)
