@@ -328,7 +328,7 @@ def plot(results: dict, path: Path) -> None:
             mb = [s["bytes"] / MIB for s in pts]
             label = f"{mode}, {bucket / MIB:g} MiB buckets"
             ax_t.loglog(mb, [s["sync_s"] for s in pts], style, marker="o", label=f"sync: {label}")
-            ax_r.semilogx(mb, [s["ratio"] for s in pts], style, marker="o", label=label)
+            ax_r.loglog(mb, [s["ratio"] for s in pts], style, marker="o", label=label)
     at_largest = sorted((s["bytes"], s["memcpy_s"]) for s in summary
                         if s["mode"] == REFIT and s["bucket_bytes"] == max(buckets))
     ax_t.loglog([b / MIB for b, _ in at_largest], [t for _, t in at_largest], "k--", label="memcpy, same bytes")
