@@ -9,6 +9,11 @@ layout, FP8 dense linears + FP4 experts, and in transformers' HF layout, bf16 wi
               its baseline is the read plus the quantizer alone on those experts. The model build alone (part of
               every load, none of the file's bytes) is reported beside it.
   peak RSS    a native load in a fresh interpreter: VmHWM growth against resident + the largest tensor.
+  start-up    `LLM(...)` with its default limits (max_num_seqs, max_model_len sized from the model and the
+              memory) against `load_models` of the same checkpoint: the engine set-up on top of the load.
+  RSS phases  a fresh interpreter: RSS before, after `LLM(...)` and after one short request (16 prompt +
+              16 new tokens), against the resident weights and the cache the limits reserve (address
+              space, taken only as sequences write it).
   refit       a weight update of every tensor (fail-stop and atomic sessions) of a loaded native model:
                 native   the resident-format tensors another engine hands over (`iter_weights`), vs a memcpy
                          of the same bytes
@@ -18,9 +23,11 @@ layout, FP8 dense linears + FP4 experts, and in transformers' HF layout, bf16 wi
 
 Every figure is a ratio dsv4 / baseline: the median of back-to-back (baseline, dsv4) pairs, so that a neighbour
 slowing the machine slows both halves of a pair (`ratio_min` / `ratio_max`: the pairs' spread). Targets (issue
-19): load <= 2x the read warm and <= 1.5x cold; peak RSS growth <= (resident + largest tensor) x 1.1; refit
-<= 3x its baseline (atomic: the same plus its one extra copy, 4x). The tiny model is dominated by per-tensor
-overhead (~300 tensors of a few KiB against a cache-resident memcpy) and is reported, not held to the targets.
+19): load <= 2x the read warm and <= 1.5x cold; peak RSS growth <= (resident + largest tensor) x 1.1, and the
+same bound for the RSS growth of `LLM(...)` start-up (its cache takes no memory until written); start-up <= 1.5x
+`load_models`; refit <= 3x its baseline (atomic: the same plus its one extra copy, 4x). The tiny model is dominated
+by per-tensor overhead (~300 tensors of a few KiB against a cache-resident memcpy) and is reported, not held to the
+targets.
 
 Writes <out>/bench_lifecycle[_quick].json and .png.
 Usage: PYTHONPATH=src python benchmarks/bench_lifecycle.py [--sizes tiny small medium large] [--repeats 3]
@@ -46,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from dsv4 import LLM
 from dsv4.embedded import EMBEDDED_MODELS
 from dsv4.quant import quantize_fp4
 from dsv4.weights.checkpoint import CheckpointDir
@@ -69,8 +77,14 @@ TARGETS = {
     "load_native_warm": 2.0, "load_native_cold": 1.5, "load_hf_warm": 2.0, "load_hf_cold": 1.5,
     "refit_native_fail_stop": 3.0, "refit_native_atomic": 4.0, "refit_trainer_fail_stop": 3.0,
     "refit_trainer_atomic": 4.0, "refit_bf16_fail_stop": 3.0, "refit_bf16_atomic": 3.0,
-    "peak_rss": 1.1,
+    "peak_rss": 1.1, "startup": 1.5, "startup_rss": 1.1,
 }
+# The sizes above tiny take the long context of tests/reference.py's small config, so that the default limits
+# reserve a large cache (64 slots x 65536 positions for `small`): what start-up must not pay for up front.
+LONG_CONTEXT = {"max_position_embeddings": 65536,
+                "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096,
+                                    "beta_fast": 32, "beta_slow": 1}}
+SHORT_REQUEST_TOKENS = 16  # prompt tokens, and new tokens, of the one request of the RSS phases
 
 
 @dataclass(frozen=True)
@@ -89,16 +103,16 @@ def _layers(n: int, hashed: int) -> dict:
 
 # Dims of `small` are tests/reference.py's small config (the ~77M model of the issue's table); `medium` has ~1 GB of
 # HF bf16 weights, `large` ~1.6 GB native (its HF bf16 form would be ~5 GB, so only the native layout runs).
-_WIDE = {"vocab_size": 32768, "hidden_size": 1024, "moe_intermediate_size": 512, "num_attention_heads": 8,
-         "head_dim": 64, "q_lora_rank": 512, "o_groups": 4, "o_lora_rank": 256, "index_n_heads": 8,
-         "index_head_dim": 32, "index_topk": 16, "sliding_window": 128,
+_WIDE = {**LONG_CONTEXT, "vocab_size": 32768, "hidden_size": 1024, "moe_intermediate_size": 512,
+         "num_attention_heads": 8, "head_dim": 64, "q_lora_rank": 512, "o_groups": 4, "o_lora_rank": 256,
+         "index_n_heads": 8, "index_head_dim": 32, "index_topk": 16, "sliding_window": 128,
          "compress_rates": {CSA: 4, HCA: 128}}
 SIZES = {
     "tiny": Size({}),
-    "small": Size({"vocab_size": 16384, "hidden_size": 512, "moe_intermediate_size": 256, "num_attention_heads": 8,
-                   "head_dim": 64, "q_lora_rank": 256, "o_groups": 4, "o_lora_rank": 128, "n_routed_experts": 16,
-                   "index_n_heads": 8, "index_topk": 16, "sliding_window": 128, "compress_rates": {CSA: 4, HCA: 128},
-                   **_layers(8, 3)}),
+    "small": Size({**LONG_CONTEXT, "vocab_size": 16384, "hidden_size": 512, "moe_intermediate_size": 256,
+                   "num_attention_heads": 8, "head_dim": 64, "q_lora_rank": 256, "o_groups": 4, "o_lora_rank": 128,
+                   "n_routed_experts": 16, "index_n_heads": 8, "index_topk": 16, "sliding_window": 128,
+                   "compress_rates": {CSA: 4, HCA: 128}, **_layers(8, 3)}),
     "medium": Size({**_WIDE, "n_routed_experts": 32, **_layers(8, 3)}),
     "large": Size({**_WIDE, "n_routed_experts": 96, **_layers(16, 3)}, hf=False),
 }
@@ -276,13 +290,71 @@ RSS_PROBE = textwrap.dedent(
 )
 
 
-def peak_rss(path: Path) -> dict:
+STARTUP_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import tqdm.auto
+    from dsv4 import LLM, SamplingParams
+    from dsv4.engine.limits import cache_bytes_per_sequence
+
+    def status():
+        out = {}
+        for line in open("/proc/self/status"):
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon"):
+                out[key] = int(value.split()[0]) * 1024
+        return out
+
+    torch.set_num_threads(1)
+    tokens = int(sys.argv[2])
+    before = status()
+    llm = LLM(sys.argv[1], dtype="float32")
+    started = status()
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    llm.generate([list(range(2, 2 + tokens))], params, use_tqdm=False)
+    served = status()
+    params = [p for m in llm.loaded.models.values() for p in m.parameters()]
+    limits = llm.limits
+    per_sequence = cache_bytes_per_sequence(llm.config, limits.max_model_len, llm.dtype)
+    per_slot_fixed = cache_bytes_per_sequence(llm.config, 0, llm.dtype)
+    print(json.dumps({"before": before, "started": started, "served": served,
+                      "resident": sum(p.numel() * p.element_size() for p in params),
+                      "largest": max(p.numel() * p.element_size() for p in params),
+                      "max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len,
+                      "cache_bytes_per_sequence": per_sequence, "cache_bytes_per_slot_fixed": per_slot_fixed,
+                      "cache_bytes_per_token": (per_sequence - per_slot_fixed) / limits.max_model_len,
+                      "cache_reserved_bytes": per_sequence * limits.max_num_seqs}))
+    """
+)
+
+
+def _probe(script: str, *argv: str) -> dict:
+    """Run a probe in a fresh interpreter (nothing else of this process in its memory) and return its JSON."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", RSS_PROBE, str(path)], capture_output=True, text=True,
-                            check=True, env=env)
-    stats = json.loads(result.stdout.strip().splitlines()[-1])
+    result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, check=True,
+                            env=env)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def peak_rss(path: Path) -> dict:
+    stats = _probe(RSS_PROBE, str(path))
     ratio = stats["growth"] / (stats["resident"] + stats["largest"])
     return {**stats, "ratio": ratio, "target": TARGETS["peak_rss"], "meets_target": ratio <= TARGETS["peak_rss"]}
+
+
+def startup_rss(path: Path) -> dict:
+    """RSS phases of `LLM(...)` and one short request; the ratio is start-up's peak RSS growth against the load's
+    bound (resident + largest tensor): the reserved cache must not count."""
+    stats = _probe(STARTUP_PROBE, str(path), str(SHORT_REQUEST_TOKENS))
+    before, started, served = stats["before"]["VmRSS"], stats["started"], stats["served"]
+    stats["startup_growth"] = started["VmHWM"] - before
+    # Anonymous pages only (the data: weights, cache, activations): VmRSS also counts library code that the
+    # first request pages in.
+    stats["startup_anon_growth"] = started["RssAnon"] - stats["before"]["RssAnon"]
+    stats["request_anon_growth"] = served["RssAnon"] - started["RssAnon"]
+    ratio = stats["startup_growth"] / (stats["resident"] + stats["largest"])
+    return {**stats, "ratio": ratio, "target": TARGETS["startup_rss"], "meets_target": ratio <= TARGETS["startup_rss"]}
 
 
 # ---- one size ----
@@ -309,6 +381,9 @@ def measure(name: str, size: Size, workdir: Path, repeats: int) -> dict:
     out["read_into_fresh_memory_s"] = fresh
     out["load_native_warm"]["ratio_vs_read_into_fresh_memory"] = out["load_native_warm"]["dsv4_s"] / fresh
     out["peak_rss"] = peak_rss(native)
+    out["startup"] = paired(lambda: load_models(native, dtype=DTYPE), lambda: LLM(native, dtype="float32"), repeats,
+                            TARGETS["startup"])
+    out["startup_rss"] = startup_rss(native)
 
     resident = [(n, t.clone()) for n, t in iter_weights(loaded)]
     nbytes = _tensor_bytes(resident)
@@ -352,7 +427,7 @@ def plot(results: dict, path: Path) -> None:
 
     metrics = [m for m in TARGETS if any(m in r for r in results["sizes"].values())]
     sizes = list(results["sizes"])
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(metrics) * len(sizes) / 2), 4.5))
+    fig, ax = plt.subplots(figsize=(min(18, max(8, 1.1 * len(metrics) * len(sizes) / 2)), 5))
     width = 0.8 / max(1, len(sizes))
     for i, size in enumerate(sizes):
         row = results["sizes"][size]

@@ -24,8 +24,15 @@ def test_quick_mode_writes_every_figure(tmp_path):
     for key in module.TARGETS:
         figure = row[key]
         assert figure["ratio"] > 0 and figure["target"] == module.TARGETS[key], key
-    for key in ("load_native_warm", "refit_native_fail_stop", "refit_bf16_fail_stop"):
+    for key in ("load_native_warm", "refit_native_fail_stop", "refit_bf16_fail_stop", "startup"):
         assert row[key]["baseline_s"] > 0 and row[key]["dsv4_s"] > 0
     assert row["refit_tensors"] > 0 and row["refit_bytes"] > 0 and row["build_s"] > 0
     assert row["peak_rss"]["resident"] == row["resident_bytes"]
+    phases = row["startup_rss"]
+    assert phases["resident"] == row["resident_bytes"] and phases["max_num_seqs"] >= 1
+    assert phases["cache_reserved_bytes"] == phases["max_num_seqs"] * phases["cache_bytes_per_sequence"]
+    assert phases["cache_bytes_per_sequence"] > phases["cache_bytes_per_slot_fixed"] > 0
+    assert phases["cache_bytes_per_token"] > 0
+    for phase in ("before", "started", "served"):
+        assert phases[phase]["VmRSS"] > 0 and phases[phase]["RssAnon"] > 0
     assert (tmp_path / "bench_lifecycle_quick.png").stat().st_size > 0

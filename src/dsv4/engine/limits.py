@@ -1,7 +1,8 @@
 """Engine limits: how many sequences, tokens per step and tokens per sequence the engine serves.
 
 Unset limits are derived from the model (its maximum positions) and from memory: the per-sequence
-caches are preallocated at start-up, so their size decides how many sequences fit.
+caches are reserved at start-up for the worst case (every slot holding max_model_len positions), so their
+size decides how many sequences fit; on CPU their memory is taken only as sequences write it.
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ class Scheduler:
         self.limits = limits
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # A freed slot goes to the front: admission reuses the slot freed last, whose cache pages are already
+        # resident (cache memory is taken as it is written), instead of touching a fresh slot per request.
         self.free_slots: deque[int] = deque(range(limits.max_num_seqs))
         self.admitting = True  # False while generation is paused: waiting sequences stay queued
 
@@ -86,7 +88,7 @@ class Scheduler:
             raise ValueError(f"request {seq.request_id} sequence {seq.index}: only a running sequence can be "
                              f"preempted, this one is {seq.status.value}")
         self.running.remove(seq)
-        self.free_slots.append(seq.slot)
+        self.free_slots.appendleft(seq.slot)
         seq.preempt()
         self.waiting.appendleft(seq)
 
@@ -97,7 +99,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if seq.slot is not None:
-            self.free_slots.append(seq.slot)
+            self.free_slots.appendleft(seq.slot)
             seq.slot = None
 
     # ---- one step ----

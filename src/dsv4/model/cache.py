@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.config import CSA, SLIDING, ModelConfig
+from dsv4.model.lazy_memory import lazy_zeros
 
 
 @dataclass
@@ -38,14 +39,20 @@ def _compressor_cache(
     width = 2 * out_dim if overlap else out_dim
     max_entries = -(-max_len // rate)
     return CompressorCache(
-        ring_kv=torch.zeros(slots, ring, width, dtype=dtype, device=device),
-        ring_gate=torch.zeros(slots, ring, width, dtype=dtype, device=device),
-        entries=torch.zeros(slots, max_entries, out_dim, dtype=dtype, device=device),
+        ring_kv=lazy_zeros((slots, ring, width), dtype, device),
+        ring_gate=lazy_zeros((slots, ring, width), dtype, device),
+        entries=lazy_zeros((slots, max_entries, out_dim), dtype, device),
     )
 
 
 def allocate_layer_cache(cfg: ModelConfig, layer_type: str, slots: int, max_len: int, dtype, device) -> LayerCache:
-    cache = LayerCache(window=torch.zeros(slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device))
+    """One layer's cache for `slots` sequences of up to `max_len` positions, all zeros.
+
+    On CPU the tensors are `lazy_zeros`: their memory is taken page by page as sequences write rows, so
+    start-up costs nothing per slot and a sequence takes memory for the positions it holds, not for
+    max_len. Rows never written read as zeros (attention masks them anyway).
+    """
+    cache = LayerCache(window=lazy_zeros((slots, cfg.sliding_window, cfg.head_dim), dtype, device))
     if layer_type != SLIDING:
         rate = cfg.compress_rate(layer_type)
         overlap = layer_type == CSA

@@ -63,7 +63,10 @@ class DeepseekV4(TopLevelModel):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # Zeros like every other parameter at build (the load writes them all): nn.Embedding's own random
+        # init is a normal_ over V x D values, the largest single cost of building a model.
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                  _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(
             Block(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], expert_format, dtype)
             for i in range(cfg.num_hidden_layers)

@@ -3,17 +3,17 @@
 `torch.zeros` writes every byte up front: a per-sequence cache sized for max_num_seqs x max_model_len costs
 its full size in RSS (and a page fault per 4 KiB) at start-up, however little of it requests use. A private
 anonymous mapping is zero by definition: the kernel supplies a zeroed page on the first write to it, and a
-read of a page never written maps the shared zero page, which costs no memory. `LazyZeros` wraps one mapping
-in a tensor, so cache rows a sequence never writes are never resident, and `release` gives rows back (they
-read as zeros again) when their sequence ends.
+read of a page never written maps the shared zero page, which costs no memory. `lazy_zeros` wraps one such
+mapping in a tensor, so cache rows no sequence ever writes are never resident.
 
-Use: `LazyZeros((slots, max_len, ...), dtype)` in place of `torch.zeros(...)` for cache buffers, `.tensor`
-where the buffer was used, and `release(slot)` when the slot's sequence finishes. Only CPU memory is lazy;
-on other devices (and for buffers under a page or so) this is a plain `torch.zeros`.
+Use `lazy_zeros(shape, dtype, device)` in place of `torch.zeros(shape, ...)` for buffers that are large and
+mostly unwritten. Only CPU memory is lazy; on other devices (and for buffers under LAZY_MIN_BYTES) it is a
+plain `torch.zeros`.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Sequence
 
@@ -23,60 +23,26 @@ import torch
 LAZY_MIN_BYTES = 64 * 1024
 
 
-class LazyZeros:
-    """A zero tensor of `shape` and `dtype`, backed on CPU by an anonymous mapping taken page by page on write.
+def lazy_zeros(shape: Sequence[int], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A zero tensor whose CPU memory is taken page by page as it is written.
 
     Args:
-        shape: tensor shape; rows (dim 0) are what `release` gives back.
+        shape: the tensor's shape.
         dtype: element type.
-        device: "cpu" for lazily taken memory; any other device gets `torch.zeros`.
+        device: "cpu" for lazily taken memory; any other device (e.g. "meta", "cuda") gets `torch.zeros`.
+
+    Returns:
+        A contiguous tensor of zeros that owns its storage (not a view), at a fixed address for its lifetime.
     """
-
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype, device: str | torch.device = "cpu"):
-        self.shape = tuple(shape)
-        numel = 1
-        for dim in self.shape:
-            numel *= dim
-        self.nbytes = numel * dtype.itemsize
-        self._mapping: mmap.mmap | None = None
-        if torch.device(device).type != "cpu" or self.nbytes < LAZY_MIN_BYTES:
-            self.tensor = torch.zeros(self.shape, dtype=dtype, device=device)
-            return
-        self._mapping = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        # The tensor holds a reference to the mapping: it is unmapped when the last view of it is gone.
-        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8).view(dtype).view(self.shape)
-
-    @property
-    def lazy(self) -> bool:
-        """Whether the memory is taken on write (CPU, large enough) rather than up front."""
-        return self._mapping is not None
-
-    def release(self, rows: int | slice) -> None:
-        """Give back the memory of some rows (dim 0): afterwards they read as zeros and cost nothing until
-        written again. Only whole pages inside the rows are returned; partial pages at their edges are zeroed
-        in place.
-
-        Args:
-            rows: a row index or a slice of rows (step 1).
-        """
-        start, stop, step = (rows, rows + 1, 1) if isinstance(rows, int) else rows.indices(self.shape[0])
-        if step != 1:
-            raise ValueError(f"release: rows must be contiguous (step 1), got step {step}")
-        if stop <= start:
-            return
-        if self._mapping is None:
-            self.tensor[start:stop].zero_()
-            return
-        row_bytes = self.nbytes // self.shape[0] if self.shape[0] else 0
-        begin, end = start * row_bytes, stop * row_bytes
-        first_page = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
-        last_page = end // mmap.PAGESIZE * mmap.PAGESIZE
-        if last_page <= first_page:
-            self._bytes(begin, end).zero_()
-            return
-        self._bytes(begin, first_page).zero_()
-        self._bytes(last_page, end).zero_()
-        self._mapping.madvise(mmap.MADV_DONTNEED, first_page, last_page - first_page)
-
-    def _bytes(self, begin: int, end: int) -> torch.Tensor:
-        return self.tensor.view(-1).view(torch.uint8)[begin:end]
+    shape = tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes < LAZY_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        # Where transparent huge pages are on for every mapping, one write would take 2 MiB (a few hundred
+        # unrelated cache rows) instead of 4 KiB; the promise is that unwritten rows cost nothing.
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    # The storage holds a reference to the mapping: it is unmapped when the last tensor on it is gone.
+    storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
