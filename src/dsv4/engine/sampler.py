@@ -602,11 +602,13 @@ class Sampler:
             random_logits = processed if rows.random_pos is None else processed.index_select(0, rows.random_pos)
             probs = random_logits.softmax(dim=-1)  # [R, V]
             draws = [(rows.seeds[i], token_indices[i]) for i in rows.random_rows]
-            judged = [] if proposals is None else [
-                j for j, i in enumerate(rows.random_rows) if proposals[i] is not None and proposals[i].probs is not None]
+            judged = []  # places among the random rows of rows with a draft and its q
+            if proposals is not None:
+                judged = [j for j, i in enumerate(rows.random_rows)
+                          if proposals[i] is not None and proposals[i].probs is not None]
             if judged:
-                token_ids[rows.random_index] = self._judge(probs, draws, judged, [
-                    proposals[rows.random_rows[j]] for j in judged])
+                judged_proposals = [proposals[rows.random_rows[j]] for j in judged]
+                token_ids[rows.random_index] = self._judge(probs, draws, judged, judged_proposals)
             else:
                 token_ids[rows.random_index] = self._race(probs, draws)
 
