@@ -173,3 +173,25 @@ def test_bad_speculation_arguments_are_refused():
         LLM(MODEL, draft="mtp", num_speculative_tokens=2, speculation_max_batch=-1)
     with pytest.raises(ConfigError, match="smallest cache ring"):
         LLM(MODEL, draft="mtp", num_speculative_tokens=8)  # a 9-token verify chunk, rings of 8 rows
+
+
+def test_preemption_and_a_weight_update_mid_flight_stay_exact(plain):
+    """A preempted sequence (and every sequence after a weight update) recomputes its tokens and the drafter
+    starts its slot over; outputs still equal plain greedy."""
+    prompts = _prompts(6)
+    params = SamplingParams(max_tokens=MAX_MODEL_LEN, ignore_eos=True)
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    llm = _llm(3)
+    engine = llm.engine
+    requests = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+    for step in range(40):
+        engine.step()
+        if step == 6:
+            engine.preempt("1")
+        if step == 12:
+            with engine.exclusive():
+                engine.weights_updated()  # same weights: every running sequence is preempted and recomputes
+    while engine.has_work():
+        engine.step()
+    assert [r.output(delta=False).outputs[0].token_ids for r in requests] == [o.outputs[0].token_ids for o in expected]
+    assert engine.speculation.accepted_tokens > 0
