@@ -107,8 +107,11 @@ def end_step(proposer: Proposer) -> None:
 #: The most draft tokens per step `LLM` accepts (a verify chunk must also fit the model's smallest ring,
 #: checked against the cache: `ModelCache.rollback_limit`).
 MAX_SPECULATIVE_TOKENS = 8
-#: Default `SpeculationConfig.max_batch`: above this many decoding sequences a step does not speculate
-#: (benchmarks/bench_speculation.py measures where speculation stops paying on the embedded model).
+#: Default `SpeculationConfig.max_batch`: above this many decoding sequences a step does not speculate.
+#: benchmarks/bench_speculation.py measures the break-even batch; on the embedded dsv4-sort on a 2-core
+#: CPU (a dispatch-bound toy: a 4-token verify chunk costs ~1.9x a 1-token decode, one MTP call ~0.4x)
+#: speculation paid at no batch size, so that figure cannot set a default for real models; 8 follows the
+#: peers' GPU measurements (+75% at 1 sequence, +38% at 8, -37% at 32; notes in the issue).
 DEFAULT_SPECULATION_MAX_BATCH = 8
 
 
