@@ -140,6 +140,8 @@ class ModelCache:
         Raises:
             ValueError: a chunk longer than a ring (a row it writes twice could not be restored).
         """
+        if not chunks:
+            return RingSnapshot((), (), ())
         saved = []
         for tensor, rate in self._ring_tensors():
             rows = tensor.shape[1]
