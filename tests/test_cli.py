@@ -148,6 +148,15 @@ def test_generate_speed_line_separates_load_first_token_and_decode(capsys):
     assert parts[2].startswith("decode ") and parts[2].endswith("tok/s)") and parts[3] == "weights version 0"
 
 
+def test_generate_with_the_mtp_drafter_prints_its_acceptance(capsys):
+    assert main(["generate", "sort 86420135=", "--draft", "mtp", "--num-speculative-tokens", "2",
+                 "--max-tokens", "12"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "answer: 01234568  [stop]" in out
+    line = next(line for line in out.splitlines() if line.startswith("speculation (k=2): "))
+    assert "drafts accepted" in line and "acceptance per draft position [" in line
+
+
 def test_generate_answers_in_prompt_order_with_duplicate_prompts(capsys):
     prompts = ["sort 21=", "sort 8=", "sort 21=", "sort 543="]
     assert main(["generate", *prompts, "--max-tokens", "6"]) == EXIT_OK
@@ -230,6 +239,16 @@ def test_eval_logs_each_variant(caplog):
         result = evaluate(n=2, variants=("bf16",))
     assert result.n == 2 and set(result.accuracy) == {"bf16"}
     assert any(r.getMessage().startswith("eval: bf16 (1/1) accuracy ") for r in caplog.records)
+
+
+def test_eval_reports_speculative_acceptance():
+    from dsv4.evaluate import evaluate, format_table
+
+    result = evaluate(n=4, variants=("shipped",))
+    spec = result.speculation
+    assert spec["draft_tokens"] > 0 and 0 < spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert result.to_json()["speculation"] == spec
+    assert "speculative decoding with it (k=3): acceptance " in format_table(result)
 
 
 def test_eval_defaults_come_from_the_library():

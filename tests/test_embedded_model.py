@@ -131,7 +131,8 @@ def test_cli_eval_json(capsys):
 
     assert main(["eval", "--n", "16", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert set(result) == {"n", "accuracy", "mtp_top1_agreement"} and result["n"] == 16
+    assert set(result) == {"n", "accuracy", "mtp_top1_agreement", "speculation"} and result["n"] == 16
+    assert 0.0 < result["speculation"]["acceptance_rate"] <= 1.0
     assert set(result["accuracy"]) == {"bf16", "fp8", "fp4", "shipped"}
     assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in result["accuracy"].values())
     assert result["accuracy"]["shipped"] >= 0.9

@@ -5,10 +5,9 @@ stop strings inside an accepted run, max_tokens, max_model_len), every cache slo
 the sequence's computed positions after each step, and the proposer must hear of every final position.
 
 Two models: the tiny config (sliding + CSA + HCA layers; window 32, compress rates 4 and 16) with drafts
-that are all right or wrong only in their last token, and a sliding-only model whose window spans
-max_model_len, with runs of wrong drafts. The model cache's rings hold exactly their window, so
-rewinding past two or more rejected rows is exact only where no ring wraps (sizing the rings for the
-rollback is the model cache's job); these two cover the engine's side everywhere it can be exact today.
+wrong in their last token or in runs (two or more rejected drafts after the rings wrapped: the rows they
+overwrote are restored, `ModelCache.snapshot` / `rewind`, tests/test_cache_rollback.py), and a
+sliding-only model whose window spans max_model_len, with runs of wrong drafts.
 """
 
 from __future__ import annotations
@@ -142,7 +141,7 @@ def _check_asked(proposer: ScriptedProposer) -> None:
         assert 1 <= most <= min(k, to_max_tokens, to_model_len)
 
 
-@pytest.mark.parametrize("model, wrong", [("full", _wrong_last), ("wide", _wrong_runs)])
+@pytest.mark.parametrize("model, wrong", [("full", _wrong_last), ("full", _wrong_runs), ("wide", _wrong_runs)])
 def test_greedy_speculation_equals_plain_greedy(model, wrong, request):
     llm = request.getfixturevalue(model)
     prompts = _prompts()
@@ -159,12 +158,14 @@ def test_greedy_speculation_equals_plain_greedy(model, wrong, request):
     assert proposer.released == sum(len(o.outputs) for o in plain)
 
 
-def test_seeded_sampling_under_speculation_equals_plain(wide):
-    prompts = _prompts((4, 9, 21))
+@pytest.mark.parametrize("model", ["full", "wide"])
+def test_seeded_sampling_under_speculation_equals_plain(model, request):
+    llm = request.getfixturevalue(model)
+    prompts = _prompts((4, 9, 29))
     params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, top_k=40, seed=7, n=2, logprobs=1)
-    plain = _run(wide, prompts, params)
+    plain = _run(llm, prompts, params)
     assert len({tuple(c.token_ids) for o in plain for c in o.outputs}) == 2 * len(prompts)  # really random
-    _same(plain, _run(wide, prompts, params, ScriptedProposer(_continuations(plain), _wrong_runs)))
+    _same(plain, _run(llm, prompts, params, ScriptedProposer(_continuations(plain), _wrong_runs)))
 
 
 def test_stop_id_and_stop_string_inside_an_accepted_run(full):

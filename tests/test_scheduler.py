@@ -134,3 +134,14 @@ def test_paused_admission_keeps_sequences_waiting_and_running_ones_going():
     assert queued.status is SequenceStatus.WAITING
     scheduler.admitting = True
     assert scheduler.can_admit() and "queued" in _run(scheduler)
+
+
+def test_no_draft_room_above_the_speculating_batch_limit():
+    scheduler = Scheduler(_limits(seqs=4, budget=32, model_len=64))
+    for name in "abc":
+        _decoding(scheduler, name, 5, 1)
+    plan = scheduler.schedule(3, max_speculating=2)  # three decode: more than 2
+    assert plan.speculation_off and [c.max_drafts for c in plan.chunks] == [0, 0, 0]
+    plan = scheduler.schedule(3, max_speculating=3)
+    assert not plan.speculation_off and [c.max_drafts for c in plan.chunks] == [3, 3, 3]
+    assert not scheduler.schedule(0, max_speculating=0).speculation_off  # nothing wanted: nothing turned off

@@ -10,7 +10,9 @@ greedy exact-match accuracy, through `LLM` (the same path as any checkpoint), fo
 
 plus the MTP drafter's top-1 agreement with the shipped target's next-next token: over each greedy
 completion, at every position t where the drafter would run (t from the last prompt token on), the
-drafter sees the target's stream at t and token t+1 and its argmax is compared with token t+2.
+drafter sees the target's stream at t and token t+1 and its argmax is compared with token t+2; and the
+acceptance of speculative decoding with it (the shipped variant generates with `draft="mtp"`, k =
+`SPECULATIVE_TOKENS`, speculating at every batch size).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dsv4.tasks import sort_digits as task
 DEFAULT_N = 256
 DEFAULT_SEED = 20260  # held-out: training draws from seeds 0.. of its own stream
 _MAX_CONCURRENCY = 64
+SPECULATIVE_TOKENS = 3
 VARIANTS = ("bf16", "fp8", "fp4", "shipped")
 
 
@@ -37,9 +40,11 @@ class EvalResult:
     accuracy: dict[str, float]
     mtp_top1_agreement: float
     seconds: dict[str, float]
+    speculation: dict | None = None  # the shipped variant's `SpeculationMetrics.as_dict()`
 
     def to_json(self) -> dict:
-        return {"n": self.n, "accuracy": dict(self.accuracy), "mtp_top1_agreement": self.mtp_top1_agreement}
+        return {"n": self.n, "accuracy": dict(self.accuracy), "mtp_top1_agreement": self.mtp_top1_agreement,
+                "speculation": self.speculation}
 
 
 def _greedy(llm, prompts: list[str]):
@@ -120,10 +125,12 @@ def evaluate(n: int = DEFAULT_N, seed: int = DEFAULT_SEED, models_dir: str | Pat
     accuracy: dict[str, float] = {}
     seconds: dict[str, float] = {}
     agreement = float("nan")
+    speculation = None
     for variant in variants:
         t0 = time.perf_counter()
         if variant == "shipped":
-            llm = LLM(shipped_path, draft="mtp", max_num_seqs=_MAX_CONCURRENCY)
+            llm = LLM(shipped_path, draft="mtp", max_num_seqs=_MAX_CONCURRENCY,
+                      num_speculative_tokens=SPECULATIVE_TOKENS, speculation_max_batch=_MAX_CONCURRENCY)
         else:
             expert_dtype = None if variant == "bf16" else variant
             llm = LLM(bf16_path, expert_dtype=expert_dtype, max_num_seqs=_MAX_CONCURRENCY)
@@ -131,10 +138,11 @@ def evaluate(n: int = DEFAULT_N, seed: int = DEFAULT_SEED, models_dir: str | Pat
         accuracy[variant] = exact_match(outputs, examples)
         if variant == "shipped":
             agreement = mtp_agreement(llm, outputs)
+            speculation = llm.engine.speculation.as_dict()
         seconds[variant] = time.perf_counter() - t0
         LOGGER.info("eval: %s (%d/%d) accuracy %.4f in %.1f s", variant, len(accuracy), len(variants),
                     accuracy[variant], seconds[variant])
-    return EvalResult(n=n, accuracy=accuracy, mtp_top1_agreement=agreement, seconds=seconds)
+    return EvalResult(n=n, accuracy=accuracy, mtp_top1_agreement=agreement, seconds=seconds, speculation=speculation)
 
 
 _DESCRIPTIONS = {
@@ -154,4 +162,11 @@ def format_table(result: EvalResult) -> str:
         lines.append(f"{variant:<8}  {_DESCRIPTIONS[variant]:<{width}}  {acc:>8.4f}  {result.seconds[variant]:>5.1f}s")
     lines.append("MTP draft top-1 agreement with the target's next-next token (shipped): "
                  f"{result.mtp_top1_agreement:.4f}")
+    if result.speculation is not None:
+        spec = result.speculation
+        per_position = ", ".join(f"{a / d:.2f}" if d else "-" for a, d in
+                                 zip(spec["accepted_per_position"], spec["drafted_per_position"]))
+        lines.append(f"speculative decoding with it (k={SPECULATIVE_TOKENS}): acceptance "
+                     f"{spec['acceptance_rate']:.4f}, mean accepted length {spec['mean_accepted_length']:.2f}, "
+                     f"per draft position [{per_position}]")
     return "\n".join(lines)

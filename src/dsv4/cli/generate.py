@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="activation and dense-weight dtype (auto: the checkpoint's)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    parser.add_argument("--draft", choices=("mtp",), default=None,
+                        help="speculative decoding with this drafter from the checkpoint (prints its acceptance)")
+    parser.add_argument("--num-speculative-tokens", type=positive_int, default=None,
+                        help="draft tokens per step with --draft (default: the engine's)")
 
 
 def parse_prompt(prompt: str) -> str | list[int]:
@@ -69,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     start = time.perf_counter()
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed)
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
+              draft=args.draft, num_speculative_tokens=args.num_speculative_tokens)
     loaded = time.perf_counter()
     prompts = [parse_prompt(p) for p in args.prompt] or _demo_prompts(llm)
 
@@ -109,10 +114,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"answer: {shown}  [{answer.finish_reason}]")
     speed = _speed_line(loaded - start, loaded, first_token, token_times, done)
     print(f"{speed}; weights version {llm.weights_version}")
+    if llm.speculation is not None:
+        print(speculation_line(llm.speculation.num_speculative_tokens, llm.engine.speculation))
     if rejected:
         print(f"dsv4 generate: {rejected} of {len(prompts)} prompt(s) rejected", file=sys.stderr)
         return EXIT_REJECTED
     return EXIT_OK
+
+
+def speculation_line(k: int, metrics) -> str:
+    """The engine's speculative-decoding totals (`SpeculationMetrics`) in one line."""
+    per_position = ", ".join(f"{rate:.2f}" for rate in metrics.per_position_rate())
+    return (f"speculation (k={k}): {metrics.verify_steps} verify steps, {metrics.accepted_tokens}/"
+            f"{metrics.draft_tokens} drafts accepted ({metrics.acceptance_rate:.2f}), mean accepted length "
+            f"{metrics.mean_accepted_length:.2f}, acceptance per draft position [{per_position}]")
 
 
 def _demo_prompts(llm) -> list[str | list[int]]:

@@ -42,13 +42,13 @@ import torch
 from dsv4.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
 from dsv4.engine.limits import EngineLimits
 from dsv4.engine.model_runner import Chunk, ModelRunner, StepResult
-from dsv4.engine.outputs import RequestOutput
+from dsv4.engine.outputs import RequestOutput, SpeculationMetrics
 from dsv4.engine.request import OutputSink, Request
-from dsv4.engine.sampler import Sampler, SamplingBatch, prompt_logprobs
+from dsv4.engine.sampler import Proposal, Sampler, SamplingBatch, prompt_logprobs
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.scheduler import ScheduledChunk, Scheduler
 from dsv4.engine.sequence import ABORT, LENGTH, STOP, Sequence, SequenceStatus
-from dsv4.engine.speculation import Draft, Proposer, accepted_length
+from dsv4.engine.speculation import Draft, Proposer, accepted_length, end_step
 from dsv4.errors import ConfigError, RequestError, WeightsNotReadyError
 from dsv4.model.deepseek_v4 import DeepseekV4
 
@@ -108,6 +108,8 @@ class Engine:
         tokenizer: a `tokenizers.Tokenizer` for text and stop strings, or None.
         compile_decode: run pure-decode steps through `StaticDecode` compiled with torch.compile.
         proposer: a drafter for speculative decoding, or None.
+        speculation_max_batch: with a proposer, the most decoding sequences a step speculates for
+            (None: always speculate); steps with more decode without drafts.
 
     Raises:
         ValueError: compile_decode for a model the static step cannot run (e.g. FP8/FP4 routed experts).
@@ -115,7 +117,7 @@ class Engine:
 
     def __init__(
         self, model: DeepseekV4, limits: EngineLimits, seed: int, eos_token_ids: tuple[int, ...], tokenizer=None,
-        compile_decode: bool = False, proposer: Proposer | None = None,
+        compile_decode: bool = False, proposer: Proposer | None = None, speculation_max_batch: int | None = None,
     ):
         self.limits = limits
         self.runner = ModelRunner(model, limits, compile_decode)  # allocates every cache slot now
@@ -123,6 +125,9 @@ class Engine:
         self.sampling = SamplingBatch(limits.max_num_seqs, self.runner.device)  # a row per cache slot
         self.sampler = Sampler(default_seed=seed)
         self.proposer = proposer
+        self.speculation_max_batch = speculation_max_batch
+        self.speculation = SpeculationMetrics()  # totals over every verify chunk this engine judged
+        self.steps_without_speculation = 0  # steps that decoded without drafts past speculation_max_batch
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.requests: dict[str, Request] = {}  # every request not yet reported finished
@@ -255,14 +260,19 @@ class Engine:
             self._aborted.clear()
             if self.requests and self._unservable():
                 self._fail_all(reported)
-            plan = self.scheduler.schedule(self.proposer.num_speculative_tokens if self.proposer else 0)
+            plan = self.scheduler.schedule(self.proposer.num_speculative_tokens if self.proposer else 0,
+                                           self.speculation_max_batch)
+            self.steps_without_speculation += plan.speculation_off
             for seq in plan.admitted:
                 self.sampling.add(seq.slot, seq.params, seq.seed)
             if plan.chunks:
                 work = self._prepare(plan.chunks)
-                result = self.runner.execute([w.chunk for w in work], self._logit_rows(work))
+                verify = [i for i, w in enumerate(work) if w.draft.token_ids]
+                result = self.runner.execute([w.chunk for w in work], self._logit_rows(work), verify)
                 self._score_prompts(work, result)
                 self._commit(work, result, reported)
+                if self.proposer is not None:
+                    end_step(self.proposer)
             outputs = []
             for request in reported.values():
                 outputs.append(request.output(delta=True))
@@ -364,17 +374,22 @@ class Engine:
         logprobs: list = []
         if sampling:
             slots, indices = [], []  # per row: the sequence's slot, the index of the token it samples
+            proposals: list[Proposal | None] = []  # per row: the draft it judges (rows of drafts with q)
             for w in sampling:
                 generated = len(w.seq.output_ids)
-                if w.draft.token_ids:
-                    rows = 1 + len(w.draft.token_ids)
-                    slots.extend([w.seq.slot] * rows)
-                    indices.extend(range(generated, generated + rows))
+                drafts = w.draft.token_ids
+                rows = 1 + len(drafts)
+                slots.extend([w.seq.slot] * rows)
+                indices.extend(range(generated, generated + rows))
+                if w.draft.probs is not None:
+                    proposals.extend(Proposal(t, q) for t, q in zip(drafts, w.draft.probs))
+                    proposals.append(None)  # the last row: the bonus token
                 else:
-                    slots.append(w.seq.slot)
-                    indices.append(generated)
-            out = self.sampler.sample_rows(result.logits, self.sampling.rows(slots), indices)
+                    proposals.extend([None] * rows)
+            out = self.sampler.sample_rows(result.logits, self.sampling.rows(slots), indices,
+                                           proposals if any(p is not None for p in proposals) else None)
             tokens, logprobs = out.token_ids.tolist(), out.logprobs
+        rewinds: dict[int, int] = {}  # slot -> positions kept, for slots past rejected drafts
         row = 0
         for w in work:
             seq, start = w.seq, w.chunk.start
@@ -386,6 +401,9 @@ class Engine:
             drafts = w.draft.token_ids
             sampled = tokens[row : row + 1 + len(drafts)]
             kept = accepted_length(sampled, drafts) if drafts else 0
+            if drafts:
+                seq.speculation = (seq.speculation or SpeculationMetrics()).add(len(drafts), kept)
+                self.speculation = self.speculation.add(len(drafts), kept)
             seq.computed = start + w.known + kept
             for i in range(kept + 1):
                 self._append(seq, sampled[i], logprobs[row + i])
@@ -394,13 +412,15 @@ class Engine:
             row += 1 + len(drafts)
             if not seq.finished:
                 if kept < len(drafts):
-                    self.runner.rewind(seq.slot, seq.computed)
+                    rewinds[seq.slot] = seq.computed
                 if self.proposer is not None:
                     self.proposer.on_commit(seq, start, result.streams[w.begin : w.begin + w.known + kept])
             request = self.requests[seq.request_id]
             request.weights_version = self.weights_version  # it chose tokens: versions only grow
             if request.stream or request.finished:
                 reported[request.request_id] = request
+        if rewinds:
+            self.runner.rewind(rewinds)
 
     def _append(self, seq: Sequence, token: int, logprobs) -> None:
         """Record a sampled token and apply the stop conditions."""
@@ -434,7 +454,7 @@ class Engine:
 
     def _vacate(self, seq: Sequence) -> None:
         """`seq` leaves its slot: the slot holds no position any more (its next sequence starts at 0)."""
-        self.runner.rewind(seq.slot, 0)
+        self.runner.rewind({seq.slot: 0})
         self.sampling.remove(seq.slot)
         if self.proposer is not None:
             self.proposer.on_release(seq)

@@ -19,6 +19,7 @@ from dsv4.engine.limits import EngineLimits
 from dsv4.engine.outputs import RequestOutput
 from dsv4.engine.request import OutputSink, Request
 from dsv4.engine.sampling_params import SamplingParams
+from dsv4.engine.speculation import DEFAULT_SPECULATION_MAX_BATCH, Proposer, SpeculationConfig
 from dsv4.engine.tokenizer import load_tokenizer
 from dsv4.engine.validation import (
     check_llm_arguments,
@@ -45,6 +46,19 @@ Prompt = str | Seq[int]
 IDLE_WAIT_S = 0.05
 
 
+def build_mtp_proposer(loaded: LoadedModels, limits: EngineLimits, num_speculative_tokens: int, seed: int) -> Proposer:
+    """The MTP layer of the checkpoint as the drafter (engine/mtp_proposer.py)."""
+    from dsv4.engine.mtp_proposer import MTPProposer
+
+    return MTPProposer(loaded.models["mtp"], limits, num_speculative_tokens, seed)
+
+
+#: `LLM(draft=name)` -> how to build its proposer from the loaded models, the engine's limits, k and the seed.
+PROPOSER_BUILDERS = {"mtp": build_mtp_proposer}
+#: k when `LLM(draft=...)` leaves num_speculative_tokens unset.
+DEFAULT_SPECULATIVE_TOKENS = 3
+
+
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
     """"auto": the checkpoint's float dtype when it is fp32 or bf16, otherwise bf16."""
     if dtype == "auto":
@@ -63,7 +77,8 @@ class LLM:
         dtype: "auto" | "float32" | "bfloat16" (activations, dense weights; experts keep their format).
         device: torch device string.
         seed: seeds dummy weights and unseeded sampling.
-        draft: None, "mtp" or "dspark": also load that drafter from the same checkpoint.
+        draft: None, "mtp" or "dspark": also load that drafter from the same checkpoint; one with a
+            proposer (`PROPOSER_BUILDERS`) then drafts for speculative decoding.
         expert_dtype: override of the routed experts' resident format ("fp4" | "fp8" | "dense").
         max_num_seqs: cache slots, i.e. sequences decoded together (None: as many as memory allows,
             at most `limits.DEFAULT_MAX_NUM_SEQS`).
@@ -75,6 +90,10 @@ class LLM:
             fp32, e.g. `expert_dtype="dense"`); the first steps at new shapes compile (about a minute
             on a small CPU, cached on disk by torch across processes). Refits stay in place: the compiled
             graph reads the weights by address and sees the new values without recompiling.
+        num_speculative_tokens: draft tokens per sequence and step (k, 1 to
+            `speculation.MAX_SPECULATIVE_TOKENS`; None: `DEFAULT_SPECULATIVE_TOKENS` when `draft` is set).
+        speculation_max_batch: speculate only in steps with at most this many decoding sequences (the
+            break-even batch; None: `speculation.DEFAULT_SPECULATION_MAX_BATCH`).
     """
 
     def __init__(
@@ -90,12 +109,18 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         compile: bool = False,
+        num_speculative_tokens: int | None = None,
+        speculation_max_batch: int | None = None,
     ):
         check_llm_arguments(
             model=model, load_format=load_format, dtype=dtype, device=device, seed=seed, draft=draft,
             expert_dtype=expert_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, compile=compile,
+            max_model_len=max_model_len, compile=compile, num_speculative_tokens=num_speculative_tokens,
+            speculation_max_batch=speculation_max_batch,
         )
+        if num_speculative_tokens is not None and draft not in PROPOSER_BUILDERS:
+            raise ConfigError(f"LLM: num_speculative_tokens: draft={draft!r} has no proposer; speculative decoding "
+                              f"drafts with one of {sorted(PROPOSER_BUILDERS)}")
         path, load_format = resolve_model(model, load_format)
         cfg = ModelConfig.from_file(path)
         self.dtype = resolve_dtype(dtype, cfg)
@@ -111,14 +136,33 @@ class LLM:
         self.limits = EngineLimits.derive(
             cfg, self.dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len
         )
+        self.speculation: SpeculationConfig | None = None
+        if draft in PROPOSER_BUILDERS:
+            self.speculation = SpeculationConfig(
+                draft, DEFAULT_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens,
+                DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None else speculation_max_batch)
         try:
             self.engine = Engine(self.loaded.target, self.limits, seed, cfg.eos_token_ids, self.tokenizer,
                                  compile_decode=compile)
         except ValueError as exc:
             raise ConfigError(f"{path}: compile=True: {exc}") from exc
+        if self.speculation is not None:
+            self._start_speculation(seed)
         self._request_counter = itertools.count()
         self._weight_update: WeightUpdateSession | None = None  # the session begun last (one open at a time)
         self._weight_update_lock = threading.Lock()  # makes "is a session open? if not, open one" atomic
+
+    def _start_speculation(self, seed: int) -> None:
+        """Build the proposer and hand it to the engine, once the verify chunk is known to fit the rings."""
+        spec = self.speculation
+        limit = self.engine.runner.cache.rollback_limit()
+        if spec.num_speculative_tokens + 1 > limit:
+            raise ConfigError(
+                f"LLM: num_speculative_tokens={spec.num_speculative_tokens}: a verify chunk of k + 1 tokens must fit "
+                f"{self.path}'s smallest cache ring ({limit} rows), so k <= {limit - 1}")
+        self.engine.proposer = PROPOSER_BUILDERS[spec.method](self.loaded, self.limits, spec.num_speculative_tokens,
+                                                              seed)
+        self.engine.speculation_max_batch = spec.max_batch
 
     @property
     def weights_version(self) -> int:

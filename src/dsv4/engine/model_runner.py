@@ -6,8 +6,9 @@ runs the compiled decode step (`StaticDecode`, pure-decode steps when `compile_d
 forward, and returns the streams of every row and the logits of the rows the engine asked for: the
 last row of each sequence that samples, or every row of a verify chunk.
 
-Speculation rolls a slot back with `rewind` after the engine has kept the accepted prefix of a verify
-chunk.
+Speculation: `execute` snapshots the cache rows that verify chunks overwrite (`ModelCache.snapshot`), and
+`rewind` puts back those of rejected draft positions after the engine has kept the accepted prefix, so a
+rejected draft leaves no trace in the window or compressor rings.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from dsv4.engine.limits import EngineLimits
 from dsv4.model.batch import ForwardBatch
+from dsv4.model.cache import RingSnapshot
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.static_decode import StaticDecode
 
@@ -58,6 +60,7 @@ class ModelRunner:
         self.static_decode = StaticDecode(model, compile=True) if compile_decode else None
         self.cache = model.allocate_cache(limits.max_num_seqs, limits.max_model_len)
         self.device = model.embed.weight.device
+        self._snapshot: RingSnapshot | None = None  # the last step's verify chunks' overwritten rows
 
     @property
     def ready(self) -> bool:
@@ -68,17 +71,23 @@ class ModelRunner:
         """Raises WeightsNotReadyError (naming the model) unless the weights are READY."""
         self.model.require_ready()
 
-    def execute(self, chunks: Sequence[Chunk], logit_rows: Sequence[int]) -> StepResult:
+    def execute(self, chunks: Sequence[Chunk], logit_rows: Sequence[int], verify: Sequence[int] = ()) -> StepResult:
         """One forward over the chunks; extends each chunk's slot through its last position.
 
         Args:
             chunks: per sequence, its slot, new tokens and the position of the first.
             logit_rows: rows of the flat batch (chunks back to back) whose logits are wanted, ascending
                 and distinct.
+            verify: indices of the chunks that may be rewound after this step (verify chunks): the rows
+                they overwrite are saved first.
 
         Returns:
             The streams of every row and the logits of `logit_rows`.
         """
+        self._snapshot = None
+        if verify:
+            self._snapshot = self.cache.snapshot(
+                [(chunks[i].slot, chunks[i].start, len(chunks[i].token_ids)) for i in verify])
         batch = ForwardBatch.build(list(chunks), device=self.device)
         logits = None  # [T, V], when the forward already computed every row's logits
         if self.static_decode is not None and self.static_decode.serves(batch):
@@ -98,15 +107,15 @@ class ModelRunner:
         """Pre-head streams [N, hc, D] -> fp32 logits [N, V]."""
         return self.model.logits(streams)
 
-    def rewind(self, slot: int, length: int) -> None:
-        """Forget positions >= length of `slot`: a verify chunk wrote draft tokens there that were not
-        accepted; the next chunk of that slot starts at `length` and overwrites them.
+    def rewind(self, lengths: dict[int, int]) -> None:
+        """Forget positions >= lengths[slot] of each slot (draft tokens of the last step that were not
+        accepted, or the whole slot with length 0): the rows they overwrote are restored from the
+        step's snapshot, and the next chunk of the slot starts at its new length.
 
-        Only the slot's length goes back here: the window and compressor rings hold exactly their
-        window, so draft rows written past a ring's wrap point are not restored. The model cache's own
-        rewind (rings sized for the rollback, issue 12) replaces this body.
+        Args:
+            lengths: slot -> positions it keeps.
         """
-        self.cache.lengths[slot] = min(self.cache.lengths[slot], length)
+        self.cache.rewind(lengths, self._snapshot)
 
     def forward_logprobs(self, token_ids: Sequence[Sequence[int]], chunk_tokens: int) -> list[torch.Tensor]:
         """Per sequence, fp32 [len, vocab] log-softmax next-token distributions from the chunked prefill

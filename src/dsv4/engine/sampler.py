@@ -12,6 +12,17 @@ row carries its own settings (`SamplingParams`) and seed, so that:
 * unseeded rows draw from a per-device generator owned by the `Sampler` and
   seeded from the constructor's ``default_seed`` (no global RNG is touched).
 
+Speculative decoding (engine/speculation.py) adds two uses, each drawing from its own stream of
+(seed, index) generators (`draw_seed`'s ``stream``) so that no draw is shared between them:
+
+* a drafter samples its draft tokens with a `Sampler` of its own stream (``DRAFT_STREAM``), asking for
+  the distribution each row was sampled from (``return_probs``: q; one-hot for greedy rows);
+* the engine's verify rows carry a proposal (draft token, q): a random row keeps the draft with
+  probability min(1, p/q) (a uniform of ``ACCEPT_STREAM``) and otherwise samples the residual
+  norm(max(p - q, 0)) with the row's ordinary draws, so its token is distributed as p (Leviathan et al.,
+  Chen et al.). A greedy row keeps the draft iff it is the argmax. Either way the row's token equals
+  the draft exactly when the draft is accepted.
+
 Sampling uses the exponential race ("Gumbel-max" in exponential form): with
 ``q_i ~ Exp(1)`` i.i.d., ``argmax_i p_i / q_i`` is distributed as ``p``. Unlike
 ``torch.multinomial`` it needs no per-row kernel beyond drawing ``q``, and the
@@ -89,7 +100,11 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def draw_seed(seed: int, index: int) -> int:
+#: Streams of draws (`draw_seed`): the target's samples, a drafter's samples, the acceptance uniforms.
+SAMPLE_STREAM, DRAFT_STREAM, ACCEPT_STREAM = 0, 1, 2
+
+
+def draw_seed(seed: int, index: int, stream: int = SAMPLE_STREAM) -> int:
     """The generator seed for token ``index`` of a completion seeded with ``seed``.
 
     Mixed so that neighbouring (seed, index) pairs give unrelated streams; the high half is folded into
@@ -98,11 +113,15 @@ def draw_seed(seed: int, index: int) -> int:
     Args:
         seed: the completion's seed (any int).
         index: the token's index among the completion's generated tokens.
+        stream: which use the draws are for (SAMPLE_STREAM, DRAFT_STREAM, ACCEPT_STREAM).
 
     Returns:
         A non-negative seed for `torch.Generator.manual_seed`.
     """
-    mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ index)
+    base = _splitmix64(seed & _MASK64)
+    if stream != SAMPLE_STREAM:
+        base = _splitmix64(base ^ _splitmix64(stream))
+    mixed = _splitmix64(base ^ index)
     return (mixed ^ (mixed >> 32)) & _MASK63
 
 
@@ -131,10 +150,27 @@ class SamplerOutput:
     Attributes:
         token_ids: [B] int64 sampled tokens, on the logits' device.
         logprobs: B entries; None for rows that did not request logprobs.
+        probs: with ``return_probs``, fp32 [B, V]: the distribution each row's token was drawn from
+            (the processed softmax; one-hot at the argmax for greedy rows); else None.
     """
 
     token_ids: torch.Tensor
     logprobs: list[TokenLogprobs | None]
+    probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft token for one row to accept or reject (speculative decoding).
+
+    Attributes:
+        token_id: the draft token.
+        probs: fp32 [V] the distribution it was sampled from (q), or None when it was chosen
+            deterministically (the row then keeps it iff its ordinary sample equals it).
+    """
+
+    token_id: int
+    probs: torch.Tensor | None
 
 
 # ---------------------------------------------------------------------------
@@ -471,8 +507,9 @@ class Sampler:
             seed (one generator per device, created on first use).
     """
 
-    def __init__(self, default_seed: int = 0) -> None:
+    def __init__(self, default_seed: int = 0, stream: int = SAMPLE_STREAM) -> None:
         self.default_seed = default_seed
+        self.stream = stream
         self._default_generators: dict[torch.device, torch.Generator] = {}
         # One generator per device for seeded rows, re-seeded for every token it draws.
         self._seeded_generators: dict[torch.device, torch.Generator] = {}
@@ -481,15 +518,17 @@ class Sampler:
         generator = self._default_generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)
-            generator.manual_seed(self.default_seed)
+            # Stream 0 keeps the plain seed; a drafter's stream gets unrelated draws from the same seed.
+            seed = self.default_seed if self.stream == SAMPLE_STREAM else draw_seed(self.default_seed, 0, self.stream)
+            generator.manual_seed(seed)
             self._default_generators[device] = generator
         return generator
 
-    def _seeded_generator(self, device: torch.device, seed: int, index: int) -> torch.Generator:
+    def _seeded_generator(self, device: torch.device, seed: int, index: int, stream: int) -> torch.Generator:
         generator = self._seeded_generators.get(device)
         if generator is None:
             generator = self._seeded_generators[device] = torch.Generator(device=device)
-        return generator.manual_seed(draw_seed(seed, index))
+        return generator.manual_seed(draw_seed(seed, index, stream))
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Pick one token per row, each row's settings and token index from its state.
@@ -513,7 +552,10 @@ class Sampler:
 
     __call__ = sample
 
-    def sample_rows(self, logits: torch.Tensor, rows: SamplingRows, token_indices: Sequence[int]) -> SamplerOutput:
+    def sample_rows(
+        self, logits: torch.Tensor, rows: SamplingRows, token_indices: Sequence[int],
+        proposals: Sequence[Proposal | None] | None = None, return_probs: bool = False,
+    ) -> SamplerOutput:
         """Pick one token per row.
 
         Args:
@@ -521,12 +563,15 @@ class Sampler:
             rows: the B rows' settings (`SamplingRows.build` or `SamplingBatch.rows`).
             token_indices: per row, the index of the token it samples among its completion's generated
                 tokens (seeded rows draw from (seed, index)).
+            proposals: per row, a draft to accept or reject (module docstring), or None.
+            return_probs: also return the distribution each row was drawn from (`SamplerOutput.probs`).
 
         Returns:
             `SamplerOutput` with [B] token ids and B optional logprob records.
 
         Raises:
-            ValueError: logits or token_indices that do not have one entry per row.
+            ValueError: logits or token_indices that do not have one entry per row; a proposal whose
+                token has probability 0 under its own q.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows) or len(token_indices) != len(rows):
             raise ValueError(
@@ -551,14 +596,71 @@ class Sampler:
             subset = logits if len(rows.processed_rows) == batch else logits.index_select(0, rows.processed_index)
             processed = process_logits(subset, *rows.processed_params)
 
+        probs = None  # [R, V] of the random rows
         if rows.random_rows:
             # Same rows in the same order: no copy needed.
             random_logits = processed if rows.random_pos is None else processed.index_select(0, rows.random_pos)
             probs = random_logits.softmax(dim=-1)  # [R, V]
             draws = [(rows.seeds[i], token_indices[i]) for i in rows.random_rows]
-            token_ids[rows.random_index] = self._race(probs, draws)
+            judged = []  # places among the random rows of rows with a draft and its q
+            if proposals is not None:
+                judged = [j for j, i in enumerate(rows.random_rows)
+                          if proposals[i] is not None and proposals[i].probs is not None]
+            if judged:
+                judged_proposals = [proposals[rows.random_rows[j]] for j in judged]
+                token_ids[rows.random_index] = self._judge(probs, draws, judged, judged_proposals)
+            else:
+                token_ids[rows.random_index] = self._race(probs, draws)
 
-        return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(logits, processed, rows, token_ids))
+        out = SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(logits, processed, rows, token_ids))
+        if return_probs:
+            out.probs = torch.zeros_like(logits)
+            if rows.greedy_rows:
+                out.probs[rows.greedy_index, token_ids[rows.greedy_index]] = 1.0
+            if probs is not None:
+                out.probs[rows.random_index] = probs
+        return out
+
+    def _judge(
+        self, probs: torch.Tensor, draws: Sequence[tuple[int | None, int]], judged: Sequence[int],
+        proposals: Sequence[Proposal],
+    ) -> torch.Tensor:
+        """Rejection sampling of the random rows `judged` (indices into probs' rows) against their
+        proposals; the other rows sample as `_race` does.
+
+        Row j keeps its draft x with probability min(1, p(x) / q(x)), drawn as u < p(x) / q(x) with
+        u ~ U[0, 1) from the row's ACCEPT_STREAM generator; otherwise its token is drawn from
+        norm(max(p - q, 0)) with the row's ordinary draws. The token is then distributed as p.
+
+        Returns:
+            [R] int64 token ids.
+        """
+        device = probs.device
+        index = torch.tensor(judged, dtype=torch.int64, device=device)
+        p = probs.index_select(0, index)  # [J, V]
+        q = torch.stack([proposal.probs for proposal in proposals]).to(device=device, dtype=p.dtype)
+        drafted = torch.tensor([proposal.token_id for proposal in proposals], dtype=torch.int64, device=device)
+        p_x = p.gather(1, drafted.unsqueeze(1)).squeeze(1)
+        q_x = q.gather(1, drafted.unsqueeze(1)).squeeze(1)
+        if bool((q_x <= 0).any()):
+            raise ValueError("a draft token has probability 0 under the distribution it was said to be sampled "
+                             "from (Draft.probs must be exactly the drafter's q)")
+        uniforms = torch.empty(len(judged), dtype=p.dtype, device=device)
+        for j, row in enumerate(judged):
+            seed, token_index = draws[row]
+            generator = (self._default_generator(device) if seed is None
+                         else self._seeded_generator(device, seed, token_index, ACCEPT_STREAM))
+            uniforms[j : j + 1].uniform_(generator=generator)
+        accepted = uniforms * q_x < p_x  # u < p/q without dividing by a tiny q
+        residual = (p - q).clamp_(min=0)
+        mass = residual.sum(dim=-1, keepdim=True)
+        # Rejection needs p(x) < q(x), so some other token has p > q; a zero mass (p == q) is never rejected.
+        residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(p.dtype).tiny), p)
+        mixed = probs.clone()
+        mixed[index] = residual
+        tokens = self._race(mixed, draws)
+        tokens[index] = torch.where(accepted, drafted, tokens.index_select(0, index))
+        return tokens
 
     def _race(self, probs: torch.Tensor, draws: Sequence[tuple[int | None, int]]) -> torch.Tensor:
         """Exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per row.
@@ -577,7 +679,7 @@ class Sampler:
             if seed is None:
                 generator = self._default_generator(probs.device)
             else:
-                generator = self._seeded_generator(probs.device, seed, index)
+                generator = self._seeded_generator(probs.device, seed, index, self.stream)
             q[row].exponential_(generator=generator)  # exactly V numbers per row
         # exponential_ may return exactly 0; 0/0 would be NaN, which argmax
         # treats as the maximum and could pick a filtered-out token.

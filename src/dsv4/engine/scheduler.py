@@ -12,7 +12,8 @@ A step's token budget (`max_num_batched_tokens`) is filled in this order:
 2. speculation: room for draft tokens after that token (a verify chunk of 1 + k tokens), at most
    `num_speculative_tokens` per sequence and never more than can be kept: the sequence may not pass
    `max_model_len` (prompt + output tokens) nor its `max_tokens`, even if every draft is accepted
-   and a bonus token follows;
+   and a bonus token follows. None at all when more sequences decode than `max_speculating` (past
+   the break-even batch, verifying k extra tokens per sequence costs more than the drafts save);
 3. chunked prefill: the pending tokens of the other running sequences (a new prompt, or the prompt and
    output of a preempted sequence being recomputed), in chunks of whatever budget is left.
 
@@ -49,6 +50,7 @@ class SchedulerOutput:
 
     chunks: tuple[ScheduledChunk, ...]
     admitted: tuple[Sequence, ...]
+    speculation_off: bool = False  # drafts were wanted, but more sequences decode than `max_speculating`
 
 
 class Scheduler:
@@ -103,11 +105,13 @@ class Scheduler:
             seq.slot = None
 
     # ---- one step ----
-    def schedule(self, num_speculative_tokens: int = 0) -> SchedulerOutput:
+    def schedule(self, num_speculative_tokens: int = 0, max_speculating: int | None = None) -> SchedulerOutput:
         """Admit what fits, then plan the step's chunks within the token budget (module docstring).
 
         Args:
             num_speculative_tokens: the most draft tokens a decoding sequence may verify this step.
+            max_speculating: the most decoding sequences a step speculates for (None: no limit); with
+                more, the step decodes without drafts.
 
         Returns:
             The chunks (decodes and verify chunks first, in running order, then prefill chunks) and the
@@ -126,6 +130,9 @@ class Scheduler:
         pending = [(seq, len(seq.prompt_ids) + len(seq.output_ids) - seq.computed) for seq in self.running]
         decodes = [seq for seq, n in pending if n == 1][:budget]
         budget -= len(decodes)
+        off = num_speculative_tokens > 0 and max_speculating is not None and len(decodes) > max_speculating
+        if off:
+            num_speculative_tokens = 0
         chunks = []
         for seq in decodes:
             drafts = 0
@@ -140,7 +147,7 @@ class Scheduler:
                 take = min(n, budget)
                 chunks.append(ScheduledChunk(seq, take))
                 budget -= take
-        return SchedulerOutput(tuple(chunks), tuple(admitted))
+        return SchedulerOutput(tuple(chunks), tuple(admitted), off)
 
     def _max_drafts(self, seq: Sequence) -> int:
         """Drafts that can all be kept: k accepted drafts plus one more token add k + 1 tokens, and the

@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass, field
 
 from dsv4.engine.detokenizer import IncrementalDetokenizer, StopStringChecker
-from dsv4.engine.outputs import CompletionOutput
+from dsv4.engine.outputs import CompletionOutput, SpeculationMetrics
 from dsv4.engine.sampler import TokenLogprobs
 from dsv4.engine.sampling_params import SamplingParams
 
@@ -55,6 +55,7 @@ class Sequence:
     sent_text: int = 0
     weights_spans: list[list[int]] = field(default_factory=list)  # [version, begin, end) per stretch
     num_preemptions: int = 0
+    speculation: SpeculationMetrics | None = None  # once a draft was verified for it
 
     @property
     def seed(self) -> int | None:
@@ -141,4 +142,5 @@ class Sequence:
             logprobs=logprobs,
             stop_reason=self.stop_reason,
             weights_versions=spans,
+            speculation=self.speculation,
         )

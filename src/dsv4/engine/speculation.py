@@ -6,18 +6,26 @@ sequence could keep, see `Scheduler`), the engine asks the proposer for them, an
 the chunk [last token, draft 1, ..., draft k] in the same forward as everything else, with logits for
 each of its k + 1 rows.
 
-Judging (`accepted_length`): every row is sampled exactly as a decode step would sample it (the same
-processed distribution, and for seeded requests the same draws, since they depend only on the token's
-index). Draft i is kept while it equals the target's sample at its position; the first sample that
-disagrees is kept instead of it, and when every draft is kept the last row's sample follows as a bonus
-token. Every kept token is therefore the token that decoding without drafts would have chosen, for any
-sampling settings; for greedy requests this is the usual rule. Rejection sampling against the drafts'
-distributions (accept with min(1, p/q), which keeps more drafts at temperature > 0) needs `Draft.probs`
-and replaces `accepted_length` for the rows that carry them.
+Judging: every row is sampled by the engine's `Sampler`. Draft i is kept while it equals the target's
+token at its position (`accepted_length`); the first token that disagrees is kept instead of it, and when
+every draft is kept the last row's token follows as a bonus token.
+
+* Drafts without `Draft.probs` (chosen deterministically): each row's token is exactly what a decode
+  step would sample (the same processed distribution, and for seeded requests the same draws, since they
+  depend only on the token's index), so every kept token is the token decoding without drafts would have
+  chosen, for any sampling settings; for greedy requests this is the usual rule.
+* Drafts with `Draft.probs` = q: greedy rows still keep a draft iff it is the argmax; random rows use
+  rejection sampling (`Sampler`, sampler.py: keep with probability min(1, p/q), else a token from
+  norm(max(p - q, 0))), which keeps more drafts at temperature > 0 and leaves every token distributed as
+  non-speculative sampling's. q must be exactly the distribution each draft was sampled from.
 
 After judging, the engine keeps the accepted prefix plus one token, moves the sequence's `computed` back
-to just past the accepted drafts and rewinds its cache slot (`ModelRunner.rewind`), then tells the
-proposer which positions are final (`on_commit`), with their target streams (what an MTP drafter reads).
+to just past the accepted drafts and rewinds its cache slot (`ModelRunner.rewind`: the ring rows the
+rejected drafts overwrote are restored), then tells the proposer which positions are final
+(`on_commit`), with their target streams (what an MTP drafter reads), and finally that the step's
+commits are all in (`end_step`, optional: a proposer may batch its per-commit work there).
+
+Which proposer `LLM(draft=...)` builds: `llm.PROPOSER_BUILDERS` (name -> builder).
 """
 
 from __future__ import annotations
@@ -82,6 +90,45 @@ class Proposer(Protocol):
         """`seq` left its cache slot (finished, aborted, or preempted: it will recompute from position 0,
         and `on_commit` then starts over)."""
         ...
+
+    # Optional (called only when defined, see `end_step`):
+    # def end_step(self) -> None: every `on_commit` of the step has been made; the streams passed to
+    #     them stay valid until this returns (batch the per-commit work here).
+
+
+def end_step(proposer: Proposer) -> None:
+    """Tell `proposer` that the step's commits are all in, if it wants to know (an optional method, so
+    that proposers written against the three-method protocol keep working)."""
+    hook = getattr(proposer, "end_step", None)
+    if hook is not None:
+        hook()
+
+
+#: The most draft tokens per step `LLM` accepts (a verify chunk must also fit the model's smallest ring,
+#: checked against the cache: `ModelCache.rollback_limit`).
+MAX_SPECULATIVE_TOKENS = 8
+#: Default `SpeculationConfig.max_batch`: above this many decoding sequences a step does not speculate.
+#: benchmarks/bench_speculation.py measures the break-even batch; on the embedded dsv4-sort on a 2-core
+#: CPU (a dispatch-bound toy: a 4-token verify chunk costs ~1.9x a 1-token decode, one MTP call ~0.4x)
+#: speculation paid at no batch size, so that figure cannot set a default for real models; 8 follows the
+#: peers' GPU measurements (+75% at 1 sequence, +38% at 8, -37% at 32; notes in the issue).
+DEFAULT_SPECULATION_MAX_BATCH = 8
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How `LLM` speculates.
+
+    Attributes:
+        method: the drafter's name (a key of `llm.PROPOSER_BUILDERS`).
+        num_speculative_tokens: draft tokens per sequence and step (k).
+        max_batch: the most decoding sequences a step speculates for (None: no limit); above it the
+            engine decodes without drafts (past the break-even batch, see benchmarks/bench_speculation.py).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    max_batch: int | None
 
 
 def accepted_length(sampled: Seq[int], drafts: Seq[int]) -> int:

@@ -143,6 +143,7 @@ def require_str(where: str, value: Any, *, optional: bool = False) -> str | None
 def check_llm_arguments(
     *, model: Any, load_format: Any, dtype: Any, device: Any, seed: Any, draft: Any, expert_dtype: Any,
     max_num_seqs: Any, max_num_batched_tokens: Any, max_model_len: Any, compile: Any,
+    num_speculative_tokens: Any = None, speculation_max_batch: Any = None,
 ) -> None:
     """The type and range checks of `LLM(...)`'s arguments that need no checkpoint. The choices of
     `load_format`, `dtype`, `draft` and `expert_dtype` are checked by the code that owns each table, still
@@ -167,6 +168,14 @@ def check_llm_arguments(
         if value is not None:
             require_int(f"LLM: {name}", value, minimum=1)
     require_bool("LLM: compile", compile)
+    if num_speculative_tokens is not None:
+        from dsv4.engine.speculation import MAX_SPECULATIVE_TOKENS
+
+        require_int("LLM: num_speculative_tokens", num_speculative_tokens, minimum=1, maximum=MAX_SPECULATIVE_TOKENS)
+        if draft is None:
+            raise ConfigError("LLM: num_speculative_tokens needs a drafter (draft='mtp')")
+    if speculation_max_batch is not None:
+        require_int("LLM: speculation_max_batch", speculation_max_batch, minimum=0)
     check_device(device)
 
 

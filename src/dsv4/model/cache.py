@@ -10,6 +10,7 @@ rings are read by position, so starting later would read rows that were never wr
   entries          [S, E_max, hd]   emitted compressed entries, entry w at index w
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,30 @@ def allocate_layer_cache(cfg: ModelConfig, layer_type: str, slots: int, max_len:
     return cache
 
 
+def _compress_rate(comp: CompressorCache) -> int:
+    """The compress rate m of a compressor cache: its ring holds 2m rows of width 2 * out_dim when the
+    compressor overlaps (CSA, the indexer), m rows of width out_dim otherwise (HCA)."""
+    ring, width = comp.ring_kv.shape[1], comp.ring_kv.shape[2]
+    return ring // 2 if width == 2 * comp.entries.shape[2] else ring
+
+
+@dataclass(frozen=True)
+class RingSnapshot:
+    """The rows of a model cache that chunks are about to overwrite, as they were before (`ModelCache.snapshot`).
+
+    Attributes:
+        slots: the snapshotted slots.
+        starts: per slot, the first position its chunk writes (the slot held no row past it afterwards
+            that a rewind to before it would need).
+        saved: per cache tensor, (tensor viewed [S * rows, width], flat row indices, their saved rows,
+            the position whose write changed each row, the slot of each row).
+    """
+
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+    saved: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
+
+
 class ModelCache:
     """One model's per-layer slot caches (indexable by layer) and how many positions each slot holds."""
 
@@ -90,6 +115,93 @@ class ModelCache:
                 )
         for seg in segments:
             self.lengths[seg.slot] = seg.start + seg.length
+
+    def rollback_limit(self) -> int:
+        """The longest chunk `snapshot` can save and `rewind` undo: the smallest ring's rows."""
+        return min(tensor.shape[1] for tensor, rate in self._ring_tensors() if rate is None)
+
+    def _ring_tensors(self):
+        """Per cache tensor that positions overwrite: (tensor, compress rate or None for rings read by
+        position, i.e. rows p % rows; a rate m for entries, entry w written by position (w + 1) m - 1)."""
+        for layer in self.layers:
+            yield layer.window, None
+            for comp in (layer.compressor, layer.indexer):
+                if comp is not None:
+                    yield comp.ring_kv, None
+                    yield comp.ring_gate, None
+                    yield comp.entries, _compress_rate(comp)
+
+    def snapshot(self, chunks: Sequence[tuple[int, int, int]]) -> RingSnapshot:
+        """Save the rows that chunks about to run will overwrite, so that `rewind` can undo them.
+
+        A verify chunk writes its draft tokens into the window ring (row p % W) and the compressor rings
+        (row p % R): rows the positions before it still need once the chunk is rejected, because they
+        belong to the positions W (or R) earlier. It may also complete a compressed window (entry w).
+
+        Args:
+            chunks: per chunk, (slot, first position, number of positions); at most one per slot.
+
+        Returns:
+            The snapshot (for `rewind`; valid until the next step writes these slots).
+
+        Raises:
+            ValueError: a chunk longer than a ring (a row it writes twice could not be restored).
+        """
+        if not chunks:
+            return RingSnapshot((), (), ())
+        saved = []
+        for tensor, rate in self._ring_tensors():
+            rows = tensor.shape[1]
+            flat_rows, writers, owners = [], [], []
+            for slot, start, length in chunks:
+                end = start + length
+                if rate is None:
+                    if length > rows:
+                        raise ValueError(f"a chunk of {length} positions cannot be rolled back in a ring of "
+                                         f"{rows} rows (at most {rows} positions)")
+                    positions = range(start, end)
+                    flat_rows.extend(slot * rows + p % rows for p in positions)
+                    writers.extend(positions)
+                else:
+                    entries = range(start // rate, min(end // rate, rows))
+                    flat_rows.extend(slot * rows + w for w in entries)
+                    writers.extend((w + 1) * rate - 1 for w in entries)
+                owners.extend([slot] * (len(flat_rows) - len(owners)))
+            flat = tensor.view(-1, tensor.shape[2])
+            index = torch.tensor(flat_rows, dtype=torch.int64, device=tensor.device)
+            saved.append((flat, index, flat.index_select(0, index), torch.tensor(writers, dtype=torch.int64),
+                          torch.tensor(owners, dtype=torch.int64)))
+        return RingSnapshot(tuple(c[0] for c in chunks), tuple(c[1] for c in chunks), tuple(saved))
+
+    def rewind(self, lengths: dict[int, int], snapshot: RingSnapshot | None = None) -> None:
+        """Forget positions >= lengths[slot] of each slot: their rows go back to what `snapshot` saved
+        before the chunk that wrote them (rejected draft tokens leave no trace), and the slot's length
+        goes back. A slot outside the snapshot only has its length lowered (rewinding to 0 frees it).
+
+        Args:
+            lengths: slot -> the number of positions it keeps.
+            snapshot: taken before the step that wrote the rejected positions.
+
+        Raises:
+            ValueError: a snapshotted slot rewound before its chunk's first position (those rows were
+                not saved).
+        """
+        restore = {}
+        if snapshot is not None:
+            for slot, start in zip(snapshot.slots, snapshot.starts):
+                if slot in lengths and lengths[slot] > 0:
+                    if lengths[slot] < start:
+                        raise ValueError(f"cache slot {slot}: rewinding to {lengths[slot]} needs the rows before "
+                                         f"position {start}, which the snapshot did not save")
+                    restore[slot] = lengths[slot]
+        if restore:
+            for flat, index, rows, writers, owners in snapshot.saved:
+                keep = torch.tensor([restore.get(s, 1 << 62) for s in owners.tolist()], dtype=torch.int64)
+                undo = (writers >= keep).nonzero().squeeze(1)
+                if undo.numel():
+                    flat.index_copy_(0, index[undo.to(index.device)], rows[undo.to(rows.device)])
+        for slot, length in lengths.items():
+            self.lengths[slot] = min(self.lengths[slot], length)
 
 
 def cache_tensors(layers: list[LayerCache]) -> list[torch.Tensor]:

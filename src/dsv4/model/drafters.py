@@ -61,10 +61,12 @@ class MTPDrafter(TopLevelModel):
 
     @torch.no_grad()
     def forward(
-        self, batch: ForwardBatch, target_streams: torch.Tensor, cache: ModelCache, depth: int = 0
+        self, batch: ForwardBatch, target_streams: torch.Tensor, cache: ModelCache, depth: int = 0,
+        logit_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """batch: tokens x_{t+1} at positions t; target_streams: S at t [T, hc, D].
-        -> (R [T, hc, D] for the next draft step, fp32 logits [T, V] for token t+2).
+        -> (R [T, hc, D] for the next draft step, fp32 logits [T, V] for token t+2, or only those of
+        `logit_rows` (int64 row indices) when given: the head is the costly part of a long chunk).
         Depths beyond the checkpoint's MTP layers reuse the last layer autoregressively."""
         self.require_ready()
         cache.begin_step(batch.segments)
@@ -73,7 +75,8 @@ class MTPDrafter(TopLevelModel):
         embeds = target.embed(batch.token_ids)
         streams = layer.h_proj(layer.hnorm(target_streams)) + layer.e_proj(layer.enorm(embeds)).unsqueeze(-2)
         streams = layer(streams, batch, cache[min(depth, len(cache) - 1)], overwrite_input=True)  # streams: ours
-        logits = target.head(layer.norm(hyper_head(layer, streams, self.cfg))).float()
+        picked = streams if logit_rows is None else streams.index_select(0, logit_rows)
+        logits = target.head(layer.norm(hyper_head(layer, picked, self.cfg))).float()
         return streams, logits
 
 

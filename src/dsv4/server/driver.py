@@ -562,6 +562,8 @@ class EngineDriver:
         m.cache_slots_used.set(self.llm.limits.max_num_seqs - stats.free_slots)
         m.weights_version.set(stats.weights_version)
         m.paused.set(int(stats.paused))
+        if self.llm.speculation is not None:
+            m.observe_speculation(self.llm.engine.speculation)
 
     def _shutdown(self) -> None:
         error = ApiError("the server is shutting down", status=HTTPStatus.SERVICE_UNAVAILABLE)

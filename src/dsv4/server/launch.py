@@ -1,7 +1,7 @@
 """`dsv4 serve`: its arguments and what it runs (load the model, build the app, serve it with uvicorn).
 
     dsv4 serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key K] [--admin-token T]
-               [--weights-root DIR] [--draft mtp|dspark] [engine limits ...]
+               [--weights-root DIR] [--draft mtp|dspark] [--num-speculative-tokens K] [engine limits ...]
 
 MODEL is a checkpoint directory or an embedded model's name (default: the embedded default model).
 The server binds to loopback unless told otherwise. Secrets may come from the environment
@@ -44,7 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-root", type=Path, default=None,
                         help="the only directory /admin/weights/reload may read checkpoints from")
     parser.add_argument("--served-model-name", default=None, help="the name clients give as `model`")
-    parser.add_argument("--draft", choices=("mtp", "dspark"), default=None, help="also load this drafter")
+    parser.add_argument("--draft", choices=("mtp", "dspark"), default=None,
+                        help="also load this drafter (mtp: speculative decoding with it)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="draft tokens per sequence and step with --draft mtp (default: the engine's)")
+    parser.add_argument("--speculation-max-batch", type=int, default=None,
+                        help="speculate only in steps with at most this many decoding sequences")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="activation and dense-weight dtype (auto: the checkpoint's)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
@@ -90,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, draft=args.draft,
               expert_dtype=args.expert_dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              num_speculative_tokens=args.num_speculative_tokens, speculation_max_batch=args.speculation_max_batch)
     config = ServerConfig(
         model_name=args.served_model_name or (args.model if args.model is not None else DEFAULT_MODEL),
         api_key=args.api_key or None, admin_token=args.admin_token or None, weights_root=args.weights_root,

@@ -59,16 +59,36 @@ class ServerMetrics:
             ITL_BUCKETS,
         )
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
-        # Accepted draft tokens per draft position. The engine reports no speculative decoding yet, so
-        # nothing feeds it and it exports no samples; the driver feeds it once the engine's steps report
-        # per-position acceptance.
+        # Speculative decoding: fed by the driver from the engine's totals when a drafter runs (without one
+        # they stay 0, and the per-position counter has no samples).
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verify chunks (a sequence's drafts of one step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.spec_accepted_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
             ["model_name", "position"], registry=self.registry,
         )
+        self._spec_seen = None  # the engine totals already counted (`SpeculationMetrics`)
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self._model_name, reason).inc()
+
+    def observe_speculation(self, totals) -> None:
+        """Count what the engine's speculation totals (`SpeculationMetrics`) gained since the last call."""
+        seen = self._spec_seen
+        if seen is not None and totals.verify_steps == seen.verify_steps:
+            return
+        if seen is not None and totals.verify_steps < seen.verify_steps:  # the engine's totals were reset
+            seen = None
+        before = (0, 0, 0, ()) if seen is None else (seen.verify_steps, seen.draft_tokens, seen.accepted_tokens,
+                                                     seen.accepted_per_position)
+        self.spec_drafts.inc(totals.verify_steps - before[0])
+        self.spec_draft_tokens.inc(totals.draft_tokens - before[1])
+        self.spec_accepted_tokens.inc(totals.accepted_tokens - before[2])
+        for position, accepted in enumerate(totals.accepted_per_position):
+            earlier = before[3][position] if position < len(before[3]) else 0
+            self.spec_accepted_per_pos.labels(self._model_name, str(position)).inc(accepted - earlier)
+        self._spec_seen = totals
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

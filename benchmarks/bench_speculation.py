@@ -1,0 +1,189 @@
+"""Speculative decoding with the MTP drafter on the embedded model: acceptance, and tokens/s with speculation on vs off.
+
+The model is the shipped `dsv4-sort` (FP8 dense, FP4 experts; its MTP layer is trained jointly with the target by
+scripts/train_embedded.py), on its own task's held-out prompts (`dsv4.tasks.sort_digits`), greedy. For every batch
+size B and number of draft tokens k, one engine with B cache slots answers the same prompts B at a time without
+speculation and one with `draft="mtp", num_speculative_tokens=k` (speculating at every batch size): their outputs
+must be identical (speculation is exact), and they are timed back to back (`paired.py`: the median of the pairs'
+ratios, so that a neighbour slowing the machine slows both halves of a pair). Reported per (k, B):
+
+  acceptance_rate        accepted drafts / verified drafts
+  mean_accepted_length   tokens per verify step (accepted drafts + the target's own token; at most k + 1)
+  per_position           acceptance of each draft position
+  tok_s_off / tok_s_on   generated tokens per second, prompt included in the time (what a user waits for)
+  speedup                tok_s_on / tok_s_off, the median of paired ratios (ratio_min / ratio_max: their spread)
+
+and `break_even_batch`: per k, the largest measured batch at which speculation still pays (speedup >= 1), the
+measurement behind `speculation.DEFAULT_SPECULATION_MAX_BATCH`. Goals (issue 12): acceptance >= 0.85 at k=1, mean
+accepted length >= 2.5 at k=3, batch-1 tokens/s with speculation >= 1.8x without (the best k).
+
+Writes <out>/bench_speculation[_<expert dtype>][_quick].json and .png.
+Usage: PYTHONPATH=src python benchmarks/bench_speculation.py [--ks 1 2 3 4] [--batches 1 2 4 8 16]
+                                                            [--prompts 16] [--repeats 3] [--threads 1]
+                                                            [--expert-dtype dense] [--quick]
+Needs the `bench` extra (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dsv4 import LLM, SamplingParams
+from dsv4.tasks import sort_digits as task
+from paired import paired
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "dsv4-sort"
+PROMPT_SEED = 31337  # held-out: training draws from seeds 0.. of its own stream
+GOALS = {"acceptance_k1": 0.85, "mean_accepted_length_k3": 2.5, "batch1_speedup": 1.8}
+QUICK = {"ks": [1, 3], "batches": [1, 2], "prompts": 2, "repeats": 1}
+
+
+def _engine(batch: int, k: int | None, expert_dtype: str | None = None) -> LLM:
+    spec = {} if k is None else {"draft": "mtp", "num_speculative_tokens": k, "speculation_max_batch": batch}
+    return LLM(MODEL, max_num_seqs=batch, max_num_batched_tokens=max(64, batch * 8), expert_dtype=expert_dtype,
+               **spec)
+
+
+def _answer(llm: LLM, prompts: list[str], batch: int) -> tuple[float, int, list[list[int]]]:
+    """Every prompt, `batch` at a time: (seconds, generated tokens, token ids per prompt)."""
+    params = SamplingParams(max_tokens=task.MAX_DIGITS + 2)
+    start = time.perf_counter()
+    outputs = []
+    for i in range(0, len(prompts), batch):
+        outputs += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    ids = [o.outputs[0].token_ids for o in outputs]
+    return seconds, sum(len(t) for t in ids), ids
+
+
+def measure(k: int, batch: int, prompts: list[str], repeats: int, plain: LLM, expert_dtype: str | None) -> dict:
+    spec = _engine(batch, k, expert_dtype)
+    _, tokens, plain_ids = _answer(plain, prompts, batch)
+    _, _, spec_ids = _answer(spec, prompts, batch)
+    if spec_ids != plain_ids:
+        raise AssertionError(f"k={k} batch={batch}: speculative greedy output differs from plain greedy")
+    spec.engine.speculation = type(spec.engine.speculation)()  # count the timed runs only
+    timing = paired(lambda: _answer(plain, prompts, batch)[0], lambda: _answer(spec, prompts, batch)[0], repeats)
+    metrics = spec.engine.speculation
+    return {
+        "k": k, "batch": batch, "tokens": tokens,
+        "acceptance_rate": metrics.acceptance_rate, "mean_accepted_length": metrics.mean_accepted_length,
+        "per_position": metrics.per_position_rate(), "verify_steps": metrics.verify_steps,
+        "tok_s_off": tokens / timing.peer_s, "tok_s_on": tokens / timing.ds_s,
+        "speedup": timing.ratio, "speedup_min": min(timing.ratios), "speedup_max": max(timing.ratios),
+    }
+
+
+def break_even(rows: list[dict]) -> dict[str, int]:
+    """Per k, the largest batch at which speculation paid (0: at none)."""
+    out = {}
+    for k in sorted({r["k"] for r in rows}):
+        paying = [r["batch"] for r in rows if r["k"] == k and r["speedup"] >= 1.0]
+        out[str(k)] = max(paying, default=0)
+    return out
+
+
+def goals(rows: list[dict]) -> dict:
+    def at(k: int, batch: int = 1):
+        return next((r for r in rows if r["k"] == k and r["batch"] == batch), None)
+
+    figures = {
+        "acceptance_k1": at(1)["acceptance_rate"] if at(1) else None,
+        "mean_accepted_length_k3": at(3)["mean_accepted_length"] if at(3) else None,
+        "batch1_speedup": max((r["speedup"] for r in rows if r["batch"] == 1), default=None),
+    }
+    return {name: {"value": value, "goal": GOALS[name], "met": value is not None and value >= GOALS[name]}
+            for name, value in figures.items()}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    ks = sorted({r["k"] for r in rows})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for k in ks:
+        mine = sorted((r for r in rows if r["k"] == k), key=lambda r: r["batch"])
+        batches = [r["batch"] for r in mine]
+        left.plot(batches, [r["speedup"] for r in mine], marker="o", label=f"k={k}")
+        left.fill_between(batches, [r["speedup_min"] for r in mine], [r["speedup_max"] for r in mine], alpha=0.15)
+    left.axhline(1.0, color="grey", lw=0.8)
+    left.axhline(GOALS["batch1_speedup"], color="green", lw=0.8, ls="--", label="batch-1 goal")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("batch size (sequences decoding together)")
+    left.set_ylabel("tokens/s with speculation / without (paired)")
+    left.legend()
+    batches = sorted({r["batch"] for r in rows})
+    for batch in batches:
+        mine = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["k"])
+        right.plot([r["k"] for r in mine], [r["mean_accepted_length"] for r in mine], marker="o",
+                   label=f"batch {batch}")
+    right.plot(ks, [k + 1 for k in ks], color="grey", lw=0.8, ls=":", label="k + 1 (all accepted)")
+    right.set_xlabel("draft tokens per step (k)")
+    right.set_ylabel("mean accepted length (tokens per verify step)")
+    right.legend()
+    fig.suptitle(f"MTP speculative decoding on {MODEL} ({result['machine']['threads']} thread(s))")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    prompts = [ex.prompt for ex in task.examples(args.prompts, PROMPT_SEED)]
+    rows = []
+    for batch in args.batches:
+        plain = _engine(batch, None, args.expert_dtype)
+        for k in args.ks:
+            rows.append(measure(k, batch, prompts, args.repeats, plain, args.expert_dtype))
+            r = rows[-1]
+            print(f"k={k} batch={batch}: acceptance {r['acceptance_rate']:.3f}, mean accepted length "
+                  f"{r['mean_accepted_length']:.2f}, {r['tok_s_off']:.1f} -> {r['tok_s_on']:.1f} tok/s "
+                  f"(x{r['speedup']:.2f})", flush=True)
+    return {
+        "model": MODEL, "expert_dtype": args.expert_dtype or "shipped (fp4)", "prompts": args.prompts,
+        "repeats": args.repeats,
+        "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
+        "rows": rows, "break_even_batch": break_even(rows), "goals": goals(rows),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ks", nargs="+", type=int, default=[1, 2, 3, 4])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts answered per timed run")
+    parser.add_argument("--repeats", type=int, default=3, help="back-to-back (off, on) pairs per figure")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--expert-dtype", choices=("fp4", "fp8", "dense"), default=None,
+                        help="routed experts' resident format (default: the shipped FP4)")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK} (smoke test)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "bench_speculation" + (f"_{args.expert_dtype}" if args.expert_dtype else "")
+    stem += "_quick" if args.quick else ""
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / f"{stem}.png")
+    print(json.dumps({"break_even_batch": result["break_even_batch"], "goals": result["goals"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

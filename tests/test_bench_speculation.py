@@ -1,0 +1,29 @@
+"""benchmarks/bench_speculation.py --quick runs end to end and writes every figure it promises (JSON + plot).
+
+Only the machinery is checked: timings on a shared machine are not results, so no speedup is held to its goal (the
+benchmark records whether each goal is met). Acceptance is deterministic (greedy), so the quick run's is checked to be
+real: some drafts accepted at every k.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_speculation.py"
+
+
+def test_quick_mode_writes_every_figure(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_speculation", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench_speculation_quick.json").read_text())
+    rows = result["rows"]
+    assert {(r["k"], r["batch"]) for r in rows} == {(k, b) for k in module.QUICK["ks"] for b in module.QUICK["batches"]}
+    for r in rows:
+        assert 0 < r["acceptance_rate"] <= 1 and 1 < r["mean_accepted_length"] <= r["k"] + 1
+        assert len(r["per_position"]) == r["k"] and r["tok_s_off"] > 0 and r["tok_s_on"] > 0 and r["speedup"] > 0
+    assert set(result["goals"]) == set(module.GOALS) and set(result["break_even_batch"]) == {"1", "3"}
+    assert (tmp_path / "bench_speculation_quick.png").stat().st_size > 0
