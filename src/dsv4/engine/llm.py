@@ -14,6 +14,7 @@ import torch
 from dsv4.config import ModelConfig
 from dsv4.embedded import resolve_model
 from dsv4.engine.chat_template import ChatTemplate
+from dsv4.engine.dspark_proposer import build_dspark_proposer
 from dsv4.engine.engine import PAUSE_ABORT, USER_HOLD, WEIGHTS_HOLD, Engine, check_pause_mode
 from dsv4.engine.limits import EngineLimits
 from dsv4.engine.outputs import RequestOutput
@@ -111,9 +112,12 @@ class LLM:
         self.limits = EngineLimits.derive(
             cfg, self.dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len
         )
+        proposer = None
+        if draft == "dspark":
+            proposer = build_dspark_proposer(self.loaded, self.limits, seed, compile_decode=compile)
         try:
             self.engine = Engine(self.loaded.target, self.limits, seed, cfg.eos_token_ids, self.tokenizer,
-                                 compile_decode=compile)
+                                 compile_decode=compile, proposer=proposer)
         except ValueError as exc:
             raise ConfigError(f"{path}: compile=True: {exc}") from exc
         self._request_counter = itertools.count()
