@@ -79,12 +79,13 @@ class TargetLayerCapture:
         self.layers = tuple(layers)
         self.batch: ForwardBatch | None = None
         self.streams: dict[int, torch.Tensor] = {}
-        self._handles = []
+        handles = []
         this = weakref.ref(self)  # the hooks must not keep a dropped proposer's capture alive
         for layer in self.layers:
             if layer < last:
-                hook = _capture_hook(this, layer)
-                self._handles.append(target.layers[layer + 1].register_forward_pre_hook(hook))
+                handles.append(target.layers[layer + 1].register_forward_pre_hook(_capture_hook(this, layer)))
+        # the hooks leave the target when the capture is closed or collected, whichever comes first
+        self._remove_hooks = weakref.finalize(self, _remove_hooks, handles)
 
     def record(self, layer: int, streams: torch.Tensor, batch: ForwardBatch) -> None:
         """Keep `streams` (the output of `layer` for `batch`); a new batch starts a new forward's capture."""
@@ -126,9 +127,12 @@ class TargetLayerCapture:
 
     def close(self) -> None:
         """Remove the hooks from the target."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._remove_hooks()
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _capture_hook(capture: weakref.ref, layer: int):
