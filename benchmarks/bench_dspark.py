@@ -155,7 +155,7 @@ def threshold_sweep(arm: CountingRun, prompts, params, reference) -> list[dict]:
     rows = []
     try:
         for threshold in THRESHOLDS:
-            proposer = build_dspark_proposer(llm.loaded, llm.limits, 0, verify_threshold=threshold)
+            proposer = build_dspark_proposer(llm.loaded, llm.limits, None, 0, verify_threshold=threshold)
             llm.engine.proposer = proposer
             try:
                 s, tokens, steps = arm(prompts, params)

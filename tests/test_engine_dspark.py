@@ -10,11 +10,11 @@ it drafts worse, so the check can fail). On the tiny random model with a release
 V4.1): the context rings the engine fills through `on_commit` equal the drafter's own commit of a full
 target forward, and greedy output equals plain.
 
-Rollback of the target's rings: `ModelRunner.rewind` today only moves the slot's length back, and a verify
+Rollback of the target's rings: `ModelRunner.rewind` here only moves the slot's length back, and a verify
 chunk of B + 1 rows can overwrite window and compressor ring rows a later step still reads once two or
-more of its drafts are rejected (issue 12 sizes the rings for that rollback). `ExactRewind` stands in for
-it here, outside the engine: it restores the ring rows that rejected positions wrote. Delete it when the
-model cache restores them itself.
+more of its drafts are rejected (issue 12 makes the model cache restore them: `ModelCache.snapshot`).
+Until then `ExactRewind` stands in for it, outside the engine, restoring the ring rows that rejected
+positions wrote; it steps aside when the model cache has its own snapshot (delete it then).
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ from dsv4 import LLM, SamplingParams
 from dsv4.embedded import DSPARK_MODEL
 from dsv4.engine.dspark_proposer import DSparkProposer, build_dspark_proposer
 from dsv4.engine.engine import Engine
+from dsv4.engine.speculation import Draft
 from dsv4.errors import ConfigError
 from dsv4.model.batch import ForwardBatch
+from dsv4.model.cache import ModelCache
 from dsv4.model.dspark_draft import verify_width
 from dsv4.tasks import sort_digits as task
 
@@ -46,12 +48,17 @@ CHI2_Z = 3.09  # the standard normal's 0.999 quantile: a distribution test fails
 
 
 class ExactRewind:
+    # Installed only where the model cache cannot restore rejected rows itself (module docstring).
+    needed = not hasattr(ModelCache, "snapshot")
+
     """Makes the target cache's rewind exact for verify chunks (module docstring): before each step it copies
     the cache; a rewind to a length > 0 puts back, in every ring (window, compressor and indexer rings:
     position t at row t % rows), the rows of the rejected positions. Emitted entries need nothing: an entry
     is visible only from its window's last position on, which is recomputed."""
 
     def __init__(self, engine: Engine):
+        if not self.needed:
+            return
         self.runner = engine.runner
         self._execute, self._rewind = self.runner.execute, self.runner.rewind
         self.runner.execute, self.runner.rewind = self.execute, self.rewind
@@ -62,7 +69,6 @@ class ExactRewind:
                 if compressor is not None:
                     self.rings.extend((compressor.ring_kv, compressor.ring_gate))
         self.before: list[torch.Tensor] = []
-        self.restored = 0
 
     def execute(self, chunks, logit_rows):
         self.before = [t.clone() for t in self.rings]
@@ -76,7 +82,6 @@ class ExactRewind:
                 assert held - length < rows, "a verify chunk longer than a ring"
                 index = torch.tensor([t % rows for t in range(length, held)], dtype=torch.long)
                 now[slot, index] = before[slot, index]
-            self.restored += held - length
         self._rewind(slot, length)
 
 
@@ -98,7 +103,23 @@ def sort_llm() -> LLM:
                max_model_len=MAX_MODEL_LEN)
 
 
-def _run(llm: LLM, prompts, params, max_num_seqs: int, speculate: bool, threshold: float | None = None):
+class WithoutQ:
+    """The DSpark proposer's drafts without their distributions: the engine then judges them by equality
+    with its own samples (speculation.py), whatever rule it uses for drafts that carry q."""
+
+    def __init__(self, proposer: DSparkProposer):
+        self.proposer = proposer
+        self.num_speculative_tokens = proposer.num_speculative_tokens
+
+    def propose(self, seqs, max_drafts):
+        return [Draft(d.token_ids) for d in self.proposer.propose(seqs, max_drafts)]
+
+    def __getattr__(self, name):  # on_commit, on_release, end_step, flush, stats, cache
+        return getattr(self.proposer, name)
+
+
+def _run(llm: LLM, prompts, params, max_num_seqs: int, speculate: bool, threshold: float | None = None,
+         without_q: bool = False):
     """Every prompt through a fresh engine on llm's models, with DSpark (and `ExactRewind`) or without; after
     every step each running sequence's target slot and (once flushed) context ring hold exactly its computed
     positions. Returns (outputs, proposer or None)."""
@@ -106,9 +127,11 @@ def _run(llm: LLM, prompts, params, max_num_seqs: int, speculate: bool, threshol
     proposer = None
     if speculate:
         options = {} if threshold is None else {"verify_threshold": threshold}
-        proposer = build_dspark_proposer(llm.loaded, limits, 0, **options)
-    engine = Engine(llm.loaded.target, limits, 0, llm.config.eos_token_ids, llm.tokenizer, proposer=proposer)
-    rewind = ExactRewind(engine) if speculate else None
+        proposer = build_dspark_proposer(llm.loaded, limits, None, 0, **options)
+    engine = Engine(llm.loaded.target, limits, 0, llm.config.eos_token_ids, llm.tokenizer,
+                    proposer=WithoutQ(proposer) if without_q else proposer)
+    if speculate:
+        ExactRewind(engine)
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     try:
@@ -127,8 +150,6 @@ def _run(llm: LLM, prompts, params, max_num_seqs: int, speculate: bool, threshol
     finally:
         if proposer is not None:
             proposer.close()
-    if rewind is not None:
-        proposer.rewound = rewind.restored
     return [r.output(delta=False) for r in requests], proposer
 
 
@@ -155,7 +176,6 @@ def test_greedy_with_dspark_equals_plain_greedy(sort_llm, batch):
     stats = proposer.stats
     # drafts were kept (on the answers), and rejected (past eos: so slots were rewound)
     assert 0 < stats.accepted < stats.judged_drafted
-    assert proposer.rewound > 0
     assert stats.drafted <= proposer.num_speculative_tokens * stats.verifies
 
 
@@ -163,13 +183,13 @@ SEEDED = SamplingParams(temperature=1.5, top_k=6, seed=11, n=2, max_tokens=MAX_M
 
 
 def test_seeded_sampling_with_dspark_equals_plain_under_the_equality_rule(sort_llm):
-    """With the engine's acceptance rule today (keep a draft while it equals the target's own sample), a
-    seeded request samples exactly the plain tokens. (Rejection sampling against `Draft.probs` keeps the
-    distribution, not the draws: when it judges these drafts, the distribution test below is the check.)"""
+    """DSpark's drafts judged by equality with the target's own samples (handed over without q): a seeded
+    request samples exactly the plain tokens. (Rejection sampling against `Draft.probs` keeps the
+    distribution, not the draws: the distribution test below checks that path.)"""
     prompts = _sort_prompts(6)
     plain, _ = _run(sort_llm, prompts, SEEDED, 4, speculate=False)
     assert len({tuple(t) for t in _tokens(plain)}) == 2 * len(prompts)  # really random
-    speculated, proposer = _run(sort_llm, prompts, SEEDED, 4, speculate=True)
+    speculated, proposer = _run(sort_llm, prompts, SEEDED, 4, speculate=True, without_q=True)
     assert proposer.stats.accepted > 0
     assert _tokens(speculated) == _tokens(plain)
 
@@ -285,7 +305,7 @@ def test_drafts_carry_q_and_the_confident_width(sort_llm, threshold):
     """propose() offers the block the drafter draws, cut to `verify_width(confidence, threshold)` and to the
     engine's room, each draft with exactly the q it was drawn from."""
     limits = sort_llm.limits
-    proposer = build_dspark_proposer(sort_llm.loaded, limits, 0, verify_threshold=threshold)
+    proposer = build_dspark_proposer(sort_llm.loaded, limits, None, 0, verify_threshold=threshold)
     engine = Engine(sort_llm.loaded.target, limits, 0, sort_llm.config.eos_token_ids, proposer=proposer)
     try:
         for i, prompt in enumerate(_sort_prompts(3, seed=2)):
@@ -310,10 +330,34 @@ def test_drafts_carry_q_and_the_confident_width(sort_llm, threshold):
         proposer.close()
 
 
-def test_bad_verify_threshold_is_a_config_error(sort_llm):
+def test_num_speculative_tokens_caps_the_drafts(sort_llm):
+    outputs, proposer = _run(sort_llm, _sort_prompts(4), SamplingParams(max_tokens=12), 2, speculate=True)
+    assert proposer.num_speculative_tokens == 5 and proposer.stats.drafted > 2 * proposer.stats.verifies
+    limits = dataclasses.replace(sort_llm.limits, max_num_seqs=2)
+    capped = build_dspark_proposer(sort_llm.loaded, limits, 2, 0)
+    engine = Engine(sort_llm.loaded.target, limits, 0, sort_llm.config.eos_token_ids, proposer=capped)
+    ExactRewind(engine)
+    try:
+        params = SamplingParams(max_tokens=12)
+        requests = [engine.add_request(str(i), p, params) for i, p in enumerate(_sort_prompts(4))]
+        while engine.has_work():
+            engine.step()
+    finally:
+        capped.close()
+    assert capped.num_speculative_tokens == 2 and capped.stats.drafted == 2 * capped.stats.verifies
+    assert [r.output(delta=False).outputs[0].token_ids for r in requests] == _tokens(outputs)
+
+
+def test_bad_proposer_settings_are_config_errors(sort_llm):
     for bad in (-0.1, 1.5, float("nan"), "0.5", True):
         with pytest.raises(ConfigError, match="dspark verify_threshold: expected a number in"):
-            build_dspark_proposer(sort_llm.loaded, sort_llm.limits, 0, verify_threshold=bad)
+            build_dspark_proposer(sort_llm.loaded, sort_llm.limits, None, 0, verify_threshold=bad)
+    for bad in (0, 6, 2.0, True):
+        with pytest.raises(ConfigError, match=r"dspark num_speculative_tokens: expected an integer in \[1, 5\]"):
+            build_dspark_proposer(sort_llm.loaded, sort_llm.limits, bad, 0)
+    without = LLM(DSPARK_MODEL)
+    with pytest.raises(ConfigError, match="loaded without their DSpark drafter"):
+        build_dspark_proposer(without.loaded, without.limits)
 
 
 # ---- the tiny random model, both releases' drafters ----
@@ -343,7 +387,7 @@ def test_rings_filled_by_the_engine_equal_a_direct_commit(tiny_llm):
     """After prefill chunks and verify steps, each running sequence's context ring equals the drafter's own
     commit (the phase tested against the reference) of one full target forward over its computed tokens."""
     llm = tiny_llm
-    proposer = build_dspark_proposer(llm.loaded, llm.limits, 0, verify_threshold=0.0)
+    proposer = build_dspark_proposer(llm.loaded, llm.limits, None, 0, verify_threshold=0.0)
     engine = Engine(llm.loaded.target, llm.limits, 0, llm.config.eos_token_ids, proposer=proposer)
     ExactRewind(engine)
     drafter, target = proposer.drafter, llm.loaded.target
@@ -381,7 +425,7 @@ def test_tiny_greedy_with_dspark_equals_plain(tiny_llm):
     plain, _ = _run(tiny_llm, prompts, params, 4, speculate=False)
     speculated, proposer = _run(tiny_llm, prompts, params, 4, speculate=True, threshold=0.0)
     assert _tokens(speculated) == _tokens(plain)
-    assert proposer.stats.judged_drafted > proposer.stats.accepted and proposer.rewound > 0
+    assert proposer.stats.judged_drafted > proposer.stats.accepted  # rejected drafts: slots rewound
 
 
 def test_capture_hooks_leave_the_target(sort_llm):
@@ -395,11 +439,11 @@ def test_capture_hooks_leave_the_target(sort_llm):
         return [len(block._forward_pre_hooks) for block in target.layers]
 
     before = hooks()
-    proposer = build_dspark_proposer(sort_llm.loaded, sort_llm.limits, 0)
+    proposer = build_dspark_proposer(sort_llm.loaded, sort_llm.limits, None, 0)
     assert hooks() == [before[0], before[1] + 1, before[2] + 1]
     proposer.close()
     assert hooks() == before
-    proposer = build_dspark_proposer(sort_llm.loaded, sort_llm.limits, 0)
+    proposer = build_dspark_proposer(sort_llm.loaded, sort_llm.limits, None, 0)
     del proposer
     gc.collect()
     assert hooks() == before

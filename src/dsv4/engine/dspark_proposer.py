@@ -174,20 +174,29 @@ class DSparkProposer:
         drafter: the loaded DSpark drafter (READY; the engine's target is its `shared.target`).
         num_slots: the engine's cache slots (`EngineLimits.max_num_seqs`).
         seed: the engine's seed, for the drafts of unseeded requests.
+        num_speculative_tokens: the most drafts a sequence verifies per step, 1 to the block size (None:
+            the block size, `dspark_block_size`).
         verify_threshold: in [0, 1]: verify the longest draft prefix whose running product of confidences
             stays at or above it (0: always the whole block).
 
     Raises:
-        ConfigError: a threshold outside [0, 1].
+        ConfigError: a threshold outside [0, 1], or num_speculative_tokens outside [1, block size].
     """
 
-    def __init__(self, drafter: DSparkDrafter, num_slots: int, seed: int,
+    def __init__(self, drafter: DSparkDrafter, num_slots: int, seed: int, num_speculative_tokens: int | None = None,
                  verify_threshold: float = DEFAULT_VERIFY_THRESHOLD):
         if isinstance(verify_threshold, bool) or not isinstance(verify_threshold, (int, float)) or not (
                 0.0 <= verify_threshold <= 1.0):
             raise ConfigError(f"dspark verify_threshold: expected a number in [0, 1], got {verify_threshold!r}")
+        block = drafter.spec.block_size
+        if num_speculative_tokens is None:
+            num_speculative_tokens = block
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or not (
+                1 <= num_speculative_tokens <= block):
+            raise ConfigError(f"dspark num_speculative_tokens: expected an integer in [1, {block}] (the drafter's "
+                              f"block size), got {num_speculative_tokens!r}")
         self.drafter = drafter
-        self.num_speculative_tokens = drafter.spec.block_size
+        self.num_speculative_tokens = num_speculative_tokens
         self.verify_threshold = float(verify_threshold)
         self.seed = seed
         self.cache: DSparkCache = drafter.allocate_cache(num_slots, 0)
@@ -230,7 +239,7 @@ class DSparkProposer:
         widths = verify_width(block.confidence, self.verify_threshold).tolist()
         drafts = []
         for i, (seq, most) in enumerate(zip(seqs, max_drafts)):
-            width = min(widths[i], most)
+            width = min(widths[i], most, self.num_speculative_tokens)
             self._offered[seq.slot] = width
             self.stats.verifies += 1
             self.stats.drafted += width
@@ -267,6 +276,10 @@ class DSparkProposer:
         self._pending = [p for p in self._pending if p.slot != seq.slot]
         self._offered.pop(seq.slot, None)
         self.cache.reset(seq.slot)
+
+    def end_step(self) -> None:
+        """Every commit of the step is in: write them (the engine may call this after its commits)."""
+        self.flush()
 
     # ---- helpers ----
     @torch.no_grad()
@@ -305,14 +318,15 @@ class DSparkProposer:
 
 
 def build_dspark_proposer(
-    loaded: LoadedModels, limits: EngineLimits, seed: int, *, compile_decode: bool = False,
-    verify_threshold: float = DEFAULT_VERIFY_THRESHOLD,
+    loaded: LoadedModels, limits: EngineLimits, num_speculative_tokens: int | None = None, seed: int = 0, *,
+    compile_decode: bool = False, verify_threshold: float = DEFAULT_VERIFY_THRESHOLD,
 ) -> DSparkProposer:
     """The DSpark proposer of loaded models (`LLM(model, draft="dspark")`).
 
     Args:
         loaded: the target and its DSpark drafter (`load_models(..., draft="dspark")`).
         limits: the engine's limits (one context ring per cache slot).
+        num_speculative_tokens: the most drafts verified per step (None: the drafter's block size).
         seed: the engine's seed.
         compile_decode: whether the engine compiles its decode step (refused: see the module docstring).
         verify_threshold: see `DSparkProposer`.
@@ -321,7 +335,7 @@ def build_dspark_proposer(
         The proposer, for `Engine(..., proposer=...)`.
 
     Raises:
-        ConfigError: no DSpark drafter loaded, compile_decode, or a bad threshold.
+        ConfigError: no DSpark drafter loaded, compile_decode, a bad threshold or draft count.
     """
     drafter = loaded.models.get(DSPARK)
     if not isinstance(drafter, DSparkDrafter):
@@ -331,4 +345,4 @@ def build_dspark_proposer(
             "draft='dspark' with compile=True: the compiled decode step does not expose the target layers "
             f"{drafter.capture_layers} that DSpark reads; use compile=False"
         )
-    return DSparkProposer(drafter, limits.max_num_seqs, seed, verify_threshold)
+    return DSparkProposer(drafter, limits.max_num_seqs, seed, num_speculative_tokens, verify_threshold)

@@ -114,7 +114,7 @@ class LLM:
         )
         proposer = None
         if draft == "dspark":
-            proposer = build_dspark_proposer(self.loaded, self.limits, seed, compile_decode=compile)
+            proposer = build_dspark_proposer(self.loaded, self.limits, None, seed, compile_decode=compile)
         try:
             self.engine = Engine(self.loaded.target, self.limits, seed, cfg.eos_token_ids, self.tokenizer,
                                  compile_decode=compile, proposer=proposer)
