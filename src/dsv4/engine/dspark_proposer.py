@@ -51,11 +51,11 @@ from dsv4.weights.loader import LoadedModels
 
 DSPARK = "dspark"
 # The default verify threshold on the confidence head's running product: verify the drafts whose estimated
-# probability of all surviving is at least this. On CPU a verify row costs little next to a target step
-# (a step of 1 + B rows takes about as long as one of 1 row at small batch), so only drafts the head
-# considers unlikely to survive are left out.
+# probability of all surviving is at least this. A low bar: an accepted draft saves a whole target step,
+# while a rejected one only adds a row to the verify chunk (on the embedded model a 6-row step costs about
+# 2x a 1-row step), so only drafts the head considers unlikely to survive are left out.
 DEFAULT_VERIFY_THRESHOLD = 0.1
-# Mixing constants of the draft seeds (odd 64-bit multipliers: distinct inputs give distinct seeds).
+# Mixing constants of the draft seeds (odd 64-bit multipliers: neighbouring seeds and lengths land far apart).
 _SEED_MULTIPLIER = 0x9E3779B97F4A7C15
 _LENGTH_MULTIPLIER = 0xBF58476D1CE4E5B9
 _SEED_MASK = (1 << 63) - 1
@@ -160,11 +160,11 @@ class ProposerStats:
     target kept (known for chunks whose sequence went on; one that finished inside its chunk is counted in
     `verifies` and `drafted` only)."""
 
-    verifies: int = 0
-    drafted: int = 0
-    judged_verifies: int = 0
-    judged_drafted: int = 0
-    accepted: int = 0
+    verifies: int = 0  # verify chunks drafted for (one per sequence and step)
+    drafted: int = 0  # drafts offered in them
+    judged_verifies: int = 0  # those whose outcome on_commit reported
+    judged_drafted: int = 0  # drafts offered in those
+    accepted: int = 0  # drafts the target kept in those
 
 
 class DSparkProposer:
