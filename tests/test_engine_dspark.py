@@ -119,7 +119,7 @@ class WithoutQ:
 
 
 def _run(llm: LLM, prompts, params, max_num_seqs: int, speculate: bool, threshold: float | None = None,
-         without_q: bool = False):
+         without_q: bool = False, k: int | None = None):
     """Every prompt through a fresh engine on llm's models, with DSpark (and `ExactRewind`) or without; after
     every step each running sequence's target slot and (once flushed) context ring hold exactly its computed
     positions. Returns (outputs, proposer or None)."""
@@ -127,7 +127,7 @@ def _run(llm: LLM, prompts, params, max_num_seqs: int, speculate: bool, threshol
     proposer = None
     if speculate:
         options = {} if threshold is None else {"verify_threshold": threshold}
-        proposer = build_dspark_proposer(llm.loaded, limits, None, 0, **options)
+        proposer = build_dspark_proposer(llm.loaded, limits, k, 0, **options)
     engine = Engine(llm.loaded.target, limits, 0, llm.config.eos_token_ids, llm.tokenizer,
                     proposer=WithoutQ(proposer) if without_q else proposer)
     if speculate:
@@ -182,6 +182,19 @@ def test_greedy_with_dspark_equals_plain_greedy(sort_llm, batch):
 SEEDED = SamplingParams(temperature=1.5, top_k=6, seed=11, n=2, max_tokens=MAX_MODEL_LEN, ignore_eos=True)
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_with_fewer_drafts_per_step_equals_plain_greedy(sort_llm, k):
+    """The rest of MTP's matrix, k = 1 .. 4 drafts verified per step (the batch tests run k = 5), batch 4."""
+    prompts = _sort_prompts(5, seed=k) + _long_prompts((30,))
+    params = _mixed_params(len(prompts))
+    plain, _ = _run(sort_llm, prompts, params, 4, speculate=False)
+    speculated, proposer = _run(sort_llm, prompts, params, 4, speculate=True, k=k)
+    assert _tokens(speculated) == _tokens(plain)
+    # k per step, fewer only where the scheduler leaves less room (near max_tokens / max_model_len)
+    assert (k - 1) * proposer.stats.verifies < proposer.stats.drafted <= k * proposer.stats.verifies
+    assert 0 < proposer.stats.accepted < proposer.stats.judged_drafted
+
+
 def test_seeded_sampling_with_dspark_equals_plain_under_the_equality_rule(sort_llm):
     """DSpark's drafts judged by equality with the target's own samples (handed over without q): a seeded
     request samples exactly the plain tokens. (Rejection sampling against `Draft.probs` keeps the
@@ -218,20 +231,11 @@ def _processed(logprobs: torch.Tensor, temperature: float, top_k: int) -> torch.
     return out
 
 
-def test_sampled_output_distribution_equals_the_targets():
-    """Through the public path (`LLM(..., draft="dspark").generate`): the first three generated tokens of
-    many seeded samples follow the target's own distribution P(t1) P(t2 | t1) P(t3 | t1, t2) (t2 and t3 come
-    out of a verify chunk: a draft judged, then the token after it). Chi-square at p = 0.001 over the
-    triples, the ones never drawn pooled with the unseen mass."""
-    temperature, top_k, samples = 1.5, 4, 1600
-    # 8 sequences at once: at most the batch an engine speculates for by default (issue 12's break-even batch)
-    llm = LLM(DSPARK_MODEL, draft="dspark", dtype="float32", max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
-    prompt = [task.BOS_ID, *task.encode(task.make_prompt(""))]  # no digits: the model is unsure what follows
-    params = [SamplingParams(temperature=temperature, top_k=top_k, seed=1000 + i, max_tokens=3, ignore_eos=True)
-              for i in range(samples)]
-    outputs = llm.generate([prompt] * samples, params, use_tqdm=False)
-    assert llm.engine.proposer.stats.verifies >= samples  # every sample verified drafts
-    triples = [tuple(o.outputs[0].token_ids) for o in outputs]
+def _chi2(llm: LLM, prompt: list[int], triples: list[tuple], temperature: float, top_k: int) -> tuple[float, int]:
+    """Chi-square of the drawn first three tokens against P(t1) P(t2 | t1) P(t3 | t1, t2) at `temperature`
+    (bins with an expected count of at least 5; the rest, and the mass of pairs never drawn, pooled).
+    Returns (chi-square, bins)."""
+    samples = len(triples)
     pairs = sorted({t[:2] for t in triples})
     firsts = sorted({t[0] for t in triples})
     p1 = _processed(llm.forward_logprobs([prompt])[0][-1], temperature, top_k)
@@ -247,14 +251,31 @@ def test_sampled_output_distribution_equals_the_targets():
         for c in torch.nonzero(p3[a, b]).flatten().tolist():
             expected[a, b, c] = float(p1[a] * p2[a][b] * p3[a, b][c]) * samples
     assert set(counts) <= set(expected)  # nothing outside the target's support
-    # bins with an expected count of at least 5; the rest, and the mass of pairs never drawn, pooled
     bins = [(counts.get(k, 0), e) for k, e in expected.items() if e >= 5]
-    pooled_observed = samples - sum(o for o, _ in bins)
-    pooled_expected = samples - sum(e for _, e in bins)
-    bins.append((pooled_observed, pooled_expected))
-    assert len(bins) >= 6, "too concentrated a distribution to test"
-    chi2 = sum((o - e) ** 2 / e for o, e in bins)
-    assert chi2 < _chi2_critical(len(bins) - 1), (chi2, len(bins))
+    bins.append((samples - sum(o for o, _ in bins), samples - sum(e for _, e in bins)))
+    return sum((o - e) ** 2 / e for o, e in bins), len(bins)
+
+
+def test_sampled_output_distribution_equals_the_targets():
+    """Through the public path (`LLM(..., draft="dspark").generate`): the first three generated tokens of
+    many seeded samples follow the target's own distribution P(t1) P(t2 | t1) P(t3 | t1, t2) (t2 and t3 come
+    out of a verify chunk: a draft judged, then the token after it). Chi-square at p = 0.001; the control,
+    the same samples against the distribution at a temperature 17-20% off, fails it."""
+    temperature, top_k, samples = 1.5, 4, 2000
+    # 8 sequences at once: at most the batch an engine speculates for by default (issue 12's break-even batch)
+    llm = LLM(DSPARK_MODEL, draft="dspark", dtype="float32", max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+    prompt = [task.BOS_ID, *task.encode(task.make_prompt(""))]  # no digits: the model is unsure what follows
+    params = [SamplingParams(temperature=temperature, top_k=top_k, seed=1000 + i, max_tokens=3, ignore_eos=True)
+              for i in range(samples)]
+    outputs = llm.generate([prompt] * samples, params, use_tqdm=False)
+    assert llm.engine.proposer.stats.verifies >= samples  # every sample verified drafts
+    triples = [tuple(o.outputs[0].token_ids) for o in outputs]
+    chi2, bins = _chi2(llm, prompt, triples, temperature, top_k)
+    assert bins >= 6, "too concentrated a distribution to test"
+    assert chi2 < _chi2_critical(bins - 1), (chi2, bins)
+    for wrong in (1.25, 1.8):
+        chi2, bins = _chi2(llm, prompt, triples, wrong, top_k)
+        assert chi2 > _chi2_critical(bins - 1), (wrong, chi2, bins)
 
 
 def _acceptance(llm: LLM, prompts) -> tuple[list[list[int]], tuple[int, int, int]]:
