@@ -119,10 +119,10 @@ class WithoutQ:
 
 
 def _run(llm: LLM, prompts, params, max_num_seqs: int, speculate: bool, threshold: float | None = None,
-         without_q: bool = False, k: int | None = None):
+         without_q: bool = False, k: int | None = None, after_step=None):
     """Every prompt through a fresh engine on llm's models, with DSpark (and `ExactRewind`) or without; after
     every step each running sequence's target slot and (once flushed) context ring hold exactly its computed
-    positions. Returns (outputs, proposer or None)."""
+    positions, and `after_step(engine, step)` runs if given. Returns (outputs, proposer or None)."""
     limits = dataclasses.replace(llm.limits, max_num_seqs=max_num_seqs)
     proposer = None
     if speculate:
@@ -136,8 +136,12 @@ def _run(llm: LLM, prompts, params, max_num_seqs: int, speculate: bool, threshol
         params = [params] * len(prompts)
     try:
         requests = [engine.add_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        steps = 0
         while engine.has_work():
             engine.step()
+            steps += 1
+            if after_step is not None:
+                after_step(engine, steps)
             if proposer is not None:
                 proposer.flush()
             for seq in engine.scheduler.running:
@@ -180,6 +184,29 @@ def test_greedy_with_dspark_equals_plain_greedy(sort_llm, batch):
 
 
 SEEDED = SamplingParams(temperature=1.5, top_k=6, seed=11, n=2, max_tokens=MAX_MODEL_LEN, ignore_eos=True)
+
+
+def test_preemption_mid_flight_with_dspark_equals_plain(sort_llm):
+    """Sequences preempted mid-generation (their slots and context rings freed; at step 10 every running one,
+    as a finished weight update does) recompute their tokens when readmitted, refill their rings from
+    position 0, and still produce plain greedy's output."""
+    prompts = _sort_prompts(5, seed=31) + _long_prompts((26,))
+    params = _mixed_params(len(prompts))
+    preempted = []
+
+    def preempt(engine: Engine, step: int) -> None:
+        if step == 10:
+            engine.weights_updated()  # the same weights: only the preemption matters here
+        if step in (6, 14):
+            running = [s for s in engine.scheduler.running if s.output_ids]
+            if running and engine.preempt(running[0].request_id):
+                preempted.append(running[0].request_id)
+
+    plain, _ = _run(sort_llm, prompts, params, 3, speculate=False)
+    speculated, proposer = _run(sort_llm, prompts, params, 3, speculate=True, after_step=preempt)
+    assert len(preempted) == 2
+    assert _tokens(speculated) == _tokens(plain)
+    assert proposer.stats.accepted > 0
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
