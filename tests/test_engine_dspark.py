@@ -1,9 +1,10 @@
 """DSpark in the engine (src/dsv4/engine/dspark_proposer.py): lossless speculative decoding.
 
 On the shipped DSpark variant (`dsv4-sort-dspark`, a trained drafter: window 32, compress rates 4 and 8,
-max_model_len 64) in fp32: greedy output with DSpark equals plain greedy for batches of 1, 4 and 16, with
-generations that run to max_model_len (across the window and both compress rates) and both accepted and
-rejected drafts; seeded sampling equals plain sampling; the output distribution at temperature > 0 through
+max_model_len 64) in fp32: greedy output with DSpark equals plain greedy for batches of 1, 4 and 16 and for
+k = 1 .. 5 drafts per step, with prompts past the window and generations that run to max_model_len (across
+the window and both compress rates), accepted and rejected drafts, and preemptions mid-flight; seeded
+sampling equals plain sampling and does not depend on the batch; the output distribution at temperature > 0 through
 `LLM.generate` equals the target's own (chi-square against the exact probabilities); a refit updates the
 drafter in the same session as the target and then drafts exactly as a fresh load does (a refit that skipped
 it drafts worse, so the check can fail). On the tiny random model with a released-layout drafter (V4 and
