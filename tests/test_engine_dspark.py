@@ -35,6 +35,7 @@ from dsv4 import LLM, SamplingParams
 from dsv4.embedded import DSPARK_MODEL
 from dsv4.engine.dspark_proposer import DSparkProposer, build_dspark_proposer
 from dsv4.engine.engine import Engine
+from dsv4.engine.sequence import Sequence
 from dsv4.engine.speculation import Draft
 from dsv4.errors import ConfigError
 from dsv4.model.batch import ForwardBatch
@@ -497,3 +498,37 @@ def test_capture_hooks_leave_the_target(sort_llm):
     del proposer
     gc.collect()
     assert hooks() == before
+
+
+def test_commits_of_several_steps_flush_in_position_order(tiny_llm):
+    """Two sequences' prefill chunks committed over two target forwards before any draft (A0, B0, A1, B1)
+    reach the rings as one segment per slot, equal to a direct commit of each full sequence."""
+    llm = tiny_llm
+    proposer = build_dspark_proposer(llm.loaded, llm.limits, None, 0)
+    target, drafter = llm.loaded.target, proposer.drafter
+    g = torch.Generator().manual_seed(9)
+    seqs = []
+    for slot in (1, 3):
+        seq = Sequence(str(slot), 0, torch.randint(8, 512, (20,), generator=g).tolist(), SamplingParams())
+        seq.slot = slot
+        seqs.append(seq)
+    cache = target.allocate_cache(4, TINY_LEN)
+    try:
+        for start in (0, 10):
+            batch = ForwardBatch.build([(s.slot, s.prompt_ids[start : start + 10], start) for s in seqs])
+            streams, _ = target(batch, cache)
+            for s, seg in zip(seqs, batch.segments):
+                proposer.on_commit(s, start, streams[seg.begin : seg.end])
+        proposer.flush()
+        for s in seqs:
+            full = ForwardBatch.build([(0, s.prompt_ids, 0)])
+            _, captured = target(full, target.allocate_cache(1, TINY_LEN), capture_layers=drafter.capture_layers)
+            clean = drafter.allocate_cache(1, TINY_LEN)
+            drafter.commit(clean, full, captured)
+            assert proposer.cache.lengths[s.slot] == 20
+            for stage in range(len(drafter.mtp)):
+                got = proposer.cache.read(stage, proposer.cache.context_rows([s.slot]))
+                want = clean.read(stage, clean.context_rows([0]))
+                assert (got - want).abs().max().item() <= RING_TOL
+    finally:
+        proposer.close()

@@ -287,8 +287,9 @@ class DSparkProposer:
         """Write every pending commit into the context rings (one drafter pass over all their rows)."""
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
-        # Consecutive commits of a slot become one segment: a segment must start where its slot's ring ends.
+        # A slot's commits (in position order: the sort is stable) become one segment, since a segment must
+        # start where its slot's ring ends; several steps' commits may be pending when no sequence drafted.
+        pending, self._pending = sorted(self._pending, key=lambda p: p.slot), []
         segments: list[list] = []
         for commit in pending:
             last = segments[-1] if segments and segments[-1][0] == commit.slot else None
