@@ -107,7 +107,7 @@ def test_the_installed_entry_point_prints_one_line_and_debug_the_traceback():
     plain = _run("-m", "dsv4", "inspect", "/nonexistent/ckpt")
     assert plain.returncode == EXIT_USAGE
     assert plain.stderr == "dsv4 inspect: error: model '/nonexistent/ckpt': no such directory, and not an " \
-                           "embedded model's name (dsv4-sort, dsv4-sort-bf16, dsv4-tiny-dummy)\n"
+                           "embedded model's name (dsv4-sort, dsv4-sort-bf16, dsv4-sort-dspark, dsv4-tiny-dummy)\n"
     debug = _run("-m", "dsv4", "inspect", "/nonexistent/ckpt", "--debug")
     assert debug.returncode == EXIT_USAGE
     assert "Traceback (most recent call last)" in debug.stderr and "ConfigError" in debug.stderr

@@ -37,10 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="activation and dense-weight dtype (auto: the checkpoint's)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    parser.add_argument("--draft", choices=("mtp",), default=None,
+    parser.add_argument("--draft", choices=("mtp", "dspark"), default=None,
                         help="speculative decoding with this drafter from the checkpoint (prints its acceptance)")
     parser.add_argument("--num-speculative-tokens", type=positive_int, default=None,
-                        help="draft tokens per step with --draft (default: the engine's)")
+                        help="draft tokens per step with --draft (default: the drafter's: 3 for mtp, dspark's block)")
 
 
 def parse_prompt(prompt: str) -> str | list[int]:
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     speed = _speed_line(loaded - start, loaded, first_token, token_times, done)
     print(f"{speed}; weights version {llm.weights_version}")
     if llm.speculation is not None:
-        print(speculation_line(llm.speculation.num_speculative_tokens, llm.engine.speculation))
+        print(speculation_line(llm.engine.proposer.num_speculative_tokens, llm.engine.speculation))
     if rejected:
         print(f"dsv4 generate: {rejected} of {len(prompts)} prompt(s) rejected", file=sys.stderr)
         return EXIT_REJECTED

@@ -5,10 +5,13 @@ command and API that takes a checkpoint directory also takes one of these names.
                    in DeepSeek's native release layout (FP8 e4m3 dense weights with ue8m0 128x128 block
                    scales, FP4 routed experts with ue8m0 scales) plus its MTP layer
   dsv4-sort-bf16   the same training run's bf16 weights, in transformers' HF layout
+  dsv4-sort-dspark dsv4-sort's target (the same bytes) with a DSpark drafter instead of its MTP layer,
+                   native layout; `LLM("dsv4-sort-dspark", draft="dspark")`
   dsv4-tiny-dummy  a config only; its weights are seeded dummy values
 
 Both dsv4-sort folders carry the task's character-level tokenizer and a chat template
-(tokenizer_config.json). `scripts/train_embedded.py` writes them; `dsv4 eval` scores them.
+(tokenizer_config.json). `scripts/train_embedded.py` writes them (`scripts/train_dspark.py` the DSpark
+variant); `dsv4 eval` scores them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ _HERE = Path(__file__).parent
 DEFAULT_MODEL = "dsv4-sort"
 BF16_MODEL = "dsv4-sort-bf16"
 DUMMY_MODEL = "dsv4-tiny-dummy"
+DSPARK_MODEL = "dsv4-sort-dspark"
 
 
 class EmbeddedModel(NamedTuple):
@@ -36,6 +40,8 @@ EMBEDDED_MODELS = {
     DEFAULT_MODEL: EmbeddedModel(_HERE / DEFAULT_MODEL, "auto",
                                  "sorts digits; native FP8 dense + FP4 experts + MTP layer (the default)"),
     BF16_MODEL: EmbeddedModel(_HERE / BF16_MODEL, "auto", "the same weights in bf16, transformers' HF layout"),
+    DSPARK_MODEL: EmbeddedModel(_HERE / DSPARK_MODEL, "auto",
+                                "dsv4-sort's target with a DSpark drafter (native layout; draft=\"dspark\")"),
     DUMMY_MODEL: EmbeddedModel(_HERE / DUMMY_MODEL, "dummy", "a tiny config with seeded dummy weights, no tokenizer"),
 }
 

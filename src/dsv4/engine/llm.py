@@ -46,17 +46,33 @@ Prompt = str | Seq[int]
 IDLE_WAIT_S = 0.05
 
 
-def build_mtp_proposer(loaded: LoadedModels, limits: EngineLimits, num_speculative_tokens: int, seed: int) -> Proposer:
-    """The MTP layer of the checkpoint as the drafter (engine/mtp_proposer.py)."""
+#: k of the MTP drafter when `LLM(draft="mtp")` leaves num_speculative_tokens unset.
+DEFAULT_MTP_TOKENS = 3
+
+
+def build_mtp_proposer(
+    loaded: LoadedModels, limits: EngineLimits, num_speculative_tokens: int | None, seed: int, compile_decode: bool
+) -> Proposer:
+    """The MTP layer of the checkpoint as the drafter (engine/mtp_proposer.py); it reads only the target's
+    last streams, which the compiled decode step returns too, so `compile_decode` changes nothing here."""
     from dsv4.engine.mtp_proposer import MTPProposer
 
-    return MTPProposer(loaded.models["mtp"], limits, num_speculative_tokens, seed)
+    k = DEFAULT_MTP_TOKENS if num_speculative_tokens is None else num_speculative_tokens
+    return MTPProposer(loaded.models["mtp"], limits, k, seed)
 
 
-#: `LLM(draft=name)` -> how to build its proposer from the loaded models, the engine's limits, k and the seed.
-PROPOSER_BUILDERS = {"mtp": build_mtp_proposer}
-#: k when `LLM(draft=...)` leaves num_speculative_tokens unset.
-DEFAULT_SPECULATIVE_TOKENS = 3
+def build_dspark_drafting(
+    loaded: LoadedModels, limits: EngineLimits, num_speculative_tokens: int | None, seed: int, compile_decode: bool
+) -> Proposer:
+    """The DSpark drafter (engine/dspark_proposer.py); k None verifies up to its whole block."""
+    from dsv4.engine.dspark_proposer import build_dspark_proposer
+
+    return build_dspark_proposer(loaded, limits, num_speculative_tokens, seed, compile_decode=compile_decode)
+
+
+#: `LLM(draft=name)` -> how to build its proposer from the loaded models, the engine's limits, k (None: the
+#: drafter's default), the seed and whether decode steps are compiled.
+PROPOSER_BUILDERS = {"mtp": build_mtp_proposer, "dspark": build_dspark_drafting}
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
@@ -91,7 +107,8 @@ class LLM:
             on a small CPU, cached on disk by torch across processes). Refits stay in place: the compiled
             graph reads the weights by address and sees the new values without recompiling.
         num_speculative_tokens: draft tokens per sequence and step (k, 1 to
-            `speculation.MAX_SPECULATIVE_TOKENS`; None: `DEFAULT_SPECULATIVE_TOKENS` when `draft` is set).
+            `speculation.MAX_SPECULATIVE_TOKENS`; None: the drafter's default, `DEFAULT_MTP_TOKENS` for MTP,
+            DSpark's whole block).
         speculation_max_batch: speculate only in steps with at most this many decoding sequences (the
             break-even batch; None: `speculation.DEFAULT_SPECULATION_MAX_BATCH`).
     """
@@ -139,7 +156,7 @@ class LLM:
         self.speculation: SpeculationConfig | None = None
         if draft in PROPOSER_BUILDERS:
             self.speculation = SpeculationConfig(
-                draft, DEFAULT_SPECULATIVE_TOKENS if num_speculative_tokens is None else num_speculative_tokens,
+                draft, num_speculative_tokens,
                 DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None else speculation_max_batch)
         try:
             self.engine = Engine(self.loaded.target, self.limits, seed, cfg.eos_token_ids, self.tokenizer,
@@ -147,21 +164,22 @@ class LLM:
         except ValueError as exc:
             raise ConfigError(f"{path}: compile=True: {exc}") from exc
         if self.speculation is not None:
-            self._start_speculation(seed)
+            self._start_speculation(seed, compile)
         self._request_counter = itertools.count()
         self._weight_update: WeightUpdateSession | None = None  # the session begun last (one open at a time)
         self._weight_update_lock = threading.Lock()  # makes "is a session open? if not, open one" atomic
 
-    def _start_speculation(self, seed: int) -> None:
-        """Build the proposer and hand it to the engine, once the verify chunk is known to fit the rings."""
+    def _start_speculation(self, seed: int, compile_decode: bool) -> None:
+        """Build the proposer and hand it to the engine, once its verify chunk is known to fit the rings."""
         spec = self.speculation
+        proposer = PROPOSER_BUILDERS[spec.method](self.loaded, self.limits, spec.num_speculative_tokens, seed,
+                                                  compile_decode)
         limit = self.engine.runner.cache.rollback_limit()
-        if spec.num_speculative_tokens + 1 > limit:
+        if proposer.num_speculative_tokens + 1 > limit:
             raise ConfigError(
-                f"LLM: num_speculative_tokens={spec.num_speculative_tokens}: a verify chunk of k + 1 tokens must fit "
-                f"{self.path}'s smallest cache ring ({limit} rows), so k <= {limit - 1}")
-        self.engine.proposer = PROPOSER_BUILDERS[spec.method](self.loaded, self.limits, spec.num_speculative_tokens,
-                                                              seed)
+                f"LLM: num_speculative_tokens={proposer.num_speculative_tokens}: a verify chunk of k + 1 tokens "
+                f"must fit {self.path}'s smallest cache ring ({limit} rows), so k <= {limit - 1}")
+        self.engine.proposer = proposer
         self.engine.speculation_max_batch = spec.max_batch
 
     @property

@@ -121,13 +121,13 @@ class SpeculationConfig:
 
     Attributes:
         method: the drafter's name (a key of `llm.PROPOSER_BUILDERS`).
-        num_speculative_tokens: draft tokens per sequence and step (k).
+        num_speculative_tokens: draft tokens per sequence and step (k; None: the drafter's default).
         max_batch: the most decoding sequences a step speculates for (None: no limit); above it the
             engine decodes without drafts (past the break-even batch, see benchmarks/bench_speculation.py).
     """
 
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int | None
     max_batch: int | None
 
 

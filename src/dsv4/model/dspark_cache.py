@@ -152,6 +152,15 @@ class DSparkCache:
         flat = ring_rows.view(-1, ring_rows.shape[-1]).index_select(0, rows.index)
         return flat.view(-1, self.window, ring_rows.shape[-1])
 
+    def reset(self, slot: int) -> None:
+        """Empty a slot (its sequence ended or was preempted): the next commit starts at position 0.
+
+        Args:
+            slot: the cache slot.
+        """
+        self._check_slot(slot)
+        self.lengths[slot] = 0
+
     def rewind(self, slot: int, length: int) -> None:
         """Make slot hold only positions [0, length) again (a later commit continues from there).
 

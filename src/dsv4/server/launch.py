@@ -45,9 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the only directory /admin/weights/reload may read checkpoints from")
     parser.add_argument("--served-model-name", default=None, help="the name clients give as `model`")
     parser.add_argument("--draft", choices=("mtp", "dspark"), default=None,
-                        help="also load this drafter (mtp: speculative decoding with it)")
+                        help="speculative decoding with this drafter from the checkpoint")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="draft tokens per sequence and step with --draft mtp (default: the engine's)")
+                        help="draft tokens per sequence and step with --draft (default: the drafter's: 3 for mtp, "
+                             "dspark's block)")
     parser.add_argument("--speculation-max-batch", type=int, default=None,
                         help="speculate only in steps with at most this many decoding sequences")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
