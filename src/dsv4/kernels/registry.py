@@ -117,6 +117,12 @@ class KernelRegistry:
             self._choices[op] = self._resolve(op)
         return self._choices[op]
 
+    def resolve_all(self) -> None:
+        """Resolve every op now: a graph torch.compile captures then only reads the choices (building a
+        backend compiles C code, which a graph cannot trace)."""
+        for op in _BACKENDS:
+            self.choose(op)
+
     def kernel(self, op: str, *args):
         """The op's fast implementation when it supports this call (`supports(*args)`, the call's own
         arguments), else None: the caller runs its torch reference."""

@@ -279,6 +279,8 @@ class Attention(nn.Module):
         W = self.window
         block = QUERY_BLOCK_WINDOWS * W if L > 2 * QUERY_BLOCK_WINDOWS * W else L
         out = q.new_empty(P, L, H, hd)
+        # Whole segments are written in place (out= ops keep no autograd history: not when training).
+        in_place = block == L and not torch.is_grad_enabled()
         for r0 in range(0, L, block):
             r1 = min(L, r0 + block)
             lo, hi = max(0, h + r0 - W + 1), h + r1  # the window keys rows [r0, r1) can see
@@ -290,9 +292,9 @@ class Attention(nn.Module):
             per_tile = max(1, TILE_LOGITS // ((r1 - r0) * H * block_keys.shape[1]))  # segments per tile
             for p0 in range(0, P, per_tile):
                 p1 = min(P, p0 + per_tile)
-                tile_out = out[p0:p1] if block == L else None  # whole segments: write in place
+                tile_out = out[p0:p1] if in_place else None
                 tile_out = self._attend_tile(q[p0:p1, r0:r1], block_keys[p0:p1], block_bias[p0:p1], tile_out)
-                if block != L:
+                if not in_place:
                     out[p0:p1, r0:r1] = tile_out
         return out
 
@@ -306,7 +308,9 @@ class Attention(nn.Module):
         sink all their mass."""
         P, B, H, hd = q.shape
         logits = torch.bmm(q.reshape(P, B * H, hd), keys.transpose(1, 2)).view(P, B, H, -1).float()  # [P, B, H, N]
-        torch.add(bias.unsqueeze(2), logits, alpha=self.head_dim**-0.5, out=logits)  # in place: bias + scale * q.k
+        # bias + scale * q.k, in place unless autograd records the step (out= ops keep no history)
+        logits = torch.add(bias.unsqueeze(2), logits, alpha=self.head_dim**-0.5,
+                           out=None if torch.is_grad_enabled() else logits)
         probs = softmax_with_sink(logits, self.attn_sink).to(keys.dtype)
         if out is None:
             return torch.bmm(probs.view(P, B * H, -1), keys).view(P, B, H, hd)

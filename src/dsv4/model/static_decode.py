@@ -92,6 +92,7 @@ class StaticDecode:
         self._least_reads = max(2, model.cfg.index_topk)
         self._forward = decode_forward
         if compile:
+            model.kernels.resolve_all()
             compiled = torch.compile(decode_forward, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS)
             # The floats the step reads (norm eps, SwiGLU limit, routing scale) are model constants: specialised,
             # they are baked into the graph (a guard recompiles for another model) instead of ~30 scalars boxed
