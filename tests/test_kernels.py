@@ -222,7 +222,7 @@ def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T, hc, D):
 @pytest.mark.parametrize("norm", [None, "plain", "weighted"])
 def test_norm_rope_kernel_odd_head_dim_matches_reference(fused_kernels, norm):
     """A head dim that is not a multiple of the kernel's 16 partial sums (their tail) and G > 1 heads."""
-    from dsv4.model.norm import rms_normalize
+    from dsv4.model.norm import rms_norm, rms_normalize
     from dsv4.model.rope import RotaryTable, apply_rotary
 
     _, kernel = fused_kernels
@@ -237,7 +237,7 @@ def test_norm_rope_kernel_odd_head_dim_matches_reference(fused_kernels, norm):
     if norm == "plain":
         want = rms_normalize(want, 1e-6)
     elif norm == "weighted":
-        want = weight * (want * torch.rsqrt(want.square().mean(-1, keepdim=True) + 1e-6))
+        want = rms_norm(want, 1e-6, weight)
     want = apply_rotary(want, *table.cos_sin(positions))
     got = kernel(x.clone(), None if norm is None else 1e-6, weight if norm == "weighted" else None,
                  positions, table.inv_freq)
@@ -246,7 +246,7 @@ def test_norm_rope_kernel_odd_head_dim_matches_reference(fused_kernels, norm):
 
 @pytest.mark.parametrize("norm, inverse", [(None, False), ("plain", False), ("weighted", False), (None, True)])
 def test_norm_rope_kernel_matches_reference(fused_kernels, norm, inverse):
-    from dsv4.model.norm import rms_normalize
+    from dsv4.model.norm import rms_norm, rms_normalize
     from dsv4.model.rope import RotaryTable, apply_rotary
 
     _, kernel = fused_kernels
@@ -260,7 +260,7 @@ def test_norm_rope_kernel_matches_reference(fused_kernels, norm, inverse):
     if norm == "plain":
         want = rms_normalize(want, 1e-6)
     elif norm == "weighted":
-        want = (weight * (want * torch.rsqrt(want.square().mean(-1, keepdim=True) + 1e-6)))
+        want = rms_norm(want, 1e-6, weight)
     cos, sin = table.cos_sin(positions)
     want = apply_rotary(want, cos, sin, inverse=inverse)
     args = (None if norm is None else 1e-6, weight if norm == "weighted" else None, positions, table.inv_freq, inverse)

@@ -47,7 +47,7 @@ class ForwardBatch:
             token_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             segments=segments,
-            plan=StepPlan(segments, len(ids), torch.device(device)),
+            plan=StepPlan.of_segments(segments, len(ids), torch.device(device)),
         )
 
     @property

@@ -8,7 +8,6 @@ compress rate) is built then and kept in the plan for the step's other layers.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,33 +28,22 @@ class _Memo:
         return memo[key]
 
 
+@dataclass(frozen=True)
 class StepPlan:
     """The step's plans: `decode` for its single-token rows, `prefill` for its longer chunks (each None
-    when the step has no such rows), built on first use."""
+    when the step has no such rows)."""
 
-    def __init__(self, segments: Sequence[Segment], num_rows: int, device: torch.device):
-        self._segments, self._num_rows, self._device = segments, num_rows, device
+    decode: DecodeMeta | None
+    prefill: PrefillMeta | None
 
     @classmethod
-    def of_decode(cls, decode: DecodeMeta) -> StepPlan:
-        """A pure-decode step's plan (the compiled step builds its DecodeMeta from tensors)."""
-        plan = cls((), decode.slots.shape[0], decode.device)
-        plan.__dict__["decode"] = decode
-        plan.__dict__["prefill"] = None
-        return plan
-
-    @functools.cached_property
-    def decode(self) -> DecodeMeta | None:
-        singles = [seg for seg in self._segments if seg.length == 1]
-        if not singles:
-            return None
-        pure = len(singles) == len(self._segments) == self._num_rows
-        return DecodeMeta.of_segments(singles, pure, self._device)
-
-    @functools.cached_property
-    def prefill(self) -> PrefillMeta | None:
-        chunks = [seg for seg in self._segments if seg.length > 1]
-        return PrefillMeta(chunks, self._num_rows, self._device) if chunks else None
+    def of_segments(cls, segments: Sequence[Segment], num_rows: int, device: torch.device) -> StepPlan:
+        """The plan of a flat batch of num_rows rows cut into `segments`."""
+        singles = [seg for seg in segments if seg.length == 1]
+        chunks = [seg for seg in segments if seg.length > 1]
+        pure = len(singles) == len(segments) == num_rows
+        return cls(decode=DecodeMeta.of_segments(singles, pure, device) if singles else None,
+                   prefill=PrefillMeta(chunks, num_rows, device) if chunks else None)
 
 
 @dataclass(frozen=True)
