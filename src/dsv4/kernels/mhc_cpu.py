@@ -40,11 +40,11 @@ def build_library() -> ctypes.CDLL:
     return lib
 
 
-def eager_cpu(*tensors: torch.Tensor) -> bool:
-    """Whether a C kernel may run on these tensors: CPU storage, and not inside a graph torch.compile is
-    capturing (it calls the library on raw pointers, which a graph cannot trace; the compiler fuses the
-    torch reference formulas instead)."""
-    return not torch.compiler.is_compiling() and all(t.device.type == "cpu" for t in tensors)
+def eager_cpu(x: torch.Tensor) -> bool:
+    """Whether a C kernel may run on x: CPU storage, and not inside a graph torch.compile is capturing (it
+    calls the library on raw pointers, which a graph cannot trace; the compiler fuses the torch reference
+    formulas instead)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 class MhcCpuKernel:

@@ -14,6 +14,8 @@ code), the prefill path every longer chunk at once, padded to the longest. Both 
 with `Compressor.emit`, pick entries with `Indexer.select` and weigh keys with `softmax_with_sink`.
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -66,14 +68,14 @@ class Compressor(nn.Module):
         """Record the new tokens in the ring and append the entries of the windows the plan names.
         kv, gate [N, width] are raw projections of the rows the plan indexes (the layer input's)."""
         m, width, d = self.rate, kv.shape[1], self.out_dim
-        ring_kv, ring_gate = cache.ring_kv.view(-1, width), cache.ring_gate.view(-1, width)  # [S * R, width]
         source_kv, source_gate = kv, gate
         if windows.history_rows is not None:  # read before the ring is overwritten below
-            source_kv = torch.cat((kv, ring_kv.index_select(0, windows.history_rows)))
-            source_gate = torch.cat((gate, ring_gate.index_select(0, windows.history_rows)))
+            history = windows.history_rows
+            source_kv = torch.cat((kv, cache.ring_kv.view(-1, width).index_select(0, history)))
+            source_gate = torch.cat((gate, cache.ring_gate.view(-1, width).index_select(0, history)))
         src = windows.src_rows
-        ring_kv.index_copy_(0, windows.ring_rows, kv if src is None else kv.index_select(0, src))
-        ring_gate.index_copy_(0, windows.ring_rows, gate if src is None else gate.index_select(0, src))
+        cache.ring_kv.index_put_(windows.ring_index, kv if src is None else kv.index_select(0, src))
+        cache.ring_gate.index_put_(windows.ring_index, gate if src is None else gate.index_select(0, src))
         E = windows.count
         if E == 0:
             return
@@ -345,20 +347,20 @@ class Attention(nn.Module):
         return self.wo_b(low_rank)
 
 
+@dataclass
 class _SideInputs:
     """A row range's compressor / indexer projections (None where the layer has no such part)."""
 
-    _FIELDS = ("comp_kv", "comp_gate", "idx_kv", "idx_gate", "idx_q", "idx_w")
-    __slots__ = _FIELDS
-
-    def __init__(self, **tensors: torch.Tensor | None):
-        for name in self._FIELDS:
-            setattr(self, name, tensors.get(name))
+    comp_kv: torch.Tensor | None = None
+    comp_gate: torch.Tensor | None = None
+    idx_kv: torch.Tensor | None = None
+    idx_gate: torch.Tensor | None = None
+    idx_q: torch.Tensor | None = None
+    idx_w: torch.Tensor | None = None
 
     def rows(self, rows) -> "_SideInputs":
         """The same projections of rows `rows` only."""
-        return _SideInputs(**{name: None if t is None else t[rows] for name in self._FIELDS
-                              for t in (getattr(self, name),)})
+        return _SideInputs(*(None if t is None else t[rows] for t in vars(self).values()))
 
 
 def softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:

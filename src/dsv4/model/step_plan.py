@@ -21,11 +21,13 @@ if TYPE_CHECKING:
 class _Memo:
     """Per-step lazily built values, keyed by what they depend on (window size, compress rate)."""
 
+    def __init__(self):
+        self._memo: dict = {}
+
     def _cached(self, key, build):
-        memo = self.__dict__.setdefault("_memo", {})
-        if key not in memo:
-            memo[key] = build()
-        return memo[key]
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,8 @@ class StepPlan:
 class WindowPlan:
     """Where a compressor finds the tokens of the windows it pools this step, and where it writes.
 
-    The new tokens' raw projections go to ring rows `ring_rows` (flat `slot * R + position % R`) from
-    rows `src_rows` of the layer input (None: every row, in order). The windows' tokens are read from a
+    The new tokens' raw projections go to the ring at `ring_index` (slots, position % R) from rows
+    `src_rows` of the layer input (None: every row, in order). The windows' tokens are read from a
     flat source [the layer input's rows | the ring rows `history_rows`, read before the ring is written
     (None: no window needs them)] viewed as rows of out_dim channels: `source_rows` [count * S] indexes
     that view. Overlapping (width 2 out_dim, so token r is half-rows 2r (Ca) and 2r + 1 (Cb)): S = 2m
@@ -60,7 +62,7 @@ class WindowPlan:
     when given (a compiled step pools every row's current window and keeps the completed ones).
     `first` [count] (or None: none) marks window 0, whose previous-window slots weigh nothing."""
 
-    ring_rows: torch.Tensor
+    ring_index: tuple[torch.Tensor, torch.Tensor]
     src_rows: torch.Tensor | None
     history_rows: torch.Tensor | None
     source_rows: torch.Tensor
@@ -92,6 +94,7 @@ class DecodeMeta(_Memo):
 
     def __init__(self, pos: torch.Tensor, slots: torch.Tensor, rows, pure: bool, host_positions: list[int] | None,
                  reads: dict[int, int] | None, slot_range: slice | None):
+        super().__init__()
         self.pos, self.slots, self.rows, self.pure = pos, slots, rows, pure  # [B] positions, [B] cache slots
         self.device = pos.device
         self.host_positions = host_positions
@@ -151,12 +154,16 @@ class DecodeMeta(_Memo):
         with host positions, the rows whose token completes window p // m; else every row's (`complete`)."""
         def build():
             B, m, device = self.pos.shape[0], rate, self.device
-            rows = torch.arange(B, device=device)
+            ring_index = (self.slots, self.pos % ring_len)
             complete = first = None
             if self.host_positions is None:
+                rows = torch.arange(B, device=device)
                 complete, first = (self.pos + 1) % m == 0, (self.pos < m if overlap else None)
             else:
                 done = [b for b, p in enumerate(self.host_positions) if (p + 1) % m == 0]
+                if not done:  # the common step: the tokens only go to the ring
+                    empty = self.pos[:0]
+                    return WindowPlan(ring_index, None, None, empty, empty, empty, None, None, 0)
                 rows = torch.tensor(done, dtype=torch.long, device=device)
                 if overlap and any(self.host_positions[b] < m for b in done):
                     first = self.pos.index_select(0, rows) < m
@@ -170,9 +177,9 @@ class DecodeMeta(_Memo):
             source = torch.where(token_pos == pos.unsqueeze(-1), rows.unsqueeze(-1), in_ring)
             history = (slots.unsqueeze(-1) * ring_len + torch.arange(ring_len, device=device)).view(-1)
             return WindowPlan(
-                ring_rows=self.slots * ring_len + self.pos % ring_len, src_rows=None,
-                history_rows=history if E > 0 else None, source_rows=_half_rows(source, slot, overlap),
-                window_ids=pos // m, window_slots=slots, first=first, complete=complete, count=E,
+                ring_index=ring_index, src_rows=None, history_rows=history,
+                source_rows=_half_rows(source, slot, overlap), window_ids=pos // m, window_slots=slots,
+                first=first, complete=complete, count=E,
             )
         return self._cached(("windows", rate, ring_len, overlap), build)
 
@@ -186,6 +193,7 @@ class PrefillMeta(_Memo):
     tokens | n compressed entries | one zero key for the sink], n = 0 on sliding layers."""
 
     def __init__(self, segments: Sequence[Segment], num_rows: int, device: torch.device):
+        super().__init__()
         self.device = device
         self.num_rows = num_rows  # T: rows of the flat batch every layer input has
         longest = max(seg.length for seg in segments)
@@ -298,7 +306,7 @@ class PrefillMeta(_Memo):
             rows = torch.where(token_pos >= start, in_chunk, in_ring)  # [E, S] source token rows
             ring_rows, src_rows = self.ring_writes(ring_len)
             return WindowPlan(
-                ring_rows=ring_rows, src_rows=src_rows,
+                ring_index=(ring_rows // ring_len, ring_rows % ring_len), src_rows=src_rows,
                 history_rows=history_rows if bool((rows >= self.num_rows).any()) else None,
                 source_rows=_half_rows(rows, slot, overlap), window_ids=window_ids,
                 window_slots=self.slots[window_seg],
