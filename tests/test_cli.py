@@ -115,6 +115,15 @@ def test_the_installed_entry_point_prints_one_line_and_debug_the_traceback():
 
 
 # ---- generate ----
+def test_a_reader_that_stops_early_is_not_an_error():
+    """`dsv4 inspect ... | true`: the reader exits before the first line is written (the command must first
+    read the checkpoint), so every write meets a closed pipe; that ends the command quietly."""
+    dsv4_bin = Path(sys.executable).with_name("dsv4")
+    done = subprocess.run(f"'{dsv4_bin}' inspect dsv4-sort | true; echo status $PIPESTATUS", shell=True,
+                          executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert done.stderr == "" and done.stdout.strip() == "status 0", (done.stdout, done.stderr)
+
+
 def test_generate_reports_a_rejected_prompt_in_its_place(capsys):
     """Out-of-vocabulary ids reject that prompt only: its error is printed where its answer would be, the
     others are answered, and the exit status says something was rejected."""

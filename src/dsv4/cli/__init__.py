@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -110,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log_to_stderr()
     try:
         return args.run(args)
+    except BrokenPipeError:  # the reader of our output stopped early (`dsv4 inspect ... | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's final flush stays quiet
+        return EXIT_OK
     except (Dsv4Error, OSError) as exc:
         if args.debug:
             import traceback
