@@ -83,17 +83,18 @@ class Compressor(nn.Module):
         slots_gate = source_gate.view(-1, d).index_select(0, windows.source_rows).view(E, -1, d).float()
         ape = self.ape.view(m, 2, d).transpose(0, 1).reshape(2 * m, d) if self.overlap else self.ape  # [S, d] by slot
         slots_gate.add_(ape)  # in place: a fresh tensor
-        if windows.first is not None:  # window 0's Ca slots (no previous window) weigh nothing
-            first = windows.first.view(E, 1, 1)
-            slots_kv[:, :m].masked_fill_(first, 0.0)
-            slots_gate[:, :m].masked_fill_(first, float("-inf"))
+        if windows.empty_slots is not None:  # window 0's Ca slots (no previous window) weigh nothing
+            empty = windows.empty_slots.unsqueeze(-1)  # out of place: a compiled graph fuses it into the gather
+            slots_kv = slots_kv.masked_fill(empty, 0.0)
+            slots_gate = slots_gate.masked_fill(empty, float("-inf"))
         pooled = (slots_kv * slots_gate.softmax(dim=1)).sum(dim=1)  # [E, d] fp32
         entries = norm_rope_(pooled.to(kv.dtype), self.norm.eps, self.norm.weight, windows.window_ids * m, rope)
-        flat_entries = cache.entries.view(-1, d)  # [S * E_max, d]
-        rows = windows.window_slots * cache.entries.shape[1] + windows.window_ids
+        # Written into the cache tensor itself, not a view of it: a compiled graph then scatters the rows
+        # in place instead of copying the whole cache back.
+        at = (windows.window_slots, windows.window_ids)
         if windows.complete is not None:  # keep what the rows that complete no window hold
-            entries = torch.where(windows.complete.unsqueeze(-1), entries, flat_entries.index_select(0, rows))
-        flat_entries.index_copy_(0, rows, entries)
+            entries = torch.where(windows.complete.unsqueeze(-1), entries, cache.entries[at])
+        cache.entries.index_put_(at, entries)
 
 
 class Indexer(nn.Module):

@@ -60,7 +60,8 @@ class WindowPlan:
     slots, Ca of window w - 1's tokens then Cb of window w's; otherwise S = m, window w's tokens.
     Entry `window_ids` [count] of slot `window_slots` [count] is written, only where `complete` [count]
     when given (a compiled step pools every row's current window and keeps the completed ones).
-    `first` [count] (or None: none) marks window 0, whose previous-window slots weigh nothing."""
+    `empty_slots` [count, S] (or None: none) marks the slots that weigh nothing: window 0's
+    previous-window slots."""
 
     ring_index: tuple[torch.Tensor, torch.Tensor]
     src_rows: torch.Tensor | None
@@ -68,7 +69,7 @@ class WindowPlan:
     source_rows: torch.Tensor
     window_ids: torch.Tensor
     window_slots: torch.Tensor
-    first: torch.Tensor | None
+    empty_slots: torch.Tensor | None
     complete: torch.Tensor | None
     count: int
 
@@ -76,6 +77,11 @@ class WindowPlan:
 def _window_slots(rate: int, overlap: bool, device: torch.device) -> torch.Tensor:
     """[S] each pooled slot's offset from its window's first position (negative: the previous window)."""
     return torch.arange(-rate if overlap else 0, rate, device=device)
+
+
+def _empty_slots(first: torch.Tensor | None, slot: torch.Tensor) -> torch.Tensor | None:
+    """[E] windows with id 0 -> [E, S] their previous-window slots (None stays None)."""
+    return None if first is None else first.unsqueeze(-1) & (slot < 0)
 
 
 def _half_rows(rows: torch.Tensor, slot: torch.Tensor, overlap: bool) -> torch.Tensor:
@@ -179,7 +185,7 @@ class DecodeMeta(_Memo):
             return WindowPlan(
                 ring_index=ring_index, src_rows=None, history_rows=history,
                 source_rows=_half_rows(source, slot, overlap), window_ids=pos // m, window_slots=slots,
-                first=first, complete=complete, count=E,
+                empty_slots=_empty_slots(first, slot), complete=complete, count=E,
             )
         return self._cached(("windows", rate, ring_len, overlap), build)
 
@@ -310,7 +316,8 @@ class PrefillMeta(_Memo):
                 history_rows=history_rows if bool((rows >= self.num_rows).any()) else None,
                 source_rows=_half_rows(rows, slot, overlap), window_ids=window_ids,
                 window_slots=self.slots[window_seg],
-                first=first if overlap and bool(first.any()) else None, complete=None, count=window_ids.numel(),
+                empty_slots=_empty_slots(first, slot) if overlap and bool(first.any()) else None, complete=None,
+                count=window_ids.numel(),
             )
         return self._cached(("windows", rate, ring_len, overlap), build)
 
