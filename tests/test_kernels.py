@@ -10,6 +10,7 @@ from dsv4.kernels.mhc_cpu import MhcCpuKernel, build_library
 from dsv4.kernels.registry import MHC_COEFFICIENTS, REFERENCE, KernelRegistry, default_registry, describe_backends
 from dsv4.model import mhc
 from dsv4.model.batch import ForwardBatch
+from dsv4.model.deepseek_v4 import DeepseekV4
 
 HC = 4
 MIX = 2 * HC + HC * HC
@@ -26,7 +27,7 @@ def test_mhc_cpu_kernel_matches_reference(mhc_kernel, tokens, iters, hc_eps):
     logits = torch.randn(tokens, MIX, generator=g) * 3
     base = torch.randn(MIX, generator=g)
     scale = torch.rand(3, generator=g) * 2
-    assert mhc_kernel.supports(logits, HC, iters)
+    assert mhc_kernel.supports(logits, base, scale, HC, iters, hc_eps)
     fast = mhc_kernel(logits, base, scale, HC, iters, hc_eps)
     ref = mhc.coefficients_reference(logits, base, scale, HC, iters, hc_eps)
     for got, want in zip(fast, ref):
@@ -35,14 +36,15 @@ def test_mhc_cpu_kernel_matches_reference(mhc_kernel, tokens, iters, hc_eps):
 
 
 def test_mhc_cpu_kernel_declines_what_it_cannot_run(mhc_kernel):
-    assert not mhc_kernel.supports(torch.zeros(2, MIX, dtype=torch.float64), HC, 20)
-    assert not mhc_kernel.supports(torch.zeros(2, MIX), HC, 0)
+    base, scale = torch.zeros(MIX), torch.ones(3)
+    assert not mhc_kernel.supports(torch.zeros(2, MIX, dtype=torch.float64), base, scale, HC, 20, 1e-6)
+    assert not mhc_kernel.supports(torch.zeros(2, MIX), base, scale, HC, 0, 1e-6)
 
 
 def test_dispatching_coefficients_equals_reference():
     g = torch.Generator().manual_seed(3)
     logits, base, scale = torch.randn(9, MIX, generator=g), torch.randn(MIX, generator=g), torch.rand(3, generator=g)
-    for got, want in zip(mhc.coefficients(logits, base, scale, HC, 20, 1e-6),
+    for got, want in zip(mhc.coefficients(logits, base, scale, HC, 20, 1e-6, KernelRegistry()),
                          mhc.coefficients_reference(logits, base, scale, HC, 20, 1e-6)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
@@ -81,42 +83,45 @@ def _random_routing(tokens: int, k: int, seed: int):
 
 @pytest.mark.parametrize("tokens, k", [(1, 2), (16, 2), (5, 4)])
 def test_gathered_experts_match_reference_loop(tokens, k):
-    from dsv4.kernels.gathered_experts import GatheredExperts
-    from dsv4.model.moe import swiglu
+    from dsv4.kernels.gathered_experts import GatheredExperts, swiglu
 
     experts, x, ids, weights = _random_routing(tokens, k, seed=tokens + k)
     kernel = GatheredExperts()
-    assert kernel.supports(x, ids.numel(), experts.w1)
-    got = kernel(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
+    args = (x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
+    assert kernel.supports(*args)
+    got = kernel(*args)
     # Unit-scale random weights give outputs of size ~10: 1e-5 is fp32 accumulation-order noise.
     torch.testing.assert_close(got, experts.forward_reference(x, ids, weights), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(experts(x, ids, weights), got, rtol=1e-5, atol=1e-5)  # forward's fast path
 
 
 def test_gathered_experts_decline_large_batches_and_large_experts():
-    from dsv4.kernels.gathered_experts import MAX_GATHERED_ELEMENTS, GatheredExperts
+    from dsv4.kernels.gathered_experts import MAX_GATHERED_ELEMENTS, GatheredExperts, swiglu
+
+    def supports(picks: int, w1: torch.Tensor) -> bool:
+        ids = torch.zeros(1, picks, dtype=torch.long)
+        return GatheredExperts().supports(torch.zeros(1, 64), ids, ids.float(), w1, w1, w1.transpose(1, 2), 1.0, swiglu)
 
     w1 = torch.zeros(4, 32, 64)
-    x = torch.zeros(1, 64)
-    assert GatheredExperts().supports(x, MAX_GATHERED_ELEMENTS // (3 * 32 * 64), w1)
-    assert not GatheredExperts().supports(x, MAX_GATHERED_ELEMENTS // (3 * 32 * 64) + 1, w1)
-    assert not GatheredExperts().supports(x, 1, torch.zeros(4, 256, 512))  # the small config's experts: loop
+    assert supports(MAX_GATHERED_ELEMENTS // (3 * 32 * 64), w1)
+    assert not supports(MAX_GATHERED_ELEMENTS // (3 * 32 * 64) + 1, w1)
+    assert not supports(1, torch.zeros(4, 256, 512))  # the small config's experts: loop
 
 
 @pytest.mark.parametrize("tokens, k", [(1, 2), (16, 2), (37, 4)])
 def test_grouped_experts_match_reference_loop(tokens, k):
-    from dsv4.kernels.gathered_experts import build_grouped_experts
-    from dsv4.model.moe import swiglu
+    from dsv4.kernels.gathered_experts import build_grouped_experts, swiglu
 
     experts, x, ids, weights = _random_routing(tokens, k, seed=tokens * 3 + k)
     kernel = build_grouped_experts()
-    assert kernel.supports(x, experts.w1)
+    assert kernel.supports(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
     want = experts.forward_reference(x, ids, weights)
     # Both of the kernel's paths, whichever __call__ would pick for this batch.
     for path in (kernel.grouped, kernel.all_experts, kernel):
         got = path(x, ids, weights, experts.w1, experts.w3, experts.w2, experts.limit, swiglu)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert not kernel.supports(x, torch.zeros(4, 30, 64))  # unaligned expert width: not for _grouped_mm
+    unaligned = torch.zeros(4, 30, 64)  # unaligned expert width: not for _grouped_mm
+    assert not kernel.supports(x, ids, weights, unaligned, unaligned, unaligned.transpose(1, 2), 1.0, swiglu)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -125,7 +130,7 @@ def test_row_chunked_paths_equal_unchunked(monkeypatch, dtype):
     weighting, the bf16 expert weighting and the mix GEMM give what one pass over all rows gives."""
     from dsv4.kernels import row_chunks as row_chunks_module
     from dsv4.kernels.gathered_experts import _weighted, build_grouped_experts
-    from dsv4.model.block import mix_gemm
+    from dsv4.kernels.mhc_cpu import mix_gemm
     from dsv4.model.moe import swiglu
 
     experts, x, ids, weights = _random_routing(37, 2, seed=5)
@@ -166,10 +171,10 @@ def test_grouped_experts_use_all_experts_only_for_small_experts_at_covering_batc
 
 @pytest.fixture(scope="module")
 def fused_kernels():
-    from dsv4.kernels.mhc_cpu import MhcFusedKernel, NormRopeKernel
+    from dsv4.kernels import norm_rope_cpu
+    from dsv4.kernels.mhc_cpu import MhcFusedKernel
 
-    lib = build_library()
-    return MhcFusedKernel(lib), NormRopeKernel(lib)
+    return MhcFusedKernel(build_library()), norm_rope_cpu.NormRopeKernel(norm_rope_cpu.build_library())
 
 
 # Token counts: below one Sinkhorn lane block (8 tokens), and two full blocks plus a partial one.
@@ -189,25 +194,24 @@ def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T, hc, D):
     base, scale = torch.randn(mix, generator=g), torch.rand(3, generator=g) * 2
     norm_w = 1 + 0.1 * torch.randn(D, generator=g)
     out = torch.randn(T, D, generator=g)
-    coef, y = fused.pre(streams, streams.view(T, -1) @ fn.t(), base, scale, hc, iters, rms_eps, hc_eps, norm_w, 1e-5)
+    assert fused.supports(streams, fn, base, scale, hc, iters, rms_eps, hc_eps, norm_w, 1e-5)
+    coef, y = fused.pre(streams, fn, base, scale, hc, iters, rms_eps, hc_eps, norm_w, 1e-5)
     got_streams = fused.post(streams, out, coef, hc)
 
-    from dsv4.model.norm import RMSNorm
+    from dsv4.model.norm import rms_norm
 
-    norm = RMSNorm(D, 1e-5)
-    norm.weight.data.copy_(norm_w)
     if broadcast:
         e = streams[:, 0]
         pre, post, comb = mhc.coefficients_reference(
             mhc.mix_logits_broadcast(e, fn, rms_eps), base, scale, hc, iters, hc_eps
         )
-        want_y = norm.forward_reference((pre.sum(dim=-1, keepdim=True) * e).to(e.dtype))
+        want_y = rms_norm((pre.sum(dim=-1, keepdim=True) * e).to(e.dtype), 1e-5, norm_w)
         want_streams = mhc.expand_broadcast(e, out, post, comb)
     else:
         pre, post, comb = mhc.coefficients_reference(
             mhc.mix_logits(streams, fn, rms_eps), base, scale, hc, iters, hc_eps
         )
-        want_y = norm.forward_reference(mhc.collapse(streams, pre))
+        want_y = rms_norm(mhc.collapse(streams, pre), 1e-5, norm_w)
         want_streams = mhc.expand(streams, out, post, comb)
     for got, want in zip(coef.split([hc, hc, hc * hc], dim=-1), (pre, post, comb.flatten(1))):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -218,7 +222,7 @@ def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T, hc, D):
 @pytest.mark.parametrize("norm", [None, "plain", "weighted"])
 def test_norm_rope_kernel_odd_head_dim_matches_reference(fused_kernels, norm):
     """A head dim that is not a multiple of the kernel's 16 partial sums (their tail) and G > 1 heads."""
-    from dsv4.model.norm import rms_normalize
+    from dsv4.model.norm import rms_norm, rms_normalize
     from dsv4.model.rope import RotaryTable, apply_rotary
 
     _, kernel = fused_kernels
@@ -233,7 +237,7 @@ def test_norm_rope_kernel_odd_head_dim_matches_reference(fused_kernels, norm):
     if norm == "plain":
         want = rms_normalize(want, 1e-6)
     elif norm == "weighted":
-        want = weight * (want * torch.rsqrt(want.square().mean(-1, keepdim=True) + 1e-6))
+        want = rms_norm(want, 1e-6, weight)
     want = apply_rotary(want, *table.cos_sin(positions))
     got = kernel(x.clone(), None if norm is None else 1e-6, weight if norm == "weighted" else None,
                  positions, table.inv_freq)
@@ -242,7 +246,7 @@ def test_norm_rope_kernel_odd_head_dim_matches_reference(fused_kernels, norm):
 
 @pytest.mark.parametrize("norm, inverse", [(None, False), ("plain", False), ("weighted", False), (None, True)])
 def test_norm_rope_kernel_matches_reference(fused_kernels, norm, inverse):
-    from dsv4.model.norm import rms_normalize
+    from dsv4.model.norm import rms_norm, rms_normalize
     from dsv4.model.rope import RotaryTable, apply_rotary
 
     _, kernel = fused_kernels
@@ -256,17 +260,17 @@ def test_norm_rope_kernel_matches_reference(fused_kernels, norm, inverse):
     if norm == "plain":
         want = rms_normalize(want, 1e-6)
     elif norm == "weighted":
-        want = (weight * (want * torch.rsqrt(want.square().mean(-1, keepdim=True) + 1e-6)))
+        want = rms_norm(want, 1e-6, weight)
     cos, sin = table.cos_sin(positions)
     want = apply_rotary(want, cos, sin, inverse=inverse)
-    assert kernel.supports(x, table.inv_freq)
-    got = kernel(x.clone(), None if norm is None else 1e-6, weight if norm == "weighted" else None,
-                 positions, table.inv_freq, inverse)
+    args = (None if norm is None else 1e-6, weight if norm == "weighted" else None, positions, table.inv_freq, inverse)
+    assert kernel.supports(x, *args)
+    got = kernel(x.clone(), *args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # And the model's entry point (registry fast path) equals its torch reference.
     from dsv4.model.rope import norm_rope_
 
-    assert not kernel.supports(x.double(), table.inv_freq)
+    assert not kernel.supports(x.double(), *args)
     ref64 = norm_rope_(x.double(), None if norm is None else 1e-6, weight.double() if norm == "weighted" else None,
                        positions, table, inverse)  # float64: the reference path
     torch.testing.assert_close(got.double(), ref64, rtol=1e-5, atol=1e-5)
@@ -279,20 +283,18 @@ BF16_TOL = dict(rtol=1.6e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("norm, inverse", [(None, False), ("plain", False), ("weighted", False), ("weighted", True)])
-def test_norm_rope_kernel_bf16_matches_reference(fused_kernels, norm, inverse, monkeypatch):
-    from dsv4.model import rope as rope_module
+def test_norm_rope_kernel_bf16_matches_reference(fused_kernels, norm, inverse):
     from dsv4.model.rope import RotaryTable, norm_rope_
 
     _, kernel = fused_kernels
     cfg = ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0])
-    table = RotaryTable(cfg.rope_compress)
+    table = RotaryTable(cfg.rope_compress, KernelRegistry(force_reference=True))  # norm_rope_'s reference path
     g = torch.Generator().manual_seed(6)
     x = (torch.randn(9, 3, cfg.head_dim, generator=g) * 2).bfloat16()
     positions = torch.randint(0, 1000, (9,), generator=g)
     weight = 1 + 0.1 * torch.randn(cfg.head_dim, generator=g)
     eps, w = (None if norm is None else 1e-6), (weight if norm == "weighted" else None)
-    assert kernel.supports(x, table.inv_freq)
-    monkeypatch.setattr(rope_module, "norm_rope_kernel", lambda *args: None)  # norm_rope_'s reference path
+    assert kernel.supports(x, eps, w, positions, table.inv_freq, inverse)
     want = norm_rope_(x.clone(), eps, w, positions, table, inverse)
     got = kernel(x.clone(), eps, w, positions, table.inv_freq, inverse)
     assert got.dtype == torch.bfloat16
@@ -310,12 +312,12 @@ def test_rms_norm_bf16_fast_path_matches_reference(fused_kernels):
 
     _, kernel = fused_kernels
     g = torch.Generator().manual_seed(8)
-    norm = RMSNorm(64, 1e-6)
+    norm = RMSNorm(64, 1e-6, KernelRegistry(force_reference=True))
     norm.weight.data.copy_(1 + 0.1 * torch.randn(64, generator=g))
     x = (torch.randn(5, 64, generator=g) * 3).bfloat16()
     got = kernel(x.clone(), norm.eps, norm.weight)
     # One rounding each (the reference normalises and weights in fp32 too): at most one bf16 ulp apart.
-    torch.testing.assert_close(got, norm.forward_reference(x), rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(got, norm(x), rtol=8e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("broadcast", [False, True])
@@ -332,18 +334,17 @@ def test_fused_mhc_bf16_matches_reference(fused_kernels, broadcast):
     base, scale = torch.randn(MIX, generator=g), torch.rand(3, generator=g) * 2
     norm_w = 1 + 0.1 * torch.randn(D, generator=g)
     out = torch.randn(T, D, generator=g).to(torch.bfloat16)
-    assert fused.supports(streams, HC, iters)
-    raw = streams.view(T, -1).float() @ fn.t()
-    coef, y = fused.pre(streams, raw, base, scale, HC, iters, rms_eps, hc_eps, None, 1e-5)
+    assert fused.supports(streams, fn, base, scale, HC, iters, rms_eps, hc_eps, None, 1e-5)
+    coef, y = fused.pre(streams, fn, base, scale, HC, iters, rms_eps, hc_eps, None, 1e-5)
     got_streams = fused.post(streams, out, coef, HC)
     assert y.dtype == torch.bfloat16 and got_streams.dtype == torch.bfloat16
     s32 = streams.float()
-    coef32, y32 = fused.pre(s32, raw, base, scale, HC, iters, rms_eps, hc_eps, None, 1e-5)
+    coef32, y32 = fused.pre(s32, fn, base, scale, HC, iters, rms_eps, hc_eps, None, 1e-5)
     assert torch.equal(coef, coef32)
     assert torch.equal(y, y32.to(torch.bfloat16))
     assert torch.equal(got_streams, fused.post(s32, out.float(), coef32, HC).to(torch.bfloat16))
-    _, y_normed = fused.pre(streams, raw, base, scale, HC, iters, rms_eps, hc_eps, norm_w, 1e-5)
-    _, y32_normed = fused.pre(s32, raw, base, scale, HC, iters, rms_eps, hc_eps, norm_w, 1e-5)
+    _, y_normed = fused.pre(streams, fn, base, scale, HC, iters, rms_eps, hc_eps, norm_w, 1e-5)
+    _, y32_normed = fused.pre(s32, fn, base, scale, HC, iters, rms_eps, hc_eps, norm_w, 1e-5)
     assert torch.equal(y_normed, y32_normed.to(torch.bfloat16))
     if broadcast:
         e = s32[:, 0]
@@ -393,7 +394,7 @@ def test_fused_mhc_post_in_place(fused_kernels, dtype):
     T, D = 13, 48
     streams = torch.randn(T, HC, D, generator=g).to(dtype)
     out = torch.randn(T, D, generator=g).to(dtype)
-    coef, _ = fused.pre(streams, streams.view(T, -1).float() @ (torch.randn(MIX, HC * D, generator=g) * 0.1).t(),
+    coef, _ = fused.pre(streams, torch.randn(MIX, HC * D, generator=g) * 0.1,
                         torch.randn(MIX, generator=g), torch.rand(3, generator=g), HC, 20, 1e-6, 1e-3, None, 1e-5)
     want = fused.post(streams, out, coef, HC)
     buffer = streams.clone()
@@ -418,8 +419,12 @@ def test_in_place_streams_leave_captured_layers_intact():
 
     streams, captured = forward((0, 2))
     _, layer1 = forward((1,))
-    with default_registry().reference_only():
-        want_streams, want = forward((0, 1, 2))
+    # The same weights in a model built with a reference-only registry.
+    reference = DeepseekV4(target.cfg, target.layers[0].ffn.experts.format, target.dtype,
+                           kernels=KernelRegistry(force_reference=True))
+    reference.load_state_dict(target.state_dict())
+    reference.process_weights_after_loading()
+    want_streams, want = reference(batch, reference.allocate_cache(2, 64), capture_layers=(0, 1, 2))
     # The paths round differently (streams grow to ~40 over the layers): compare at 1e-4 of the scale.
     close = dict(rtol=1e-4, atol=1e-4 * want_streams.abs().max().item())
     for i in (0, 2):

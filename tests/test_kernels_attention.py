@@ -1,8 +1,9 @@
-"""The batched decode and prefill attention paths against the per-segment reference path (fp32, <= 1e-5).
+"""The batched decode and prefill attention paths against the per-segment oracle (segment_attention.py;
+fp32, <= 1e-5).
 
 Each case prefills sequences of assorted lengths into identical caches, then runs decode steps in
 which every sequence contributes one token (plus, in some steps, a prefill chunk of another
-sequence): once through the reference, once through the batched path. Outputs and every cache
+sequence): once through the oracle, once through the model. Outputs and every cache
 tensor (window rings, compressor rings, emitted entries, indexer keys) must agree. The lengths
 cover window wrap-around and tokens that complete CSA (m=4) and HCA (m=16) windows.
 """
@@ -14,12 +15,11 @@ import torch
 
 from dsv4.config import CSA, HCA, SLIDING, ModelConfig
 from dsv4.embedded import EMBEDDED_MODELS
-from dsv4.kernels.registry import DECODE_ATTENTION, PREFILL_ATTENTION, REFERENCE, Choice, KernelRegistry
 from dsv4.model import attention as attention_module
 from dsv4.model.attention import Attention
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import allocate_layer_cache, cache_tensors
-from dsv4.model.step_plan import DecodeMeta
+from segment_attention import segment_attention
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SLOTS = 13  # one per prefill length, plus the late joiner
@@ -45,9 +45,9 @@ def _random_attention(cfg: ModelConfig, layer_type: str, seed: int) -> Attention
     return attn
 
 
-def _run(attn, cache, chunks, x, batched: bool, monkeypatch):
-    monkeypatch.setattr(attention_module, "default_registry", lambda: KernelRegistry(force_reference=not batched))
-    return attn(x, ForwardBatch.build(chunks), cache)
+def _run(attn, cache, chunks, x, batched: bool):
+    batch = ForwardBatch.build(chunks)
+    return attn(x, batch, cache) if batched else segment_attention(attn, x, batch, cache)
 
 
 # How a decode step orders its rows' cache slots: one ascending run from slot 0 or from a later slot
@@ -66,8 +66,8 @@ def _order_chunks(chunks: list, order: str, step: int) -> list:
 
 def test_decode_meta_reads_contiguous_slots_as_views():
     cache = torch.arange(6 * 3, dtype=torch.float32).view(6, 3)
-    ascending = DecodeMeta(ForwardBatch.build([(slot, [0], 4) for slot in (2, 3, 4)]))
-    shuffled = DecodeMeta(ForwardBatch.build([(slot, [0], 4) for slot in (3, 2, 4)]))
+    ascending = ForwardBatch.build([(slot, [0], 4) for slot in (2, 3, 4)]).plan.decode
+    shuffled = ForwardBatch.build([(slot, [0], 4) for slot in (3, 2, 4)]).plan.decode
     assert ascending.slot_range == slice(2, 5) and shuffled.slot_range is None
     view = ascending.read(cache)
     # a view: no copy
@@ -80,7 +80,7 @@ def test_decode_meta_reads_contiguous_slots_as_views():
 @pytest.mark.parametrize("order", SLOT_ORDERS)
 @pytest.mark.parametrize("layer_type", [SLIDING, CSA, HCA])
 @torch.no_grad()
-def test_batched_decode_equals_reference(cfg, layer_type, order, monkeypatch):
+def test_batched_decode_equals_reference(cfg, layer_type, order):
     attn = _random_attention(cfg, layer_type, seed=len(layer_type))
     g = torch.Generator().manual_seed(7)
     ref_cache = allocate_layer_cache(cfg, layer_type, SLOTS, MAX_LEN, torch.float32, "cpu")
@@ -89,7 +89,7 @@ def test_batched_decode_equals_reference(cfg, layer_type, order, monkeypatch):
         t.copy_(torch.randn(t.shape, generator=g))
     lengths = {}
     for slot, n in enumerate(PREFILL_LENGTHS):  # fresh sequences: prefill through the reference path
-        _run(attn, ref_cache, [(slot, [0] * n, 0)], torch.randn(n, cfg.hidden_size, generator=g), False, monkeypatch)
+        _run(attn, ref_cache, [(slot, [0] * n, 0)], torch.randn(n, cfg.hidden_size, generator=g), False)
         lengths[slot] = n
     fast_cache = copy.deepcopy(ref_cache)
     late_slot = len(PREFILL_LENGTHS)  # a sequence that joins mid-flight with a multi-token chunk
@@ -100,23 +100,13 @@ def test_batched_decode_equals_reference(cfg, layer_type, order, monkeypatch):
             chunks.insert(step % 3, (late_slot, [0] * 5, lengths.get(late_slot, 0)))
         chunks = _order_chunks(chunks, order, step)
         x = torch.randn(sum(len(c[1]) for c in chunks), cfg.hidden_size, generator=g)
-        want = _run(attn, ref_cache, chunks, x, False, monkeypatch)
-        got = _run(attn, fast_cache, chunks, x, True, monkeypatch)
+        want = _run(attn, ref_cache, chunks, x, False)
+        got = _run(attn, fast_cache, chunks, x, True)
         torch.testing.assert_close(got, want, **TOL)
         for a, b in zip(cache_tensors([fast_cache]), cache_tensors([ref_cache])):
             torch.testing.assert_close(a, b, **TOL)
         for slot, tokens, start in chunks:
             lengths[slot] = start + len(tokens)
-
-
-class _PartialRegistry:
-    """A registry whose listed ops take their batched path and every other op its reference."""
-
-    def __init__(self, batched_ops: tuple[str, ...]):
-        self.batched_ops = batched_ops
-
-    def choose(self, op: str) -> Choice:
-        return Choice(op, "batched" if op in self.batched_ops else REFERENCE, None, "test")
 
 
 # Prefill steps: (cache slot, chunk length, start position). They mix lengths in one step, continue
@@ -131,13 +121,12 @@ PREFILL_STEPS = [
 ]
 
 
-@pytest.mark.parametrize("batched_ops", [(DECODE_ATTENTION, PREFILL_ATTENTION), (PREFILL_ATTENTION,)])
 @pytest.mark.parametrize("layer_type", [SLIDING, CSA, HCA])
 @torch.no_grad()
-def test_batched_prefill_equals_reference(cfg, layer_type, batched_ops, monkeypatch):
-    """All chunks of a step at once (padded) vs one segment at a time; with the decode path off, the
-    batched prefill path serves the single-token segments too."""
-    _check_prefill_steps(cfg, layer_type, batched_ops, PREFILL_STEPS, 3 + len(layer_type), monkeypatch)
+def test_batched_prefill_equals_reference(cfg, layer_type):
+    """All chunks of a step at once (padded; the single-token segments by the decode path) vs one
+    segment at a time."""
+    _check_prefill_steps(cfg, layer_type, PREFILL_STEPS, 3 + len(layer_type))
 
 
 # Steps for the batched prefill's special layouts: only short chunks (at most topk = 8 CSA entries, so
@@ -161,11 +150,10 @@ def test_batched_prefill_tiles_blocks_and_views_equal_reference(cfg, layer_type,
     blocks, over SPECIAL_PREFILL_STEPS, against the per-segment reference."""
     monkeypatch.setattr(attention_module, "TILE_LOGITS", 1)
     monkeypatch.setattr(attention_module, "QUERY_BLOCK_WINDOWS", 1)
-    batched_ops = (DECODE_ATTENTION, PREFILL_ATTENTION)
-    _check_prefill_steps(cfg, layer_type, batched_ops, SPECIAL_PREFILL_STEPS, 5 + len(layer_type), monkeypatch)
+    _check_prefill_steps(cfg, layer_type, SPECIAL_PREFILL_STEPS, 5 + len(layer_type))
 
 
-def _check_prefill_steps(cfg, layer_type, batched_ops, prefill_steps, seed, monkeypatch):
+def _check_prefill_steps(cfg, layer_type, prefill_steps, seed):
     attn = _random_attention(cfg, layer_type, seed=seed)
     g = torch.Generator().manual_seed(11)
     ref_cache = allocate_layer_cache(cfg, layer_type, SLOTS, MAX_LEN, torch.float32, "cpu")
@@ -175,10 +163,8 @@ def _check_prefill_steps(cfg, layer_type, batched_ops, prefill_steps, seed, monk
     for steps in prefill_steps:
         chunks = [(slot, [0] * length, start) for slot, length, start in steps]
         x = torch.randn(sum(length for _, length, _ in steps), cfg.hidden_size, generator=g)
-        monkeypatch.setattr(attention_module, "default_registry", lambda: KernelRegistry(force_reference=True))
-        want = attn(x, ForwardBatch.build(chunks), ref_cache)
-        monkeypatch.setattr(attention_module, "default_registry", lambda: _PartialRegistry(batched_ops))
-        got = attn(x, ForwardBatch.build(chunks), fast_cache)
+        want = _run(attn, ref_cache, chunks, x, False)
+        got = _run(attn, fast_cache, chunks, x, True)
         torch.testing.assert_close(got, want, **TOL)
         for a, b in zip(cache_tensors([fast_cache]), cache_tensors([ref_cache])):
             torch.testing.assert_close(a, b, **TOL)

@@ -9,11 +9,10 @@ import torch
 import reference as ref
 from dsv4 import LLM, SamplingParams
 from dsv4.errors import ConfigError
-from dsv4.kernels.gathered_experts import loop_experts
+from dsv4.kernels.gathered_experts import loop_experts, routed_experts, swiglu
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import cache_tensors
-from dsv4.model.moe import swiglu
-from dsv4.model.static_decode import StaticDecode, entry_reads, routed_experts
+from dsv4.model.static_decode import StaticDecode, entry_reads
 
 SEED, NEW_SEED = 5, 6
 LOGIT_TOL = 1e-4  # two fp32 paths: different op order, same values
@@ -39,7 +38,7 @@ def test_entry_reads_round_up_and_stay_within_capacity():
 
 
 # slot -> prompt length: slots out of order, positions differ. 3 rows route through gathered expert
-# weights, 6 rows through every expert (GroupedExperts.uses_all_experts): both strategies of `_moe`'s graph.
+# weights, 6 rows through every expert (GroupedExperts.uses_all_experts): both in-graph strategies of GroupedExperts.
 ROW_SETS = {"3 rows": {3: 7, 0: 30, 2: 16}, "6 rows": {5: 3, 1: 22, 7: 9, 0: 41, 4: 1, 2: 16}}
 
 

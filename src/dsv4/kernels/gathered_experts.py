@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dsv4.kernels.row_chunks import row_chunks
 
@@ -25,6 +26,11 @@ MAX_GATHERED_ELEMENTS = 1 << 18
 # one batched matmul over all experts is cheaper, as long as its wasted FLOPs (E/k times the routed ones) stay
 # small: up to 2^24 FLOPs per call (~0.1 ms at this CPU's ~150 GFLOP/s fp32, about one matrix's loop).
 MAX_ALL_EXPERTS_FLOPS = 1 << 24
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, L)) * clamp(up, -L, L): DeepSeek-V4 clamps both routed and shared experts."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def loop_experts(
@@ -67,10 +73,15 @@ def _weighted(rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | Non
 
 
 class GatheredExperts:
-    def supports(self, x: torch.Tensor, picks: int, w1: torch.Tensor) -> bool:
+    """Callable with the arguments of `gathered`; `supports` takes the same."""
+
+    @staticmethod
+    def supports(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                 w2: torch.Tensor, limit: float, activation) -> bool:
         _, inter, hidden = w1.shape
         per_pick = 3 * inter * hidden
-        return x.dtype == w1.dtype and per_pick <= MAX_ELEMENTS_PER_PICK and picks * per_pick <= MAX_GATHERED_ELEMENTS
+        return (x.dtype == w1.dtype and per_pick <= MAX_ELEMENTS_PER_PICK
+                and ids.numel() * per_pick <= MAX_GATHERED_ELEMENTS)
 
     def __call__(self, *args) -> torch.Tensor:
         return self.gathered(*args)
@@ -104,10 +115,14 @@ class GroupedExperts:
     no per-expert Python loop, no host read of the expert counts, no weight copies. Contributions are
     added with one index_add in the reference's order (experts ascending, stable within an expert).
 
-    Small experts at batches that touch every expert take `all_experts` instead (see `uses_all_experts`)."""
+    Small experts at batches that touch every expert take `all_experts` instead (see `uses_all_experts`).
+    Inside a graph torch.compile captures, the strategies that are fixed-shape tensor programs (all
+    experts, gathered weights) stay in the graph, and the rest runs as one opaque op (`routed_experts`).
+    `supports` takes the call's arguments."""
 
     @staticmethod
-    def supports(x: torch.Tensor, w1: torch.Tensor) -> bool:
+    def supports(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                 w2: torch.Tensor, limit: float, activation) -> bool:
         # _grouped_mm wants 16-byte aligned row strides: D and I a multiple of 16 bytes.
         aligned = all(n * x.element_size() % 16 == 0 for n in w1.shape[1:])
         return x.dtype == w1.dtype and x.dtype in (torch.float32, torch.bfloat16) and x.device == w1.device and aligned
@@ -128,15 +143,22 @@ class GroupedExperts:
 
     def __call__(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-        w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float, swiglu,
+        w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float, activation,
     ) -> torch.Tensor:
         """x [T, D], ids/weights [T, k], dense w1/w3 [E, I, D], w2 [E, D, I] -> sum_e w_e expert_e(x) [T, D]."""
+        args = (x, ids, weights, w1, w3, w2, limit, activation)
         if self.uses_all_experts(ids.shape[0], ids.shape[1], w1):
-            return self.all_experts(x, ids, weights, w1, w3, w2, limit, swiglu)
+            return self.all_experts(*args)
+        if torch.compiler.is_compiling():
+            if GatheredExperts.supports(*args):
+                return GatheredExperts.gathered(*args)
+            if activation is not swiglu:
+                raise ValueError("a compiled graph's opaque routed-experts op runs SwiGLU experts only")
+            return routed_experts(x, ids, weights, w1, w3, w2, limit)
         if self.mostly_idle(ids.numel(), w1):
             stacks = {"w1": w1, "w3": w3, "w2": w2}
-            return loop_experts(x, ids, weights, lambda name, e: stacks[name][e], w1.shape[0], limit, swiglu)
-        return self.grouped(x, ids, weights, w1, w3, w2, limit, swiglu)
+            return loop_experts(x, ids, weights, lambda name, e: stacks[name][e], w1.shape[0], limit, activation)
+        return self.grouped(*args)
 
     @staticmethod
     def all_experts(
@@ -184,3 +206,21 @@ def build_grouped_experts() -> GroupedExperts:
     if not torch.equal(got, torch.full((2, 8), 256.0)):  # (8 * 8) * 4
         raise RuntimeError("torch._grouped_mm gave a wrong result")
     return kernel
+
+
+# The routed experts enter a compiled graph as one opaque op where neither fixed-shape strategy applies:
+# which experts run, and on how many rows each, is data-dependent (and `_grouped_mm` has no fp32 meta
+# kernel), so the graph keeps the eager GroupedExperts call, ~20 framework ops per layer, while everything
+# around it is fused.
+@torch.library.custom_op("dsv4::routed_experts", mutates_args=())
+def routed_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float,
+) -> torch.Tensor:
+    """x [B, D], ids/weights [B, k], dense w1/w3 [E, I, D], w2 [E, D, I] -> [B, D] (SwiGLU experts)."""
+    return GroupedExperts()(x, ids, weights, w1, w3, w2, limit, swiglu)
+
+
+@routed_experts.register_fake
+def _routed_experts_shape(x, ids, weights, w1, w3, w2, limit):
+    return torch.empty_like(x)

@@ -36,23 +36,19 @@ a different CPU builds its own copy).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from dsv4.kernels.c_library import compile_library
+
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
-_FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-fno-fast-math")
+_FLAGS = ("-pthread",)  # beyond c_library.BASE_FLAGS
 # The instruction set the library is compiled for: this CPU's. With AVX-512 the FP8/FP4 rows are decoded
 # with vector permutes; without it (or with an older `march`, which the tests use to exercise that path)
 # through per-byte tables.
 NATIVE = "native"
-_MAX_ERROR_CHARS = 500
 
 # Codes shared with gemv_cpu.c.
 _ACT = {torch.float32: 0, torch.bfloat16: 1}
@@ -74,11 +70,6 @@ FP4_STEP = 32
 # Picks (tokens x k) up to which the fused expert kernel is used: each expert's rows share one decode of
 # its weights, which beats dequantise-then-GEMM while the rows per expert are few.
 MAX_EXPERT_PICKS = 256
-
-
-def _cache_dir() -> Path:
-    override = os.environ.get("DSV4_KERNEL_CACHE")
-    return Path(override) if override else Path.home() / ".cache" / "dsv4" / "kernels"
 
 
 def _cpu_features() -> str:
@@ -105,22 +96,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
         RuntimeError: no C compiler, or the compilation failed (its message included).
         OSError: the library could not be written or loaded.
     """
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler on PATH (tried $CC, cc, gcc)")
-    flags = (*_FLAGS, f"-march={march}")
-    key = "\n".join([SOURCE.read_text(), *flags, compiler, str(os.stat(compiler).st_mtime_ns), _cpu_features()])
-    target = _cache_dir() / f"gemv_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[:_MAX_ERROR_CHARS]}")
-            os.replace(built, target)  # atomic: concurrent processes never load a half-written file
-    lib = ctypes.CDLL(str(target))
+    lib = compile_library(SOURCE, (*_FLAGS, f"-march={march}"), _cpu_features())
     P, L, Int, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     lib.pool_create.restype = P
     lib.pool_create.argtypes = [Int]

@@ -5,8 +5,14 @@ the first backend that builds wins, and the reference (plain readable torch, the
 path is tested against) always builds. `describe_backends()` reports each choice and why, for
 `dsv4 env`. Set DSV4_KERNELS=reference to force the reference path everywhere (debugging, bisecting).
 
-Per-call capability checks (device, dtype) stay with the callers: a chosen fast path that does not
-support a given tensor falls back to the reference for that call.
+Every backend's implementation has one calling convention: `impl.supports(*args)` takes exactly the
+arguments of the call it gates (`impl(*args)`, or the named entry point such as `MhcFusedKernel.pre`) and
+says whether this call can run there (device, dtype, shape, not inside a torch.compile graph for a C
+kernel). Callers ask `registry.kernel(op, *args)`, which returns the implementation when it supports the
+call and None when the caller's own torch reference must run it.
+
+The model gets its registry when it is built (`DeepseekV4(..., kernels=...)`): tests and tools pass their
+own; `default_registry()` is the process-wide one the loader uses when none is given.
 """
 
 from __future__ import annotations
@@ -21,8 +27,6 @@ FORCE_ENV = "DSV4_KERNELS"
 REFERENCE = "reference"
 
 MHC_COEFFICIENTS = "mhc_coefficients"
-DECODE_ATTENTION = "decode_attention"
-PREFILL_ATTENTION = "prefill_attention"
 MOE_EXPERTS = "moe_experts"
 MHC_FUSED = "mhc_fused"
 NORM_ROPE = "norm_rope"
@@ -60,7 +64,7 @@ def _build_mhc_fused():
 
 
 def _build_norm_rope():
-    from dsv4.kernels.mhc_cpu import NormRopeKernel, build_library
+    from dsv4.kernels.norm_rope_cpu import NormRopeKernel, build_library
 
     return NormRopeKernel(build_library())
 
@@ -77,10 +81,6 @@ def _build_gathered_experts():
     return GatheredExperts()
 
 
-def _available() -> object:
-    return True  # pure-torch fast paths: vectorised torch, available wherever torch runs
-
-
 _BACKENDS: dict[str, tuple[Backend, ...]] = {
     MHC_COEFFICIENTS: (
         Backend("cpu_c", _build_mhc_cpu, "one C loop per call (ctypes; fp32 CPU), replaces ~120 torch ops"),
@@ -93,13 +93,6 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
     NORM_ROPE: (
         Backend("cpu_c", _build_norm_rope,
                 "RMSNorm and/or interleaved RoPE in place, one C call (fp32 or bf16 CPU, fp32 arithmetic)"),
-    ),
-    DECODE_ATTENTION: (
-        Backend("batched", _available, "all single-token rows in one gather + masked softmax, no per-sequence loop"),
-    ),
-    PREFILL_ATTENTION: (
-        Backend("batched", _available,
-                "all prompt chunks padded to the longest: banded masks, one bmm, no per-sequence loop"),
     ),
     MOE_EXPERTS: (
         Backend("grouped_mm", _build_grouped_experts,
@@ -123,6 +116,18 @@ class KernelRegistry:
         if op not in self._choices:
             self._choices[op] = self._resolve(op)
         return self._choices[op]
+
+    def resolve_all(self) -> None:
+        """Resolve every op now: a graph torch.compile captures then only reads the choices (building a
+        backend compiles C code, which a graph cannot trace)."""
+        for op in _BACKENDS:
+            self.choose(op)
+
+    def kernel(self, op: str, *args):
+        """The op's fast implementation when it supports this call (`supports(*args)`, the call's own
+        arguments), else None: the caller runs its torch reference."""
+        impl = self.choose(op).impl
+        return impl if impl is not None and impl.supports(*args) else None
 
     def _resolve(self, op: str) -> Choice:
         if self.force_reference:
@@ -154,7 +159,8 @@ class KernelRegistry:
 
 @functools.cache
 def default_registry() -> KernelRegistry:
-    """The process-wide registry (built on first use, honouring DSV4_KERNELS)."""
+    """The process-wide registry (built on first use, honouring DSV4_KERNELS): what a model built without
+    its own registry uses."""
     return KernelRegistry(force_reference=os.environ.get(FORCE_ENV, "").strip().lower() == REFERENCE)
 
 

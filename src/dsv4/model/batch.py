@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.model.step_plan import StepPlan
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -21,9 +23,12 @@ class Segment:
 
 @dataclass(frozen=True)
 class ForwardBatch:
+    """The step's tokens, and its plan (`step_plan.py`), built once here and read by every layer."""
+
     token_ids: torch.Tensor  # [T] int64, all sequences' new tokens back to back
     positions: torch.Tensor  # [T] int64 absolute positions
     segments: tuple[Segment, ...]
+    plan: StepPlan
 
     @classmethod
     def build(cls, chunks: list[tuple[int, list[int], int]], device: torch.device | str = "cpu") -> "ForwardBatch":
@@ -37,10 +42,12 @@ class ForwardBatch:
             segments.append(Segment(slot=slot, start=start, begin=len(ids), end=len(ids) + len(tokens)))
             ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
+        segments = tuple(segments)
         return cls(
             token_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
-            segments=tuple(segments),
+            segments=segments,
+            plan=StepPlan.of_segments(segments, len(ids), torch.device(device)),
         )
 
     @property

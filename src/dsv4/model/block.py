@@ -4,8 +4,7 @@ import torch
 from torch import nn
 
 from dsv4.config import ModelConfig
-from dsv4.kernels.registry import MHC_FUSED, default_registry
-from dsv4.kernels.row_chunks import row_chunks
+from dsv4.kernels.registry import MHC_FUSED, KernelRegistry, default_registry
 from dsv4.model import mhc
 from dsv4.model.attention import Attention
 from dsv4.model.batch import ForwardBatch
@@ -14,32 +13,22 @@ from dsv4.model.moe import MoE
 from dsv4.model.norm import RMSNorm
 
 
-def mix_gemm(streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
-    """streams [T, hc, D] (fp32 or bf16), fn [mix, hc*D] fp32 -> flatten(streams) @ fn^T in fp32 [T, mix]:
-    the GEMM of `mhc.mix_logits`, before its RMS scaling."""
-    flat = streams.view(streams.shape[0], -1)
-    fn_t = fn.float().t()
-    if flat.dtype == torch.float32:
-        return flat @ fn_t
-    raw = flat.new_empty(flat.shape[0], fn.shape[0], dtype=torch.float32)
-    for chunk in row_chunks(*flat.shape):  # bf16 rows widened a chunk at a time, not all [T, hc*D] at once
-        torch.mm(flat[chunk].float(), fn_t, out=raw[chunk])
-    return raw
-
-
 class Block(nn.Module):
     """Streams [T, hc, D] in and out. Parameter names follow DeepSeek's native checkpoint names.
 
-    With the fused mHC kernel the streams are updated in place wherever nobody else holds them: always
-    between the two sublayers, and the block's input too when the caller says it may be overwritten."""
+    With the registry's fused mHC kernel the streams are updated in place wherever nobody else holds
+    them: always between the two sublayers, and the block's input too when the caller says it may be
+    overwritten. Without it (or inside a compiled graph) the `mhc` formulas run."""
 
-    def __init__(self, cfg: ModelConfig, layer_type: str, mlp_type: str, expert_format: str, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer_type: str, mlp_type: str, expert_format: str, dtype: torch.dtype,
+                 kernels: KernelRegistry | None = None):
         super().__init__()
         self.cfg = cfg
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer_type, dtype)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn = MoE(cfg, mlp_type, expert_format, dtype)
+        self.kernels = kernels or default_registry()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
+        self.attn = Attention(cfg, layer_type, dtype, self.kernels)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
+        self.ffn = MoE(cfg, mlp_type, expert_format, dtype, self.kernels)
         hc, mix = cfg.hc_mult, cfg.hc_mix
         for sub in ("attn", "ffn"):
             self.register_parameter(f"hc_{sub}_fn",
@@ -51,31 +40,26 @@ class Block(nn.Module):
         cfg = self.cfg
         return mhc.coefficients(
             logits, getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"),
-            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps,
+            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, self.kernels,
         )
 
-    def _fused(self, streams: torch.Tensor):
-        """The registry's fused mHC pre/post kernel when it supports these streams, else None."""
-        kernel = default_registry().choose(MHC_FUSED).impl
+    def _fused_pre(self, streams: torch.Tensor, fn: torch.Tensor, sub: str, norm: RMSNorm):
+        """The fused kernel's mix_logits + coefficients + collapse + norm: (kernel, coef, normed block
+        input), or None when the registry's kernel does not support these streams."""
         cfg = self.cfg
-        return kernel if kernel is not None and kernel.supports(streams, cfg.hc_mult, cfg.hc_sinkhorn_iters) else None
-
-    def _fused_pre(self, kernel, streams: torch.Tensor, fn: torch.Tensor, sub: str, norm: RMSNorm):
-        """Fast path of mix_logits + coefficients + collapse + norm: (coef, normed block input)."""
-        cfg = self.cfg
-        return kernel.pre(
-            streams, mix_gemm(streams, fn), getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"),
-            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps, norm.weight, norm.eps,
-        )
+        args = (streams, fn, getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"), cfg.hc_mult,
+                cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps, norm.weight, norm.eps)
+        kernel = self.kernels.kernel(MHC_FUSED, *args)
+        return None if kernel is None else (kernel, *kernel.pre(*args))
 
     def forward(
         self, streams: torch.Tensor, batch: ForwardBatch, cache: LayerCache, overwrite_input: bool = False
     ) -> torch.Tensor:
         """overwrite_input: the caller no longer needs `streams`, so the fused path may write the new
         streams into it (the result is then that same tensor)."""
-        kernel = self._fused(streams)
-        if kernel is not None:
-            coef, block_in = self._fused_pre(kernel, streams, self.hc_attn_fn, "attn", self.attn_norm)
+        fused = self._fused_pre(streams, self.hc_attn_fn, "attn", self.attn_norm)
+        if fused is not None:
+            kernel, coef, block_in = fused
             streams = kernel.post(streams, self.attn(block_in, batch, cache), coef, self.cfg.hc_mult,
                                   in_place=overwrite_input)
             return self._ffn(streams, batch)
@@ -90,9 +74,9 @@ class Block(nn.Module):
         """First block of the model: every input stream is the embedding [T, D], so the attention mHC step
         projects the un-repeated embedding with the pre-summed fn_broadcast [mix, D]."""
         one_stream = embeds.unsqueeze(1)  # [T, 1, D]
-        kernel = self._fused(one_stream)
-        if kernel is not None:
-            coef, block_in = self._fused_pre(kernel, one_stream, fn_broadcast, "attn", self.attn_norm)
+        fused = self._fused_pre(one_stream, fn_broadcast, "attn", self.attn_norm)
+        if fused is not None:
+            kernel, coef, block_in = fused
             streams = kernel.post(one_stream, self.attn(block_in, batch, cache), coef, self.cfg.hc_mult)
             return self._ffn(streams, batch)
         logits = mhc.mix_logits_broadcast(embeds, fn_broadcast, self.cfg.rms_norm_eps)
@@ -104,9 +88,9 @@ class Block(nn.Module):
 
     def _ffn(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """streams: the block's own (the attention sublayer's output), so the fused path updates them in place."""
-        kernel = self._fused(streams)
-        if kernel is not None:
-            coef, block_in = self._fused_pre(kernel, streams, self.hc_ffn_fn, "ffn", self.ffn_norm)
+        fused = self._fused_pre(streams, self.hc_ffn_fn, "ffn", self.ffn_norm)
+        if fused is not None:
+            kernel, coef, block_in = fused
             return kernel.post(streams, self.ffn(block_in, batch.token_ids), coef, self.cfg.hc_mult, in_place=True)
         pre, post, comb = self._coefficients(mhc.mix_logits(streams, self.hc_ffn_fn, self.cfg.rms_norm_eps), "ffn")
         ffn_out = self.ffn(self.ffn_norm(mhc.collapse(streams, pre)), batch.token_ids)

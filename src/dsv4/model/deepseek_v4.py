@@ -11,10 +11,11 @@ import torch
 from torch import nn
 
 from dsv4.config import ModelConfig
+from dsv4.kernels.registry import KernelRegistry, default_registry
 from dsv4.model import mhc
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
-from dsv4.model.cache import ModelCache, allocate_layer_cache
+from dsv4.model.cache import LayerCache, ModelCache, allocate_layer_cache
 from dsv4.model.derived import DerivedTensor, TopLevelModel
 from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
@@ -57,21 +58,25 @@ def hyper_head(module: nn.Module, streams: torch.Tensor, cfg: ModelConfig) -> to
 
 
 class DeepseekV4(TopLevelModel):
+    """The target model; `kernels` (default: the process-wide registry) serves every fast path of its
+    modules."""
+
     role = "target"
 
-    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype, kernels: KernelRegistry | None = None):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
+        self.kernels = kernels or default_registry()
         # Zeros like every other parameter at build (the load writes them all): nn.Embedding's own random
         # init is a normal_ over V x D values, the largest single cost of building a model.
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                   _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(
-            Block(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], expert_format, dtype)
+            Block(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], expert_format, dtype, self.kernels)
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         add_hyper_head(self, cfg)
         register_first_layer_broadcast(self, cfg)
@@ -92,6 +97,13 @@ class DeepseekV4(TopLevelModel):
         """-> (pre-hc_head streams S [T, hc, D], {layer id: that layer's output streams} for capture_layers)."""
         self.require_ready()
         cache.begin_step(batch.segments)
+        return self.forward_layers(batch, cache.layers, capture_layers)
+
+    def forward_layers(
+        self, batch: ForwardBatch, cache: list[LayerCache], capture_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`forward` after its checks: the embedding and the blocks over the layers' caches (the code a
+        compiled decode step captures)."""
         embeds = self.embed(batch.token_ids)  # [T, D]
         streams = self.layers[0].forward_broadcast(embeds, self.get_buffer(FIRST_LAYER_BROADCAST), batch, cache[0])
         captured = {0: streams} if 0 in capture_layers else {}

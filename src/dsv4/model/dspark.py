@@ -31,7 +31,7 @@ from torch import nn
 from dsv4.config import DSPARK_V4, MOE, SLIDING, ModelConfig
 from dsv4.errors import ConfigError
 from dsv4.model import mhc
-from dsv4.model.attention import Attention
+from dsv4.model.attention import Attention, softmax_with_sink
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import (
@@ -98,9 +98,8 @@ class DSparkAttention(Attention):
         keys = torch.cat((context.keys.to(kv.dtype), kv.view(n, b, hd)), dim=1)  # [N, window + B, hd]
         bias = torch.cat((context.bias, context.bias.new_zeros(n, b)), dim=1)  # block rows: always visible
         logits = torch.einsum("nqhd,nkd->nhqk", q.view(n, b, heads, hd), keys).float() * hd**-0.5
-        logits = logits + bias[:, None, None, :]
-        sink = self.attn_sink.view(1, heads, 1, 1).expand(n, heads, b, 1)
-        probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink takes mass, adds no value
+        logits = torch.cat((logits + bias[:, None, None, :], logits.new_empty(n, heads, b, 1)), dim=-1)
+        probs = softmax_with_sink(logits, self.attn_sink.view(heads, 1))[..., :-1]  # the sink takes mass, adds no value
         out = torch.einsum("nhqk,nkd->nqhd", probs.to(keys.dtype), keys).reshape(rows, heads, hd)
         out = norm_rope_(out, None, None, pos, self.rope, inverse=True)  # V carried RoPE: de-rotate
         return self._project_out(out)

@@ -10,7 +10,7 @@ and after it  R'_j = post_j * o + sum_i comb[i, j] R_i.
 
 import torch
 
-from dsv4.kernels.registry import MHC_COEFFICIENTS, default_registry
+from dsv4.kernels.registry import MHC_COEFFICIENTS, KernelRegistry
 from dsv4.model.norm import rms_normalize
 
 
@@ -27,13 +27,13 @@ def mix_logits_broadcast(embeds: torch.Tensor, fn_broadcast: torch.Tensor, eps: 
 
 
 def coefficients(
-    logits: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int, hc_eps: float
+    logits: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int, hc_eps: float,
+    kernels: KernelRegistry,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`coefficients_reference` through the kernel registry's fused path when it supports these tensors."""
-    kernel = default_registry().choose(MHC_COEFFICIENTS).impl
-    if kernel is not None and kernel.supports(logits, hc, sinkhorn_iters):
-        return kernel(logits, base, scale, hc, sinkhorn_iters, hc_eps)
-    return coefficients_reference(logits, base, scale, hc, sinkhorn_iters, hc_eps)
+    """`coefficients_reference` through the registry's C kernel when it supports these tensors."""
+    args = (logits, base, scale, hc, sinkhorn_iters, hc_eps)
+    kernel = kernels.kernel(MHC_COEFFICIENTS, *args)
+    return kernel(*args) if kernel is not None else coefficients_reference(*args)
 
 
 def coefficients_reference(

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import DENSE, EXPERT_FORMATS, FP8, HASH_MOE, ModelConfig, QuantConfig
-from dsv4.kernels.gathered_experts import GroupedExperts, loop_experts
-from dsv4.kernels.registry import MOE_EXPERTS, default_registry
+from dsv4.kernels.gathered_experts import loop_experts, swiglu
+from dsv4.kernels.registry import MOE_EXPERTS, KernelRegistry, default_registry
 from dsv4.model.linear import Linear, input_major
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
 
@@ -20,11 +20,6 @@ _ROUTING_NORM_EPS = 1e-20
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, L)) * clamp(up, -L, L): DeepSeek-V4 clamps both routed and shared experts."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class Router(nn.Module):
@@ -74,8 +69,10 @@ class RoutedExperts(nn.Module):
              (uint8) [E, out, in/group]
     """
 
-    def __init__(self, cfg: ModelConfig, fmt: str, quant: QuantConfig | None, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, fmt: str, quant: QuantConfig | None, dtype: torch.dtype,
+                 kernels: KernelRegistry | None = None):
         super().__init__()
+        self.kernels = kernels or default_registry()
         if fmt not in EXPERT_FORMATS:
             raise ValueError(f"expert format must be one of {EXPERT_FORMATS}, got {fmt!r}")
         self.format = fmt
@@ -117,13 +114,11 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]; the registry's gathered path
         for small batches of dense experts, else the reference loop."""
-        fast = default_registry().choose(MOE_EXPERTS).impl
-        if self.format == DENSE and fast is not None:
-            if isinstance(fast, GroupedExperts):
-                if fast.supports(x, self.w1):
-                    return fast(x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
-            elif fast.supports(x, ids.numel(), self.w1):
-                return fast(x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
+        if self.format == DENSE:
+            args = (x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
+            fast = self.kernels.kernel(MOE_EXPERTS, *args)
+            if fast is not None:
+                return fast(*args)
         return self.forward_reference(x, ids, weights)
 
     def forward_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -144,10 +139,11 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, mlp_type: str, expert_format: str, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, mlp_type: str, expert_format: str, dtype: torch.dtype,
+                 kernels: KernelRegistry | None = None):
         super().__init__()
         self.gate = Router(cfg, hashed=mlp_type == HASH_MOE, dtype=dtype)
-        self.experts = RoutedExperts(cfg, expert_format, cfg.quant, dtype)
+        self.experts = RoutedExperts(cfg, expert_format, cfg.quant, dtype, kernels)
         self.shared_experts = SharedExpert(cfg, dtype)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from dsv4.config import RopeConfig
-from dsv4.model.norm import norm_rope_kernel, rms_normalize
+from dsv4.kernels.registry import NORM_ROPE, KernelRegistry, default_registry
+from dsv4.model.norm import rms_norm, rms_normalize
 
 
 def inverse_frequencies(cfg: RopeConfig) -> torch.Tensor:
@@ -35,11 +36,13 @@ def inverse_frequencies(cfg: RopeConfig) -> torch.Tensor:
 
 
 class RotaryTable(nn.Module):
-    """One rotary table; cos/sin are computed from positions on the fly (no max-length table)."""
+    """One rotary table; cos/sin are computed from positions on the fly (no max-length table). `kernels`
+    serves `norm_rope_` with this table."""
 
-    def __init__(self, cfg: RopeConfig):
+    def __init__(self, cfg: RopeConfig, kernels: KernelRegistry | None = None):
         super().__init__()
         self.rotary_dim = cfg.rotary_dim
+        self.kernels = kernels or default_registry()
         # Config-derived, not a weight: non-persistent so it never appears in checkpoints or reports.
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
 
@@ -64,23 +67,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse:
 
 
 def norm_rope_(
-    x: torch.Tensor, eps: float | None, weight: torch.Tensor | None, positions: torch.Tensor | None,
-    table: RotaryTable | None, inverse: bool = False,
+    x: torch.Tensor, eps: float | None, weight: torch.Tensor | None, positions: torch.Tensor, table: RotaryTable,
+    inverse: bool = False,
 ) -> torch.Tensor:
     """Optional RMSNorm over the last dim (weighted when `weight` is given; eps None: no norm), then RoPE
-    at `positions` with `table` (None: no rotation). x [T, ..., hd] must be a fresh tensor: the fast
-    path (one C call) overwrites it; the reference composes RMSNorm / rms_normalize and apply_rotary."""
-    inv_freq = None if table is None else table.inv_freq
-    kernel = norm_rope_kernel(x, inv_freq)
+    at `positions` with `table`. x [T, ..., hd] must be a fresh tensor: the fast path (the table's
+    registry's norm/RoPE kernel, one C call) overwrites it; the reference composes `rms_norm` /
+    `rms_normalize` and `apply_rotary`."""
+    kernel = table.kernels.kernel(NORM_ROPE, x, eps, weight, positions, table.inv_freq, inverse)
     if kernel is not None:
-        return kernel(x, eps, weight, positions, inv_freq, inverse)
+        return kernel(x, eps, weight, positions, table.inv_freq, inverse)
     if eps is not None:
-        if weight is None:
-            x = rms_normalize(x, eps)
-        else:
-            xf = x.float()
-            x = (weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
-    if table is not None:
-        cos, sin = table.cos_sin(positions)
-        x = apply_rotary(x, cos, sin, inverse=inverse)
-    return x
+        x = rms_normalize(x, eps) if weight is None else rms_norm(x, eps, weight)
+    cos, sin = table.cos_sin(positions)
+    return apply_rotary(x, cos, sin, inverse=inverse)

@@ -1,37 +1,127 @@
-"""The per-step index plan every attention layer of one forward shares.
+"""The step plan: the index tensors every attention layer of one forward shares.
 
-Built once per step from the ForwardBatch (positions, slots, masks, ring rows, completed windows), then
-read by each layer's batched decode / prefill path, so the index bookkeeping costs a few ops per step
-instead of a few per layer.
+`ForwardBatch.build` (called once per step by the model runner) makes the step's `StepPlan`; each layer
+reads it from the batch: positions, slots, masks, ring rows, completed windows. The index bookkeeping so
+costs a few ops per step instead of a few per layer; what a layer asks for first (per window size or
+compress rate) is built then and kept in the plan for the step's other layers.
 """
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from dsv4.model.batch import ForwardBatch, Segment
+if TYPE_CHECKING:
+    from dsv4.model.batch import Segment
 
 
-class DecodeMeta:
-    """The index tensors of a step's single-token rows, built once per step and shared by every layer
-    (each layer's caches differ, the slots / positions / masks do not)."""
+class _Memo:
+    """Per-step lazily built values, keyed by what they depend on (window size, compress rate)."""
 
-    def __init__(self, batch: ForwardBatch):
-        segs = [seg for seg in batch.segments if seg.length == 1]
-        device = batch.positions.device
-        self.batch = batch  # keeps the keyed batch alive, so its id is never reused while memoised
-        self.count = len(segs)
-        self.pure = len(segs) == len(batch.segments) and len(segs) == batch.positions.shape[0]
-        self.rows = slice(None) if self.pure else torch.tensor([seg.begin for seg in segs], device=device)
-        self.positions = [seg.start for seg in segs]
-        self.device = device
-        slot_ids = [seg.slot for seg in segs]
-        self.slots = torch.tensor(slot_ids, device=device)
+    def __init__(self):
+        self._memo: dict = {}
+
+    def _cached(self, key, build):
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The step's plans: `decode` for its single-token rows, `prefill` for its longer chunks (each None
+    when the step has no such rows)."""
+
+    decode: DecodeMeta | None
+    prefill: PrefillMeta | None
+
+    @classmethod
+    def of_segments(cls, segments: Sequence[Segment], num_rows: int, device: torch.device) -> StepPlan:
+        """The plan of a flat batch of num_rows rows cut into `segments`."""
+        singles = [seg for seg in segments if seg.length == 1]
+        chunks = [seg for seg in segments if seg.length > 1]
+        pure = len(singles) == len(segments) == num_rows
+        return cls(decode=DecodeMeta.of_segments(singles, pure, device) if singles else None,
+                   prefill=PrefillMeta(chunks, num_rows, device) if chunks else None)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """Where a compressor finds the tokens of the windows it pools this step, and where it writes.
+
+    The new tokens' raw projections go to the ring at `ring_index` (slots, position % R) from rows
+    `src_rows` of the layer input (None: every row, in order). The windows' tokens are read from a
+    flat source [the layer input's rows | the ring rows `history_rows`, read before the ring is written
+    (None: no window needs them)] viewed as rows of out_dim channels: `source_rows` [count * S] indexes
+    that view. Overlapping (width 2 out_dim, so token r is half-rows 2r (Ca) and 2r + 1 (Cb)): S = 2m
+    slots, Ca of window w - 1's tokens then Cb of window w's; otherwise S = m, window w's tokens.
+    Entry `window_ids` [count] of slot `window_slots` [count] is written, only where `complete` [count]
+    when given (a compiled step pools every row's current window and keeps the completed ones).
+    `empty_slots` [count, S] (or None: none) marks the slots that weigh nothing: window 0's
+    previous-window slots."""
+
+    ring_index: tuple[torch.Tensor, torch.Tensor]
+    src_rows: torch.Tensor | None
+    history_rows: torch.Tensor | None
+    source_rows: torch.Tensor
+    window_ids: torch.Tensor
+    window_slots: torch.Tensor
+    empty_slots: torch.Tensor | None
+    complete: torch.Tensor | None
+    count: int
+
+
+def _window_slots(rate: int, overlap: bool, device: torch.device) -> torch.Tensor:
+    """[S] each pooled slot's offset from its window's first position (negative: the previous window)."""
+    return torch.arange(-rate if overlap else 0, rate, device=device)
+
+
+def _empty_slots(first: torch.Tensor | None, slot: torch.Tensor) -> torch.Tensor | None:
+    """[E] windows with id 0 -> [E, S] their previous-window slots (None stays None)."""
+    return None if first is None else first.unsqueeze(-1) & (slot < 0)
+
+
+def _half_rows(rows: torch.Tensor, slot: torch.Tensor, overlap: bool) -> torch.Tensor:
+    """[E, S] source token rows -> [E * S] rows of the out_dim view (Ca half before the window, Cb in it)."""
+    return (rows * 2 + (slot >= 0) if overlap else rows).reshape(-1)
+
+
+class DecodeMeta(_Memo):
+    """The index tensors of a step's single-token rows, shared by every layer (each layer's caches
+    differ, the slots / positions / masks do not).
+
+    Built from the segments (eager: the host knows each row's position, so only the rows completing a
+    compressor window pool one, and each layer reads as many entries as the furthest row has) or from
+    tensors (`of_tensors`, inside a compiled graph: every row pools its current window and keeps it only
+    when complete; `reads` fixes the entries read per compress rate)."""
+
+    def __init__(self, pos: torch.Tensor, slots: torch.Tensor, rows, pure: bool, host_positions: list[int] | None,
+                 reads: dict[int, int] | None, slot_range: slice | None):
+        super().__init__()
+        self.pos, self.slots, self.rows, self.pure = pos, slots, rows, pure  # [B] positions, [B] cache slots
+        self.device = pos.device
+        self.host_positions = host_positions
+        self.reads = reads
         # Rows whose slots are one ascending run (the usual steady decode batch) read every cache as a
         # slice, a view: no per-layer copy of each row's window ring and entries.
-        first = slot_ids[0] if slot_ids else 0
+        self.slot_range = slot_range
+
+    @classmethod
+    def of_segments(cls, segs: Sequence[Segment], pure: bool, device: torch.device) -> DecodeMeta:
+        positions, slot_ids = [seg.start for seg in segs], [seg.slot for seg in segs]
+        rows = slice(None) if pure else torch.tensor([seg.begin for seg in segs], device=device)
+        first = slot_ids[0]
         contiguous = slot_ids == list(range(first, first + len(slot_ids)))
-        self.slot_range = slice(first, first + len(slot_ids)) if contiguous else None
-        self.pos = torch.tensor(self.positions, device=device)
-        self._memo: dict = {}
+        return cls(torch.tensor(positions, device=device), torch.tensor(slot_ids, device=device), rows, pure,
+                   positions, None, slice(first, first + len(slot_ids)) if contiguous else None)
+
+    @classmethod
+    def of_tensors(cls, pos: torch.Tensor, slots: torch.Tensor, reads: dict[int, int]) -> DecodeMeta:
+        """A pure-decode step from its [B] positions and slots; reads: entries read per compress rate."""
+        return cls(pos, slots, slice(None), True, None, reads, None)
 
     def read(self, cache_rows: torch.Tensor, count: int | None = None) -> torch.Tensor:
         """cache_rows [slots, N, ...] -> each row's slot's first `count` (all when None) entries
@@ -39,47 +129,68 @@ class DecodeMeta:
         rows = self.slot_range if self.slot_range is not None else self.slots
         return cache_rows[rows] if count is None else cache_rows[rows, :count]
 
-    def _cached(self, key, build):
-        if key not in self._memo:
-            self._memo[key] = build()
-        return self._memo[key]
-
-    def ring_rows(self, ring_len: int) -> torch.Tensor:
-        return self._cached(("ring", ring_len), lambda: self.pos % ring_len)
-
     def window(self, W: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ring row of each token, [B, W] bias): ring row i holds the latest position = i (mod W), <= pos;
         held > pos - W always, so only never-written rows are hidden."""
         def build():
             pos = self.pos.unsqueeze(-1)
             held = pos - (pos - torch.arange(W, device=self.device)) % W
-            return self.ring_rows(W), mask_to_bias(held >= 0)
+            return self.pos % W, mask_to_bias(held >= 0)
         return self._cached(("window", W), build)
 
-    def entry_counts(self, rate: int) -> tuple[int, torch.Tensor]:
-        """(most complete entries of any row, [B] complete entries per row)."""
-        return self._cached(("counts", rate),
-                            lambda: (max((p + 1) // rate for p in self.positions), (self.pos + 1) // rate))
+    def entry_reads(self, rate: int) -> int:
+        """How many entries each row reads: the given `reads`, else the most any row has completed."""
+        if self.reads is not None:
+            return self.reads[rate]
+        return max((p + 1) // rate for p in self.host_positions)
+
+    def entry_counts(self, rate: int) -> torch.Tensor:
+        """[B] complete entries per row."""
+        return self._cached(("counts", rate), lambda: (self.pos + 1) // rate)
 
     def entry_bias(self, rate: int) -> torch.Tensor:
+        """[B, n] bias of the n = entry_reads(rate) entries read: each row sees its complete ones."""
         def build():
-            n_max, counts = self.entry_counts(rate)
-            return mask_to_bias(torch.arange(n_max, device=self.device) < counts.unsqueeze(-1))
+            n = self.entry_reads(rate)
+            return mask_to_bias(torch.arange(n, device=self.device) < self.entry_counts(rate).unsqueeze(-1))
         return self._cached(("entry_bias", rate), build)
 
-    def completed(self, rate: int):
-        """Rows whose token completes a window: (row list, window list, their slots, window ids tensor)."""
+    def windows(self, rate: int, ring_len: int, overlap: bool) -> WindowPlan:
+        """The WindowPlan of the rows' windows (compressor rate m, ring of ring_len >= the window's span):
+        with host positions, the rows whose token completes window p // m; else every row's (`complete`)."""
         def build():
-            done = [b for b, p in enumerate(self.positions) if (p + 1) % rate == 0]
-            if not done:
-                return done, [], None, None
-            windows = [self.positions[b] // rate for b in done]
-            slots = self.slots[torch.tensor(done, device=self.device)]
-            return done, windows, slots, torch.tensor(windows, device=self.device)
-        return self._cached(("done", rate), build)
+            B, m, device = self.pos.shape[0], rate, self.device
+            ring_index = (self.slots, self.pos % ring_len)
+            complete = first = None
+            if self.host_positions is None:
+                rows = torch.arange(B, device=device)
+                complete, first = (self.pos + 1) % m == 0, (self.pos < m if overlap else None)
+            else:
+                done = [b for b, p in enumerate(self.host_positions) if (p + 1) % m == 0]
+                if not done:  # the common step: the tokens only go to the ring
+                    empty = self.pos[:0]
+                    return WindowPlan(ring_index, None, None, empty, empty, empty, None, None, 0)
+                rows = torch.tensor(done, dtype=torch.long, device=device)
+                if overlap and any(self.host_positions[b] < m for b in done):
+                    first = self.pos.index_select(0, rows) < m
+            pos, slots = self.pos.index_select(0, rows), self.slots.index_select(0, rows)  # [E]
+            E = rows.shape[0]
+            slot = _window_slots(m, overlap, device)
+            token_pos = ((pos // m).unsqueeze(-1) * m + slot).clamp(min=0)  # [E, S]
+            # The row's own token from the layer input, the window's earlier ones from its ring (read
+            # before this token is written; in a kept window no slot lies after the token).
+            in_ring = B + torch.arange(E, device=device).unsqueeze(-1) * ring_len + token_pos % ring_len
+            source = torch.where(token_pos == pos.unsqueeze(-1), rows.unsqueeze(-1), in_ring)
+            history = (slots.unsqueeze(-1) * ring_len + torch.arange(ring_len, device=device)).view(-1)
+            return WindowPlan(
+                ring_index=ring_index, src_rows=None, history_rows=history,
+                source_rows=_half_rows(source, slot, overlap), window_ids=pos // m, window_slots=slots,
+                empty_slots=_empty_slots(first, slot), complete=complete, count=E,
+            )
+        return self._cached(("windows", rate, ring_len, overlap), build)
 
 
-class PrefillMeta:
+class PrefillMeta(_Memo):
     """The index tensors of a step's batched segments, padded to the longest chunk L, built once per step
     and shared by every layer. Padded row t of segment p is flat row begin_p + min(t, len_p - 1)
     (a duplicate of its last token, masked out everywhere).
@@ -87,11 +198,10 @@ class PrefillMeta:
     Attention keys are laid out per segment as [h window-ring tokens before the chunk | the L chunk
     tokens | n compressed entries | one zero key for the sink], n = 0 on sliding layers."""
 
-    def __init__(self, batch: ForwardBatch, segments: list[Segment]):
-        device = batch.positions.device
-        self.batch = batch  # keeps the keyed batch alive, so its id is never reused while memoised
+    def __init__(self, segments: Sequence[Segment], num_rows: int, device: torch.device):
+        super().__init__()
         self.device = device
-        self.num_rows = batch.positions.shape[0]  # T: rows of the flat batch every layer input has
+        self.num_rows = num_rows  # T: rows of the flat batch every layer input has
         longest = max(seg.length for seg in segments)
         self.shape = (len(segments), longest)  # (P, L)
         self.max_start = max(seg.start for seg in segments)
@@ -115,12 +225,6 @@ class PrefillMeta:
         b0 = segments[0].begin
         dense = all(seg.length == longest and seg.begin == b0 + p * longest for p, seg in enumerate(segments))
         self.dense_rows = slice(b0, b0 + len(segments) * longest) if dense else None
-        self._memo: dict = {}
-
-    def _cached(self, key, build):
-        if key not in self._memo:
-            self._memo[key] = build()
-        return self._memo[key]
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, ...] (a flat-batch tensor) -> [P, L, ...] padded chunks: a view when the chunks are dense,
@@ -188,67 +292,36 @@ class PrefillMeta:
             return mask_to_bias(torch.cat(visible, dim=-1))
         return self._cached(("bias", W, rate, causal_entries), build)
 
-    def compressor(self, rate: int, ring_len: int, overlap: bool) -> "_CompressorPlan":
+    def windows(self, rate: int, ring_len: int, overlap: bool) -> WindowPlan:
+        """The WindowPlan of the windows the segments complete (compressor rate m, ring of ring_len)."""
         def build():
-            return _CompressorPlan(self, rate, ring_len, overlap)
-        return self._cached(("compressor", rate, ring_len, overlap), build)
-
-
-class _CompressorPlan:
-    """Where the windows completed by a PrefillMeta's segments find their tokens. A compressor reads them
-    from a flat source [T flat-batch rows | P * h ring rows] (h positions before each chunk, h <= the ring
-    length, which holds the previous window too) viewed as rows of out_dim channels: `source_rows` [E * S]
-    indexes that view. Overlapping (width 2 out_dim, so token r is half-rows 2r (Ca) and 2r + 1 (Cb)):
-    S = 2m slots, Ca of window w - 1's tokens then Cb of window w's. Otherwise S = m, window w's tokens."""
-
-    def __init__(self, meta: PrefillMeta, rate: int, ring_len: int, overlap: bool):
-        device = meta.device
-        history, _, self.history_rows = meta._history(ring_len, ring_len)  # h, [P * h] flat ring rows
-        first_window, end_window = meta.starts // rate, meta.ends // rate  # windows [first, end) complete
-        counts = end_window - first_window  # [P]
-        segs = torch.arange(len(counts), device=device)
-        window_seg = torch.repeat_interleave(segs, counts)  # [E] segment of each completed window
-        offsets = torch.cumsum(counts, 0) - counts
-        within = torch.arange(window_seg.numel(), device=device) - offsets[window_seg]
-        self.window_ids = first_window[window_seg] + within  # [E]
-        self.window_slots = meta.slots[window_seg]  # [E]
-        # [F] windows with id 0 (fresh sequences), whose previous-window (Ca) slots weigh nothing; None if none.
-        first = (self.window_ids == 0).nonzero().squeeze(1)
-        self.first = first if overlap and first.numel() > 0 else None
-        slot = torch.arange(-rate if overlap else 0, rate, device=device)  # [S]: offset from the window start
-        # [E, S] positions; window 0's previous-window slots (negative) are clamped to position 0 (masked).
-        token_pos = (self.window_ids.unsqueeze(-1) * rate + slot).clamp(min=0)
-        start = meta.starts[window_seg].unsqueeze(-1)
-        in_chunk = meta.begins[window_seg].unsqueeze(-1) + token_pos - start
-        in_ring = meta.num_rows + window_seg.unsqueeze(-1) * history + token_pos - (start - history)
-        rows = torch.where(token_pos >= start, in_chunk, in_ring)  # [E, S] source token rows
-        self.needs_history = bool((rows >= meta.num_rows).any())
-        self.source_rows = (rows * 2 + (slot >= 0) if overlap else rows).view(-1)  # [E * S]
-
-
-_LAST_META: list = [None]
-_LAST_PREFILL: list = [None]
-
-
-def prefill_meta(batch: ForwardBatch, decode_served: bool) -> PrefillMeta:
-    """The step's PrefillMeta (memoised on the batch object): every segment, or only the multi-token
-    ones when the decode path serves the single-token rows."""
-    memo = _LAST_PREFILL[0]
-    if memo is None or memo[0] is not batch or memo[1] != decode_served:
-        segments = [seg for seg in batch.segments if not (decode_served and seg.length == 1)]
-        memo = _LAST_PREFILL[0] = (batch, decode_served, PrefillMeta(batch, segments))
-    return memo[2]
-
-
-def decode_meta(batch: ForwardBatch) -> DecodeMeta | None:
-    """The step's DecodeMeta (memoised on the batch object), None when it has no single-token rows."""
-    meta = _LAST_META[0]
-    if meta is None or meta.batch is not batch:
-        if not any(seg.length == 1 for seg in batch.segments):
-            return None
-        meta = _LAST_META[0] = DecodeMeta(batch)
-    return meta
+            history, _, history_rows = self._history(ring_len, ring_len)  # h, [P * h] flat ring rows
+            first_window, end_window = self.starts // rate, self.ends // rate  # windows [first, end) complete
+            counts = end_window - first_window  # [P]
+            window_seg = torch.repeat_interleave(torch.arange(len(counts), device=self.device), counts)  # [E]
+            offsets = torch.cumsum(counts, 0) - counts
+            within = torch.arange(window_seg.numel(), device=self.device) - offsets[window_seg]
+            window_ids = first_window[window_seg] + within  # [E]
+            first = window_ids == 0  # fresh sequences' first windows
+            slot = _window_slots(rate, overlap, self.device)
+            # [E, S] positions; window 0's previous-window slots (negative) are clamped to position 0 (masked).
+            token_pos = (window_ids.unsqueeze(-1) * rate + slot).clamp(min=0)
+            start = self.starts[window_seg].unsqueeze(-1)
+            in_chunk = self.begins[window_seg].unsqueeze(-1) + token_pos - start
+            in_ring = self.num_rows + window_seg.unsqueeze(-1) * history + token_pos - (start - history)
+            rows = torch.where(token_pos >= start, in_chunk, in_ring)  # [E, S] source token rows
+            ring_rows, src_rows = self.ring_writes(ring_len)
+            return WindowPlan(
+                ring_index=(ring_rows // ring_len, ring_rows % ring_len), src_rows=src_rows,
+                history_rows=history_rows if bool((rows >= self.num_rows).any()) else None,
+                source_rows=_half_rows(rows, slot, overlap), window_ids=window_ids,
+                window_slots=self.slots[window_seg],
+                empty_slots=_empty_slots(first, slot) if overlap and bool(first.any()) else None, complete=None,
+                count=window_ids.numel(),
+            )
+        return self._cached(("windows", rate, ring_len, overlap), build)
 
 
 def mask_to_bias(visible: torch.Tensor) -> torch.Tensor:
+    """Boolean visibility -> fp32 additive attention bias (0 visible, -inf hidden)."""
     return torch.zeros(visible.shape, dtype=torch.float32, device=visible.device).masked_fill(~visible, float("-inf"))

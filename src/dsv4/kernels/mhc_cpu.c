@@ -1,0 +1,193 @@
+/* mHC on CPU: the coefficients + Sinkhorn, and the fused pre/post steps (kernels/mhc_cpu.py). */
+#include "rows.h"
+
+static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* One token's pre, post and the row-softmaxed comb (+ eps): everything before the Sinkhorn passes. */
+static void coefficients_head(const float *l, const float *base, const float *scale, int hc, float hc_eps,
+                              float *o) {
+    const float s_pre = scale[0], s_post = scale[1], s_comb = scale[2];
+    for (int k = 0; k < hc; ++k) {
+        o[k] = sigmoidf_(l[k] * s_pre + base[k]) + hc_eps;
+        o[hc + k] = 2.0f * sigmoidf_(l[hc + k] * s_post + base[hc + k]);
+    }
+    float *c = o + 2 * hc;
+    const float *lc = l + 2 * hc, *bc = base + 2 * hc;
+    for (int i = 0; i < hc; ++i) { /* row softmax (the first row normalisation), then + eps */
+        float mx = -INFINITY;
+        for (int j = 0; j < hc; ++j) {
+            c[i * hc + j] = lc[i * hc + j] * s_comb + bc[i * hc + j];
+            if (c[i * hc + j] > mx) mx = c[i * hc + j];
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < hc; ++j) { c[i * hc + j] = expf(c[i * hc + j] - mx); sum += c[i * hc + j]; }
+        for (int j = 0; j < hc; ++j) c[i * hc + j] = c[i * hc + j] / sum + hc_eps;
+    }
+}
+
+/* logits [T, mix], base [mix], scale [3] -> out [T, mix] = pre [hc] | post [hc] | comb [hc, hc] per token.
+   mix = 2 hc + hc^2. comb[i, j]: source stream i -> destination stream j. */
+void mhc_coefficients_f32(const float *logits, const float *base, const float *scale, long T, int hc,
+                          int iters, float hc_eps, float *out) {
+    const int mix = 2 * hc + hc * hc;
+    for (long t = 0; t < T; ++t) {
+        float *o = out + t * mix;
+        coefficients_head(logits + t * mix, base, scale, hc, hc_eps, o);
+        float *c = o + 2 * hc;
+        float denom[16];
+        for (int it = 0; it < 2 * iters - 1; ++it) { /* columns, then rows/columns alternately */
+            /* Exact divisions, laid out so the compiler can do hc of them per vector instruction. */
+            if ((it % 2) == 0) {
+                for (int a = 0; a < hc; ++a) denom[a] = c[a];
+                for (int b = 1; b < hc; ++b)
+                    for (int a = 0; a < hc; ++a) denom[a] += c[b * hc + a];
+                for (int a = 0; a < hc; ++a) denom[a] += hc_eps;
+                for (int b = 0; b < hc; ++b)
+                    for (int a = 0; a < hc; ++a) c[b * hc + a] /= denom[a];
+            } else {
+                for (int a = 0; a < hc; ++a) {
+                    float sum = 0.0f;
+                    for (int b = 0; b < hc; ++b) sum += c[a * hc + b];
+                    denom[a] = sum + hc_eps;
+                }
+                for (int a = 0; a < hc; ++a)
+                    for (int b = 0; b < hc; ++b) c[a * hc + b] /= denom[a];
+            }
+        }
+    }
+}
+
+/* Tokens per Sinkhorn batch: one vector lane each (8 fp32 = one AVX register, two SSE ones). */
+#define LANES 8
+
+/* The stream count of every released config: the hot loops are inlined with this constant hc (fully
+   unrolled, vectorised over tokens or channels), other hc run the same code with a run-time count. */
+#define COMMON_HC 4
+
+/* The Sinkhorn passes of mhc_coefficients_f32 for LANES tokens at once, c[i * LANES + lane] = comb
+   entry i of that lane's token: the same operations in the same order per token (bit-identical), with
+   every step one vector op across tokens (a lone 4x4 matrix leaves the divider mostly idle). */
+static inline __attribute__((always_inline)) void sinkhorn_lanes(float *c, int hc, int iters, float hc_eps) {
+    float denom[16 * LANES];
+    for (int it = 0; it < 2 * iters - 1; ++it) { /* columns, then rows/columns alternately */
+        if ((it % 2) == 0) {
+            for (int a = 0; a < hc; ++a)
+                for (int l = 0; l < LANES; ++l) denom[a * LANES + l] = c[a * LANES + l];
+            for (int b = 1; b < hc; ++b)
+                for (int a = 0; a < hc; ++a)
+                    for (int l = 0; l < LANES; ++l) denom[a * LANES + l] += c[(b * hc + a) * LANES + l];
+            for (int a = 0; a < hc; ++a)
+                for (int l = 0; l < LANES; ++l) denom[a * LANES + l] += hc_eps;
+            for (int b = 0; b < hc; ++b)
+                for (int a = 0; a < hc; ++a)
+                    for (int l = 0; l < LANES; ++l) c[(b * hc + a) * LANES + l] /= denom[a * LANES + l];
+        } else {
+            for (int a = 0; a < hc; ++a) {
+                for (int l = 0; l < LANES; ++l) denom[a * LANES + l] = 0.0f;
+                for (int b = 0; b < hc; ++b)
+                    for (int l = 0; l < LANES; ++l) denom[a * LANES + l] += c[(a * hc + b) * LANES + l];
+                for (int l = 0; l < LANES; ++l) denom[a * LANES + l] += hc_eps;
+            }
+            for (int a = 0; a < hc; ++a)
+                for (int b = 0; b < hc; ++b)
+                    for (int l = 0; l < LANES; ++l) c[(a * hc + b) * LANES + l] /= denom[a * LANES + l];
+        }
+    }
+}
+
+/* dst[d] = scale_o * o[d] + sum_k w[k * w_stride] x[k * D + d] over k < n (o NULL: no o term), summed in
+   the reference's order. Inlined with a constant n (COMMON_HC) the k loop unrolls and the d loop
+   vectorises; with a run-time n it stays scalar. */
+static inline __attribute__((always_inline)) void weighted_sum(float *restrict dst, const float *restrict x,
+        const float *w, int w_stride, int n, long D, float scale_o, const float *restrict o) {
+    for (long d = 0; d < D; ++d) {
+        float acc = w[0] * x[d];
+        for (int k = 1; k < n; ++k) acc += w[k * w_stride] * x[k * D + d];
+        dst[d] = o ? scale_o * o[d] + acc : acc;
+    }
+}
+
+/* Fused mHC pre-step for T tokens. streams [T, hc_in, D] (hc_in = hc, or 1 when every stream is the
+   same broadcast embedding), raw [T, mix] fp32 = flatten(streams) @ fn^T (the broadcast fn when hc_in = 1).
+   rho = rsqrt(mean(flatten(streams)^2) + rms_eps); logits = raw * rho; coefficients as above into
+   coef [T, mix] fp32; y [T, D] (streams' dtype) = sum_k pre_k R_k; then, if norm_w is not NULL, the
+   weighted RMSNorm of y. Returns 0, or 1 when its scratch buffers cannot be allocated. */
+int mhc_pre(const void *streams, int bf16, const float *restrict raw, const float *base, const float *scale,
+            long T, int hc, int hc_in, long D, int iters, float rms_eps, float hc_eps, const float *norm_w,
+            float norm_eps, float *restrict coef, void *y) {
+    const int mix = 2 * hc + hc * hc;
+    float lanes[16 * 16 * LANES];
+    float *scratch = malloc((size_t)(hc_in * D + D) * sizeof(float)); /* bf16 rows: streams, then y */
+    if (!scratch) return 1;
+    for (long t0 = 0; t0 < T; t0 += LANES) { /* LANES tokens at a time, for the Sinkhorn lanes */
+        const int nb = T - t0 < LANES ? (int)(T - t0) : LANES;
+        for (int l = 0; l < nb; ++l) {
+            const long t = t0 + l;
+            const float *restrict x = load_row(streams, bf16, t * hc_in * D, hc_in * D, scratch);
+            const float rho = 1.0f / sqrtf(sum_squares(x, hc_in * D) / (float)(hc_in * D) + rms_eps);
+            float logits[2 * 16 + 16 * 16];
+            for (int i = 0; i < mix; ++i) logits[i] = raw[t * mix + i] * rho;
+            const float *pre = coef + t * mix;
+            coefficients_head(logits, base, scale, hc, hc_eps, coef + t * mix);
+            for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = pre[2 * hc + i];
+            /* The block input needs only pre: collapse while this token's streams are still in cache. */
+            float *restrict yt = bf16 ? scratch + hc_in * D : (float *)y + t * D;
+            if (hc_in == 1) {
+                float p = 0.0f;
+                for (int k = 0; k < hc; ++k) p += pre[k];
+                for (long d = 0; d < D; ++d) yt[d] = p * x[d];
+            } else if (hc == COMMON_HC) {
+                weighted_sum(yt, x, pre, 1, COMMON_HC, D, 0.0f, NULL);
+            } else {
+                weighted_sum(yt, x, pre, 1, hc, D, 0.0f, NULL);
+            }
+            if (norm_w) {
+                const float r = 1.0f / sqrtf(sum_squares(yt, D) / (float)D + norm_eps);
+                for (long d = 0; d < D; ++d) yt[d] = norm_w[d] * (yt[d] * r);
+            }
+            if (bf16) store_row(y, 1, t * D, yt, D);
+        }
+        for (int l = nb; l < LANES; ++l) /* unused lanes: any finite values, never read back */
+            for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = 1.0f;
+        if (hc == COMMON_HC) sinkhorn_lanes(lanes, COMMON_HC, iters, hc_eps);
+        else sinkhorn_lanes(lanes, hc, iters, hc_eps);
+        for (int l = 0; l < nb; ++l)
+            for (int i = 0; i < hc * hc; ++i) coef[(t0 + l) * mix + 2 * hc + i] = lanes[i * LANES + l];
+    }
+    free(scratch);
+    return 0;
+}
+
+/* mHC post-step: out[t, j, :] = post_j o_t + sum_i comb[i, j] R_i (hc_in = 1: R_i = e for every i), with
+   streams, o [T, D] and out in one dtype, coef [T, mix] as written by mhc_pre. Each token's new streams
+   are built in a scratch row and stored after its old streams are read, so out may be streams itself
+   (hc_in = hc): the update in place. Returns 0, or 1 when its scratch buffers cannot be allocated. */
+int mhc_post(const void *streams, int bf16, const void *o, const float *restrict coef, long T, int hc, int hc_in,
+             long D, void *out) {
+    const int mix = 2 * hc + hc * hc;
+    float *scratch = malloc((size_t)(hc_in * D + D + hc * D) * sizeof(float)); /* streams, o, new streams */
+    if (!scratch) return 1;
+    float *restrict rows = scratch + hc_in * D + D;
+    for (long t = 0; t < T; ++t) {
+        const float *post = coef + t * mix + hc, *c = coef + t * mix + 2 * hc;
+        /* not restrict: x may be the very row store_row overwrites below */
+        const float *x = load_row(streams, bf16, t * hc_in * D, hc_in * D, scratch);
+        const float *ot = load_row(o, bf16, t * D, D, scratch + hc_in * D);
+        for (int j = 0; j < hc; ++j) {
+            float *restrict dst = rows + j * D;
+            const float pj = post[j];
+            if (hc_in == 1) {
+                float cs = 0.0f;
+                for (int i = 0; i < hc; ++i) cs += c[i * hc + j];
+                for (long d = 0; d < D; ++d) dst[d] = pj * ot[d] + cs * x[d];
+            } else {
+                /* column j of comb: sum_i comb[i, j] R_i */
+                if (hc == COMMON_HC) weighted_sum(dst, x, c + j, COMMON_HC, COMMON_HC, D, pj, ot);
+                else weighted_sum(dst, x, c + j, hc, hc, D, pj, ot);
+            }
+        }
+        store_row(out, bf16, t * hc * D, rows, hc * D);
+    }
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,64 @@
+/* Helpers shared by the mHC and norm/RoPE kernels (mhc_cpu.c, norm_rope_cpu.c): fp32 / bf16 rows and a
+   vectorisable sum of squares. */
+#ifndef DSV4_ROWS_H
+#define DSV4_ROWS_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Partial sums per reduction: 16 independent accumulators fill four SSE / two AVX / one AVX-512 vector
+   and hide the add latency, so a sum over D runs at load speed instead of one dependent add per element.
+   (Sums over hc * D therefore round in a different order than the reference: fp32-rounding level.) */
+#define ACC 16
+
+static float sum_squares(const float *restrict x, long n) {
+    float acc[ACC] = {0.0f};
+    long i = 0;
+    for (; i + ACC <= n; i += ACC)
+        for (int l = 0; l < ACC; ++l) acc[l] += x[i + l] * x[i + l];
+    for (int l = 0; i < n; ++i, ++l) acc[l] += x[i] * x[i];
+    for (int w = ACC / 2; w > 0; w /= 2) /* pairwise: log2(ACC) vector adds */
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+/* Stream tensors (streams, block input y, block output o, new streams) are fp32 or bf16 (`bf16` flag);
+   the arithmetic is fp32 either way. bf16 rows are widened exactly into a per-token fp32 buffer and
+   results rounded once on store, to nearest even as torch's `.to(torch.bfloat16)` does (NaN -> 0x7FC0),
+   so a bf16 call is bit-identical to widening the tensors, running the fp32 kernel and rounding the
+   results, without the three full-size fp32 copies that costs. */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    if (f != f) return 0x7FC0;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Elements [offset, offset + n) of a stream tensor as fp32: in place for fp32, widened into buf for bf16. */
+static const float *load_row(const void *base, int bf16, long offset, long n, float *restrict buf) {
+    if (!bf16) return (const float *)base + offset;
+    const uint16_t *restrict h = (const uint16_t *)base + offset;
+    for (long i = 0; i < n; ++i) buf[i] = bf16_to_f32(h[i]);
+    return buf;
+}
+
+static void store_row(void *base, int bf16, long offset, const float *restrict src, long n) {
+    if (!bf16) {
+        memcpy((float *)base + offset, src, n * sizeof(float));
+        return;
+    }
+    uint16_t *restrict h = (uint16_t *)base + offset;
+    for (long i = 0; i < n; ++i) h[i] = f32_to_bf16(src[i]);
+}
+
+#endif
