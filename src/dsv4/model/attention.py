@@ -126,10 +126,25 @@ class Indexer(nn.Module):
         weights = (head_weights.float() * self.n_heads**-0.5).unsqueeze(-1)  # [P, L, nI, 1]
         scores = scores.mul_(weights).sum(dim=2)  # [P, L, n]
         visible_count = counts.unsqueeze(-1)
-        entry = torch.arange(scores.shape[-1], device=scores.device)
+        n = scores.shape[-1]
+        entry = torch.arange(n, device=scores.device)
         scores = scores.masked_fill(entry >= visible_count, float("-inf"))
-        picks = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+        picks = top_k_lowest_index_on_ties(scores, min(self.topk, n))
         return torch.where(picks >= visible_count, torch.full_like(picks, -1), picks)
+
+
+def top_k_lowest_index_on_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., n] -> [..., k] indices of the k largest scores, in ascending order; among scores equal to the k-th
+    largest the lowest indices are taken. Why: relu gives many entries a score of exactly 0 whatever the
+    batch or chunk shape, and topk breaks such ties by its own internal order, which differs between a
+    decode row and a prefill chunk; the attention would then see different entries for the same token."""
+    kth = scores.topk(k, dim=-1).values[..., -1:]  # sorted descending: the k-th largest
+    above = scores > kth
+    tied = scores == kth
+    chosen = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
+    entry = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int32)
+    rank = torch.where(chosen, scores.shape[-1] - entry, 0)  # distinct and positive where chosen
+    return rank.topk(k, dim=-1).indices  # largest rank first: ascending entries
 
 
 class Attention(nn.Module):
