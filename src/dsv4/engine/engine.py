@@ -120,7 +120,7 @@ class Engine:
         compile_decode: bool = False, proposer: Proposer | None = None, speculation_max_batch: int | None = None,
     ):
         self.limits = limits
-        self.runner = ModelRunner(model, limits, compile_decode)  # allocates every cache slot now
+        self.runner = ModelRunner(model, limits, compile_decode)  # reserves every cache slot (pages taken as written)
         self.scheduler = Scheduler(limits)
         self.sampling = SamplingBatch(limits.max_num_seqs, self.runner.device)  # a row per cache slot
         self.sampler = Sampler(default_seed=seed)
