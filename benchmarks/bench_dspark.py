@@ -157,10 +157,7 @@ def threshold_sweep(arm: CountingRun, prompts, params, reference) -> list[dict]:
         for threshold in THRESHOLDS:
             proposer = build_dspark_proposer(llm.loaded, llm.limits, None, 0, verify_threshold=threshold)
             llm.engine.proposer = proposer
-            try:
-                s, tokens, steps = arm(prompts, params)
-            finally:
-                proposer.close()
+            s, tokens, steps = arm(prompts, params)
             if tokens != reference:
                 raise SystemExit(f"dspark at threshold {threshold}: output differs from plain greedy")
             rows.append({"threshold": threshold, "accepted_length": accepted_length(tokens, steps, len(prompts)),

@@ -8,15 +8,14 @@ sampling equals plain sampling and does not depend on the batch; the output dist
 `LLM.generate` equals the target's own (chi-square against the exact probabilities); a refit updates the
 drafter in the same session as the target and then drafts exactly as a fresh load does (a refit that skipped
 it drafts worse, so the check can fail). On the tiny random model with a released-layout drafter (V4 and
-V4.1): the context rings the engine fills through `on_commit` equal the drafter's own commit of a full
-target forward, and greedy output equals plain.
+V4.1): the target layers the engine captures for `on_commit` and the context rings it fills through it
+equal a full target forward and the drafter's own commit of it, and greedy output equals plain.
 
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 
@@ -40,6 +39,7 @@ from dsv4.tasks import sort_digits as task
 MAX_MODEL_LEN = 64  # the embedded model's maximum: twice its window
 SEED = 5
 RING_TOL = 1e-5  # ring keys from the engine's chunks vs one full forward (different GEMM shapes)
+STREAM_TOL = 2e-5  # captured target streams (|x| up to ~5) from the engine's chunks vs one full forward (likewise)
 CHI2_Z = 3.09  # the standard normal's 0.999 quantile: a distribution test fails by chance once in 1000
 
 
@@ -90,26 +90,22 @@ def _run(llm: LLM, prompts, params, max_num_seqs: int, speculate: bool, threshol
                     proposer=WithoutQ(proposer) if without_q else proposer)
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
-    try:
-        requests = [engine.add_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        steps = 0
-        while engine.has_work():
-            engine.step()
-            steps += 1
-            if after_step is not None:
-                after_step(engine, steps)
+    requests = [engine.add_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if after_step is not None:
+            after_step(engine, steps)
+        if proposer is not None:
+            proposer.flush()
+        for seq in engine.scheduler.running:
+            assert engine.runner.cache.lengths[seq.slot] == seq.computed
             if proposer is not None:
-                proposer.flush()
-            for seq in engine.scheduler.running:
-                assert engine.runner.cache.lengths[seq.slot] == seq.computed
-                if proposer is not None:
-                    assert proposer.cache.lengths[seq.slot] == seq.computed
-        assert len(engine.scheduler.free_slots) == limits.max_num_seqs
-        if proposer is not None:
-            assert all(n == 0 for n in proposer.cache.lengths)  # every ring emptied on release
-    finally:
-        if proposer is not None:
-            proposer.close()
+                assert proposer.cache.lengths[seq.slot] == seq.computed
+    assert len(engine.scheduler.free_slots) == limits.max_num_seqs
+    if proposer is not None:
+        assert all(n == 0 for n in proposer.cache.lengths)  # every ring emptied on release
     return [r.output(delta=False) for r in requests], proposer
 
 
@@ -312,27 +308,24 @@ def test_drafts_carry_q_and_the_confident_width(sort_llm, threshold):
     limits = sort_llm.limits
     proposer = build_dspark_proposer(sort_llm.loaded, limits, None, 0, verify_threshold=threshold)
     engine = Engine(sort_llm.loaded.target, limits, 0, sort_llm.config.eos_token_ids, proposer=proposer)
-    try:
-        for i, prompt in enumerate(_sort_prompts(3, seed=2)):
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=20))
-        engine.step()  # prefill: every sequence samples its first token
-        seqs = list(engine.scheduler.running)
-        proposer.flush()
-        block = proposer.drafter.draft(proposer.cache, [s.slot for s in seqs], [s.output_ids[-1] for s in seqs])
-        widths = verify_width(block.confidence, threshold).tolist()
-        room = [5, 2, 5]
-        drafts = proposer.propose(seqs, room)
-        for i, draft in enumerate(drafts):
-            width = min(widths[i], room[i])
-            assert draft.token_ids == block.tokens[i, :width].tolist()
-            if width:
-                assert torch.equal(draft.probs, block.q[i, :width])
-            else:
-                assert draft.probs is None
-        if threshold == 0.0:
-            assert [len(d.token_ids) for d in drafts] == room
-    finally:
-        proposer.close()
+    for i, prompt in enumerate(_sort_prompts(3, seed=2)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=20))
+    engine.step()  # prefill: every sequence samples its first token
+    seqs = list(engine.scheduler.running)
+    proposer.flush()
+    block = proposer.drafter.draft(proposer.cache, [s.slot for s in seqs], [s.output_ids[-1] for s in seqs])
+    widths = verify_width(block.confidence, threshold).tolist()
+    room = [5, 2, 5]
+    drafts = proposer.propose(seqs, room)
+    for i, draft in enumerate(drafts):
+        width = min(widths[i], room[i])
+        assert draft.token_ids == block.tokens[i, :width].tolist()
+        if width:
+            assert torch.equal(draft.probs, block.q[i, :width])
+        else:
+            assert draft.probs is None
+    if threshold == 0.0:
+        assert [len(d.token_ids) for d in drafts] == room
 
 
 def test_num_speculative_tokens_caps_the_drafts(sort_llm):
@@ -341,13 +334,10 @@ def test_num_speculative_tokens_caps_the_drafts(sort_llm):
     limits = dataclasses.replace(sort_llm.limits, max_num_seqs=2)
     capped = build_dspark_proposer(sort_llm.loaded, limits, 2, 0)
     engine = Engine(sort_llm.loaded.target, limits, 0, sort_llm.config.eos_token_ids, proposer=capped)
-    try:
-        params = SamplingParams(max_tokens=12)
-        requests = [engine.add_request(str(i), p, params) for i, p in enumerate(_sort_prompts(4))]
-        while engine.has_work():
-            engine.step()
-    finally:
-        capped.close()
+    params = SamplingParams(max_tokens=12)
+    requests = [engine.add_request(str(i), p, params) for i, p in enumerate(_sort_prompts(4))]
+    while engine.has_work():
+        engine.step()
     assert capped.num_speculative_tokens == 2 and capped.stats.drafted == 2 * capped.stats.verifies
     assert [r.output(delta=False).outputs[0].token_ids for r in requests] == _tokens(outputs)
 
@@ -395,30 +385,27 @@ def test_rings_filled_by_the_engine_equal_a_direct_commit(tiny_llm):
     engine = Engine(llm.loaded.target, llm.limits, 0, llm.config.eos_token_ids, proposer=proposer)
     drafter, target = proposer.drafter, llm.loaded.target
     g = torch.Generator().manual_seed(3)
-    try:
-        for i, n in enumerate((40, 7, 29)):
-            prompt = torch.randint(8, 512, (n,), generator=g).tolist()
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=30, ignore_eos=True))
-        checked = 0
-        while engine.has_work():
-            engine.step()
-            proposer.flush()
-            for seq in engine.scheduler.running:
-                if seq.computed < 36 or checked >= 6:
-                    continue
-                tokens = seq.tokens(0, seq.computed)
-                batch = ForwardBatch.build([(0, tokens, 0)])
-                _, captured = target(batch, target.allocate_cache(1, TINY_LEN), capture_layers=drafter.capture_layers)
-                clean = drafter.allocate_cache(1, TINY_LEN)
-                drafter.commit(clean, batch, captured)
-                for stage in range(len(drafter.mtp)):
-                    got = proposer.cache.read(stage, proposer.cache.context_rows([seq.slot]))
-                    want = clean.read(stage, clean.context_rows([0]))
-                    assert (got - want).abs().max().item() <= RING_TOL, f"stage {stage}, {seq.computed} positions"
-                checked += 1
-        assert checked == 6
-    finally:
-        proposer.close()
+    for i, n in enumerate((40, 7, 29)):
+        prompt = torch.randint(8, 512, (n,), generator=g).tolist()
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    checked = 0
+    while engine.has_work():
+        engine.step()
+        proposer.flush()
+        for seq in engine.scheduler.running:
+            if seq.computed < 36 or checked >= 6:
+                continue
+            tokens = seq.tokens(0, seq.computed)
+            batch = ForwardBatch.build([(0, tokens, 0)])
+            _, captured = target(batch, target.allocate_cache(1, TINY_LEN), capture_layers=drafter.capture_layers)
+            clean = drafter.allocate_cache(1, TINY_LEN)
+            drafter.commit(clean, batch, captured)
+            for stage in range(len(drafter.mtp)):
+                got = proposer.cache.read(stage, proposer.cache.context_rows([seq.slot]))
+                want = clean.read(stage, clean.context_rows([0]))
+                assert (got - want).abs().max().item() <= RING_TOL, f"stage {stage}, {seq.computed} positions"
+            checked += 1
+    assert checked == 6
 
 
 def test_tiny_greedy_with_dspark_equals_plain(tiny_llm):
@@ -431,25 +418,56 @@ def test_tiny_greedy_with_dspark_equals_plain(tiny_llm):
     assert proposer.stats.judged_drafted > proposer.stats.accepted  # rejected drafts: slots rewound
 
 
-def test_capture_hooks_leave_the_target(sort_llm):
-    """The proposer hooks the blocks after its captured layers (the embedded drafter reads layers 0, 1, 2 of
-    3: blocks 1 and 2 are hooked, the last layer's output is what on_commit receives), and removes its hooks
-    when closed or collected."""
-    target = sort_llm.loaded.target
-    assert sort_llm.loaded.models["dspark"].capture_layers == (0, 1, 2)
+class RecordingCommits:
+    """The DSpark proposer, recording a copy of what the engine hands each `on_commit`."""
 
-    def hooks() -> list[int]:
-        return [len(block._forward_pre_hooks) for block in target.layers]
+    def __init__(self, proposer: DSparkProposer):
+        self.proposer = proposer
+        self.num_speculative_tokens = proposer.num_speculative_tokens
+        self.capture_layers = proposer.capture_layers
+        self.commits = []  # (the sequence's tokens through the last row, first position, streams, captured)
 
-    before = hooks()
-    proposer = build_dspark_proposer(sort_llm.loaded, sort_llm.limits, None, 0)
-    assert hooks() == [before[0], before[1] + 1, before[2] + 1]
-    proposer.close()
-    assert hooks() == before
-    proposer = build_dspark_proposer(sort_llm.loaded, sort_llm.limits, None, 0)
-    del proposer
-    gc.collect()
-    assert hooks() == before
+    def on_commit(self, seq, first_position, streams, captured=None):
+        self.commits.append((seq.tokens(0, first_position + streams.shape[0]), first_position, streams.clone(),
+                             {layer: rows.clone() for layer, rows in captured.items()}))
+        self.proposer.on_commit(seq, first_position, streams, captured=captured)
+
+    def __getattr__(self, name):  # propose, on_release, end_step
+        return getattr(self.proposer, name)
+
+
+def test_engine_hands_on_commit_the_captured_layers(tiny_llm):
+    """The proposer declares the drafter's capture layers; the engine runs the target with them and hands
+    each on_commit the committed rows' streams of exactly those layers, equal to one full target forward over
+    the sequence (the last layer's are the final streams themselves); without them on_commit refuses."""
+    llm = tiny_llm
+    target = llm.loaded.target
+    proposer = build_dspark_proposer(llm.loaded, llm.limits, None, 0, verify_threshold=0.0)
+    layers = proposer.drafter.capture_layers
+    assert proposer.capture_layers == layers
+    recording = RecordingCommits(proposer)
+    engine = Engine(target, llm.limits, 0, llm.config.eos_token_ids, proposer=recording)
+    g = torch.Generator().manual_seed(6)
+    for i, n in enumerate((30, 9)):
+        engine.add_request(str(i), torch.randint(8, 512, (n,), generator=g).tolist(),
+                           SamplingParams(max_tokens=12, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    assert proposer.stats.judged_verifies > 0  # verify chunks' kept rows were committed, not only prefill
+    last = len(target.layers) - 1
+    for tokens, first, streams, captured in recording.commits:
+        assert set(captured) == set(layers)
+        if last in captured:
+            assert torch.equal(captured[last], streams)
+        _, full = target(ForwardBatch.build([(0, tokens, 0)]), target.allocate_cache(1, TINY_LEN),
+                         capture_layers=layers)
+        for layer, rows in captured.items():
+            assert rows.shape == streams.shape
+            assert (rows - full[layer][first : first + rows.shape[0]]).abs().max().item() <= STREAM_TOL
+    seq = Sequence("x", 0, [9, 10], SamplingParams())
+    seq.slot = 0
+    with pytest.raises(ValueError, match=r"on_commit of sequence x/0 at position 0 got no captured streams"):
+        proposer.on_commit(seq, 0, streams[:2])
 
 
 def test_commits_of_several_steps_flush_in_position_order(tiny_llm):
@@ -465,22 +483,20 @@ def test_commits_of_several_steps_flush_in_position_order(tiny_llm):
         seq.slot = slot
         seqs.append(seq)
     cache = target.allocate_cache(4, TINY_LEN)
-    try:
-        for start in (0, 10):
-            batch = ForwardBatch.build([(s.slot, s.prompt_ids[start : start + 10], start) for s in seqs])
-            streams, _ = target(batch, cache)
-            for s, seg in zip(seqs, batch.segments):
-                proposer.on_commit(s, start, streams[seg.begin : seg.end])
-        proposer.flush()
-        for s in seqs:
-            full = ForwardBatch.build([(0, s.prompt_ids, 0)])
-            _, captured = target(full, target.allocate_cache(1, TINY_LEN), capture_layers=drafter.capture_layers)
-            clean = drafter.allocate_cache(1, TINY_LEN)
-            drafter.commit(clean, full, captured)
-            assert proposer.cache.lengths[s.slot] == 20
-            for stage in range(len(drafter.mtp)):
-                got = proposer.cache.read(stage, proposer.cache.context_rows([s.slot]))
-                want = clean.read(stage, clean.context_rows([0]))
-                assert (got - want).abs().max().item() <= RING_TOL
-    finally:
-        proposer.close()
+    for start in (0, 10):
+        batch = ForwardBatch.build([(s.slot, s.prompt_ids[start : start + 10], start) for s in seqs])
+        streams, captured = target(batch, cache, capture_layers=proposer.capture_layers)
+        for s, seg in zip(seqs, batch.segments):
+            rows = {layer: layer_streams[seg.begin : seg.end] for layer, layer_streams in captured.items()}
+            proposer.on_commit(s, start, streams[seg.begin : seg.end], captured=rows)
+    proposer.flush()
+    for s in seqs:
+        full = ForwardBatch.build([(0, s.prompt_ids, 0)])
+        _, captured = target(full, target.allocate_cache(1, TINY_LEN), capture_layers=drafter.capture_layers)
+        clean = drafter.allocate_cache(1, TINY_LEN)
+        drafter.commit(clean, full, captured)
+        assert proposer.cache.lengths[s.slot] == 20
+        for stage in range(len(drafter.mtp)):
+            got = proposer.cache.read(stage, proposer.cache.context_rows([s.slot]))
+            want = clean.read(stage, clean.context_rows([0]))
+            assert (got - want).abs().max().item() <= RING_TOL

@@ -13,13 +13,10 @@ became final. This proposer keeps one DSpark context ring per engine cache slot 
   on_release  empties the slot's ring (the sequence ended or was preempted: it recommits from position 0).
 
 Features. DSpark reads the streams of the target layers `capture_layers` (the outputs of
-`dspark_target_layer_ids`; V4.1: their inputs), while the engine hands `on_commit` only the target's final
-streams (the last layer's output). `TargetLayerCapture` copies the other layers' streams during each
-target forward with module hooks on the target's blocks (the stream entering block i + 1 is block i's
-output), together with the step's `ForwardBatch`, so `on_commit` finds a sequence's rows by its slot and
-first position. The engine could pass them instead: `ModelRunner.execute` running the target with
-`capture_layers=proposer.capture_layers` and `on_commit` receiving those rows would make the hooks
-unnecessary. The compiled decode step (`compile=True`) bypasses the blocks' modules, so it is refused here.
+`dspark_target_layer_ids`; V4.1: their inputs). The proposer declares them (`Proposer.capture_layers`), so
+the engine runs the target with `forward(capture_layers=...)` and hands `on_commit` those layers' streams
+of the committed rows (`captured`) next to the final streams. The compiled decode step (`compile=True`)
+returns no layer captures (static_decode.py), so it is refused here.
 
 Commits are batched: `on_commit` only computes the rows' features; the next `propose` (or `flush`) turns
 every pending row of the step into context keys with one pass of main_proj / main_norm / wkv.
@@ -31,7 +28,6 @@ stream, and a seeded request drafts the same tokens whatever else shares its bat
 
 from __future__ import annotations
 
-import weakref
 import zlib
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -42,8 +38,6 @@ from dsv4.engine.limits import EngineLimits
 from dsv4.engine.sequence import Sequence
 from dsv4.engine.speculation import Draft
 from dsv4.errors import ConfigError
-from dsv4.model.batch import ForwardBatch
-from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.dspark import DSparkDrafter
 from dsv4.model.dspark_cache import DSparkCache
 from dsv4.model.dspark_draft import DraftSampling, verify_width
@@ -59,89 +53,6 @@ DEFAULT_VERIFY_THRESHOLD = 0.1
 _SEED_MULTIPLIER = 0x9E3779B97F4A7C15
 _LENGTH_MULTIPLIER = 0xBF58476D1CE4E5B9
 _SEED_MASK = (1 << 63) - 1
-
-
-class TargetLayerCapture:
-    """Copies of target layers' output streams from each forward of the target, with that forward's batch.
-
-    The output of block i is the input of block i + 1, read by a forward pre-hook on block i + 1 (block 0
-    is run through `forward_broadcast`, not as a module call, so its own hooks would not fire). The last
-    block's output is the forward's result, which the engine hands `on_commit` itself, so it is not hooked.
-
-    Args:
-        target: the target model.
-        layers: the target layers to capture (ascending).
-    """
-
-    def __init__(self, target: DeepseekV4, layers: Seq[int]):
-        last = len(target.layers) - 1
-        self.last_layer = last
-        self.layers = tuple(layers)
-        self.batch: ForwardBatch | None = None
-        self.streams: dict[int, torch.Tensor] = {}
-        handles = []
-        this = weakref.ref(self)  # the hooks must not keep a dropped proposer's capture alive
-        for layer in self.layers:
-            if layer < last:
-                handles.append(target.layers[layer + 1].register_forward_pre_hook(_capture_hook(this, layer)))
-        # the hooks leave the target when the capture is closed or collected, whichever comes first
-        self._remove_hooks = weakref.finalize(self, _remove_hooks, handles)
-
-    def record(self, layer: int, streams: torch.Tensor, batch: ForwardBatch) -> None:
-        """Keep `streams` (the output of `layer` for `batch`); a new batch starts a new forward's capture."""
-        if batch is not self.batch:
-            self.batch, self.streams = batch, {}
-        # A copy: the next block may overwrite its input in place.
-        self.streams[layer] = streams.clone()
-
-    def rows(self, slot: int, start: int, final_streams: torch.Tensor) -> dict[int, torch.Tensor]:
-        """The captured streams of one sequence's rows in the latest forward.
-
-        Args:
-            slot: the sequence's cache slot.
-            start: the position of its first row.
-            final_streams: [rows, hc, D] the target's final streams of those rows (the last layer's output).
-
-        Returns:
-            {layer: [rows, hc, D]} for every captured layer.
-
-        Raises:
-            RuntimeError: the latest forward captured no chunk of that slot at that position.
-        """
-        count = final_streams.shape[0]
-        out = {self.last_layer: final_streams} if self.last_layer in self.layers else {}
-        hooked = [layer for layer in self.layers if layer != self.last_layer]
-        if not hooked:
-            return out
-        segment = None
-        if self.batch is not None:
-            segment = next((s for s in self.batch.segments if s.slot == slot and s.start == start), None)
-        if segment is None or segment.length < count or set(self.streams) != set(hooked):
-            raise RuntimeError(
-                f"dspark: the target's last forward captured no streams of layers {hooked} for cache slot {slot} "
-                f"at position {start} (was the target run without its blocks' modules, e.g. compiled?)"
-            )
-        for layer in hooked:
-            out[layer] = self.streams[layer][segment.begin : segment.begin + count]
-        return out
-
-    def close(self) -> None:
-        """Remove the hooks from the target."""
-        self._remove_hooks()
-
-
-def _remove_hooks(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-
-
-def _capture_hook(capture: weakref.ref, layer: int):
-    def hook(module, args):
-        owner = capture()
-        if owner is not None:
-            owner.record(layer, args[0], args[1])  # block.forward(streams, batch, cache, ...)
-
-    return hook
 
 
 @dataclass
@@ -200,7 +111,7 @@ class DSparkProposer:
         self.verify_threshold = float(verify_threshold)
         self.seed = seed
         self.cache: DSparkCache = drafter.allocate_cache(num_slots, 0)
-        self.capture = TargetLayerCapture(drafter.shared.target, drafter.capture_layers)
+        self.capture_layers = drafter.capture_layers  # what on_commit reads (`Proposer.capture_layers`)
         self.stats = ProposerStats()
         self._device = drafter.mtp[0].main_proj.weight.device
         self._pending: list[_PendingCommit] = []
@@ -249,7 +160,8 @@ class DSparkProposer:
                 drafts.append(Draft(block.tokens[i, :width].tolist(), block.q[i, :width]))
         return drafts
 
-    def on_commit(self, seq: Sequence, first_position: int, streams: torch.Tensor) -> None:
+    def on_commit(self, seq: Sequence, first_position: int, streams: torch.Tensor,
+                  captured: dict[int, torch.Tensor] | None = None) -> None:
         """Positions [first_position, first_position + len(streams)) of `seq` are final: queue their features
         for its context ring.
 
@@ -257,14 +169,21 @@ class DSparkProposer:
             seq: the sequence.
             first_position: the position of the first row.
             streams: [rows, hc, D] the target's final streams of those rows.
+            captured: {layer: [rows, hc, D]} those rows' streams of every layer of `capture_layers`.
+
+        Raises:
+            ValueError: `captured` is missing or lacks a layer of `capture_layers`.
         """
+        if captured is None:
+            raise ValueError(f"dspark: on_commit of sequence {seq.request_id}/{seq.index} at position "
+                             f"{first_position} got no captured streams; run the target with "
+                             f"capture_layers={self.capture_layers}")
         rows = streams.shape[0]
         offered = self._offered.pop(seq.slot, None)
         if offered is not None:  # a verify chunk: its anchor's row, then one per kept draft
             self.stats.judged_verifies += 1
             self.stats.judged_drafted += offered
             self.stats.accepted += rows - 1
-        captured = self.capture.rows(seq.slot, first_position, streams)
         token_ids = torch.tensor(seq.tokens(first_position, first_position + rows), dtype=torch.long,
                                  device=self._device)
         features = self.drafter.features(captured, token_ids)
@@ -312,10 +231,6 @@ class DSparkProposer:
             base = self.seed ^ zlib.crc32(f"{seq.request_id}/{seq.index}".encode())
         mixed = (base * _SEED_MULTIPLIER + seq.num_tokens * _LENGTH_MULTIPLIER) & _SEED_MASK
         return torch.Generator(device=self._device).manual_seed(mixed)
-
-    def close(self) -> None:
-        """Remove the capture hooks from the target (the proposer is not used afterwards)."""
-        self.capture.close()
 
 
 def build_dspark_proposer(

@@ -48,7 +48,7 @@ from dsv4.engine.sampler import Proposal, Sampler, SamplingBatch, prompt_logprob
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.engine.scheduler import ScheduledChunk, Scheduler
 from dsv4.engine.sequence import ABORT, LENGTH, STOP, Sequence, SequenceStatus
-from dsv4.engine.speculation import Draft, Proposer, accepted_length, end_step
+from dsv4.engine.speculation import Draft, Proposer, accepted_length, capture_layers, end_step
 from dsv4.errors import ConfigError, RequestError, WeightsNotReadyError
 from dsv4.model.deepseek_v4 import DeepseekV4
 
@@ -268,7 +268,8 @@ class Engine:
             if plan.chunks:
                 work = self._prepare(plan.chunks)
                 verify = [i for i, w in enumerate(work) if w.draft.token_ids]
-                result = self.runner.execute([w.chunk for w in work], self._logit_rows(work), verify)
+                result = self.runner.execute([w.chunk for w in work], self._logit_rows(work), verify,
+                                             capture_layers(self.proposer))
                 self._score_prompts(work, result)
                 self._commit(work, result, reported)
                 if self.proposer is not None:
@@ -396,7 +397,7 @@ class Engine:
             if not w.samples:
                 seq.computed += w.known
                 if self.proposer is not None:
-                    self.proposer.on_commit(seq, start, result.streams[w.begin : w.begin + w.known])
+                    self._report_commit(seq, start, result, w.begin, w.begin + w.known)
                 continue
             drafts = w.draft.token_ids
             sampled = tokens[row : row + 1 + len(drafts)]
@@ -414,13 +415,23 @@ class Engine:
                 if kept < len(drafts):
                     rewinds[seq.slot] = seq.computed
                 if self.proposer is not None:
-                    self.proposer.on_commit(seq, start, result.streams[w.begin : w.begin + w.known + kept])
+                    self._report_commit(seq, start, result, w.begin, w.begin + w.known + kept)
             request = self.requests[seq.request_id]
             request.weights_version = self.weights_version  # it chose tokens: versions only grow
             if request.stream or request.finished:
                 reported[request.request_id] = request
         if rewinds:
             self.runner.rewind(rewinds)
+
+    def _report_commit(self, seq: Sequence, start: int, result: StepResult, begin: int, end: int) -> None:
+        """Tell the proposer that rows [begin, end) of the step, `seq`'s positions from `start`, are final,
+        with their captured layers' streams when it asked for any (`Proposer.capture_layers`)."""
+        streams = result.streams[begin:end]
+        if not result.captured:
+            self.proposer.on_commit(seq, start, streams)
+            return
+        captured = {layer: layer_streams[begin:end] for layer, layer_streams in result.captured.items()}
+        self.proposer.on_commit(seq, start, streams, captured=captured)
 
     def _append(self, seq: Sequence, token: int, logprobs) -> None:
         """Record a sampled token and apply the stop conditions."""

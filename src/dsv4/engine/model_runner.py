@@ -3,8 +3,10 @@
 It owns the per-sequence caches (`ModelCache`, one slot per running sequence) and, for a step, turns the
 scheduled chunks into one `ForwardBatch` (the step's metadata, built once and handed to every layer),
 runs the compiled decode step (`StaticDecode`, pure-decode steps when `compile_decode`) or the eager
-forward, and returns the streams of every row and the logits of the rows the engine asked for: the
-last row of each sequence that samples, or every row of a verify chunk.
+forward, and returns the streams of every row, the streams of the inner layers a proposer reads
+(`capture_layers`, the model's own `forward(capture_layers=...)`), and the logits of the rows the engine
+asked for: the last row of each sequence that samples, or every row of a verify chunk. The compiled step
+returns no layer captures, so a step that captures runs the eager forward.
 
 Speculation: `execute` snapshots the cache rows that verify chunks overwrite (`ModelCache.snapshot`), and
 `rewind` puts back those of rejected draft positions after the engine has kept the accepted prefix, so a
@@ -14,7 +16,7 @@ rejected draft leaves no trace in the window or compressor rings.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -37,10 +39,12 @@ class Chunk(NamedTuple):
 @dataclass(frozen=True)
 class StepResult:
     """streams: [T, hc, D] pre-head streams of every row of the step; logits: fp32 [len(rows), V] for
-    the rows asked for, in that order (None when none were)."""
+    the rows asked for, in that order (None when none were); captured: {layer: [T, hc, D] that layer's
+    output streams of every row} for the layers asked for (empty when none were)."""
 
     streams: torch.Tensor
     logits: torch.Tensor | None
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -71,7 +75,8 @@ class ModelRunner:
         """Raises WeightsNotReadyError (naming the model) unless the weights are READY."""
         self.model.require_ready()
 
-    def execute(self, chunks: Sequence[Chunk], logit_rows: Sequence[int], verify: Sequence[int] = ()) -> StepResult:
+    def execute(self, chunks: Sequence[Chunk], logit_rows: Sequence[int], verify: Sequence[int] = (),
+                capture_layers: tuple[int, ...] = ()) -> StepResult:
         """One forward over the chunks; extends each chunk's slot through its last position.
 
         Args:
@@ -80,9 +85,10 @@ class ModelRunner:
                 and distinct.
             verify: indices of the chunks that may be rewound after this step (verify chunks): the rows
                 they overwrite are saved first.
+            capture_layers: target layers whose output streams are wanted too (the proposer's).
 
         Returns:
-            The streams of every row and the logits of `logit_rows`.
+            The streams of every row, the captured layers' streams, and the logits of `logit_rows`.
         """
         self._snapshot = None
         if verify:
@@ -90,18 +96,19 @@ class ModelRunner:
                 [(chunks[i].slot, chunks[i].start, len(chunks[i].token_ids)) for i in verify])
         batch = ForwardBatch.build(list(chunks), device=self.device)
         logits = None  # [T, V], when the forward already computed every row's logits
-        if self.static_decode is not None and self.static_decode.serves(batch):
+        if self.static_decode is not None and self.static_decode.serves(batch) and not capture_layers:
             streams, logits = self.static_decode(batch, self.cache)
+            captured = {}
         else:
-            streams, _ = self.model(batch, self.cache)
+            streams, captured = self.model(batch, self.cache, capture_layers)
         if not logit_rows:
-            return StepResult(streams, None)
+            return StepResult(streams, None, captured)
         if len(logit_rows) == batch.num_tokens:  # every row, in order (a pure decode step): no gather
-            return StepResult(streams, self.logits(streams) if logits is None else logits)
+            return StepResult(streams, self.logits(streams) if logits is None else logits, captured)
         picked = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         if logits is not None:
-            return StepResult(streams, logits.index_select(0, picked))
-        return StepResult(streams, self.logits(streams.index_select(0, picked)))
+            return StepResult(streams, logits.index_select(0, picked), captured)
+        return StepResult(streams, self.logits(streams.index_select(0, picked)), captured)
 
     def logits(self, streams: torch.Tensor) -> torch.Tensor:
         """Pre-head streams [N, hc, D] -> fp32 logits [N, V]."""

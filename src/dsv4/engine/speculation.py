@@ -22,8 +22,10 @@ every draft is kept the last row's token follows as a bonus token.
 After judging, the engine keeps the accepted prefix plus one token, moves the sequence's `computed` back
 to just past the accepted drafts and rewinds its cache slot (`ModelRunner.rewind`: the ring rows the
 rejected drafts overwrote are restored), then tells the proposer which positions are final
-(`on_commit`), with their target streams (what an MTP drafter reads), and finally that the step's
-commits are all in (`end_step`, optional: a proposer may batch its per-commit work there).
+(`on_commit`), with their target streams (what an MTP drafter reads) and, for a proposer that declares
+`capture_layers` (DSpark reads inner target layers), those layers' streams of the same rows, which the
+target's forward returns alongside (`ModelRunner.execute`); and finally that the step's commits are all in
+(`end_step`, optional: a proposer may batch its per-commit work there).
 
 Which proposer `LLM(draft=...)` builds: `llm.PROPOSER_BUILDERS` (name -> builder).
 """
@@ -58,6 +60,9 @@ class Proposer(Protocol):
 
     Attributes:
         num_speculative_tokens: the most draft tokens it proposes per sequence and step (k).
+        capture_layers: optional: the target layers whose output streams `on_commit` receives as
+            `captured` (ascending layer ids; read through the function `capture_layers`). A proposer
+            without it (MTP, which reads the final streams only) is called without `captured`.
     """
 
     num_speculative_tokens: int
@@ -74,7 +79,8 @@ class Proposer(Protocol):
         """
         ...
 
-    def on_commit(self, seq: Sequence, first_position: int, streams: torch.Tensor) -> None:
+    def on_commit(self, seq: Sequence, first_position: int, streams: torch.Tensor,
+                  captured: dict[int, torch.Tensor] | None = None) -> None:
         """Positions [first_position, first_position + len(streams)) of `seq` are final: computed this
         step and kept (the rows of rejected drafts are left out). Called for every chunk of every step,
         prefill chunks included, after the step's tokens were appended to `seq.output_ids`.
@@ -83,6 +89,8 @@ class Proposer(Protocol):
             seq: the sequence.
             first_position: the position of the first row.
             streams: [rows, hc, D] the target's pre-head streams of those positions.
+            captured: {layer: [rows, hc, D] that target layer's output streams of those positions} for
+                every layer of `capture_layers`; passed (by keyword) only to a proposer that declares them.
         """
         ...
 
@@ -91,9 +99,17 @@ class Proposer(Protocol):
         and `on_commit` then starts over)."""
         ...
 
+    # Optional (read only when defined, see `capture_layers`):
+    # capture_layers: tuple[int, ...]: the target layers whose streams `on_commit` receives as `captured`.
     # Optional (called only when defined, see `end_step`):
     # def end_step(self) -> None: every `on_commit` of the step has been made; the streams passed to
     #     them stay valid until this returns (batch the per-commit work here).
+
+
+def capture_layers(proposer: Proposer | None) -> tuple[int, ...]:
+    """The target layers `proposer` wants captured for `on_commit` (none for a proposer that does not
+    declare `capture_layers`, or no proposer)."""
+    return tuple(getattr(proposer, "capture_layers", ())) if proposer is not None else ()
 
 
 def end_step(proposer: Proposer) -> None:
