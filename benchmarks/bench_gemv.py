@@ -19,7 +19,6 @@ Usage: python benchmarks/bench_gemv.py [--threads 2] [--rows 1 4 8 16] [--quick]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from dsv4.model.linear import input_major  # noqa: E402
 from dsv4.model.moe import swiglu  # noqa: E402
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise, quantize_fp4, quantize_fp8_blockwise  # noqa: E402
 from paired import paired  # noqa: E402
+from report import write_report  # noqa: E402
 
 # The small config's projections [out, in] (attention, indexer, compressor, shared expert, mHC mix, head).
 DENSE_SHAPES = {"wq_a": (256, 512), "wq_b": (512, 256), "wkv": (64, 512), "wo_a": (512, 128), "wo_b": (512, 512),
@@ -214,11 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"threads": args.threads, "warm": args.warm, "repeats": args.repeats, "pool_mb": args.pool_mb,
                "torch": torch.__version__, "rows": bench_dense(args, dense, quant) + bench_experts(args, fused,
                                                                                                      fused_quant)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_gemv_t{args.threads}{'_warm' if args.warm else ''}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    plot(results, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json and {stem}.png")
+    write_report(args.out / f"bench_gemv_t{args.threads}{'_warm' if args.warm else ''}", results, plot)
     return 0
 
 

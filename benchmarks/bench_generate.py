@@ -22,7 +22,6 @@ Needs the `test` extra (transformers) and the `bench` extra (matplotlib) install
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -42,6 +41,7 @@ from dsv4 import LLM, SamplingParams  # noqa: E402
 from dsv4.kernels import describe_backends  # noqa: E402
 from dsv4.model.batch import ForwardBatch  # noqa: E402
 from paired import paired  # noqa: E402
+from report import write_report  # noqa: E402
 
 CONFIGS = {"tiny": ref.tiny_config, "small": ref.small_config}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -247,12 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     results = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
     threads = f"_t{args.threads}" if args.threads != 1 else ""
-    stem = args.out / f"bench_{args.config}{FILE_SUFFIX[args.dtype]}{'_compiled' if args.compile else ''}{threads}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    plot(results, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json and {stem}.png")
+    write_report(args.out / f"bench_{args.config}{FILE_SUFFIX[args.dtype]}{'_compiled' if args.compile else ''}"
+                 f"{threads}", results, plot)
     return 0
 
 

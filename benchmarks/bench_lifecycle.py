@@ -63,6 +63,10 @@ from dsv4.weights.names import canonical_name, split_stacked, stacked_experts
 from dsv4.weights.refit import WeightUpdateSession
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from report import write_report  # noqa: E402
+
 BASE_CONFIG = EMBEDDED_MODELS["dsv4-tiny-dummy"][0] / "config.json"
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 HASH_MOE, MOE = "hash_moe", "moe"
@@ -476,11 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sizes, args.repeats = list(QUICK_SIZES), 1
     results = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / ("bench_lifecycle_quick" if args.quick else "bench_lifecycle")
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    plot(results, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json and {stem}.png")
+    write_report(args.out / ("bench_lifecycle_quick" if args.quick else "bench_lifecycle"), results, plot)
     return 0
 
 

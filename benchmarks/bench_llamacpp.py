@@ -40,7 +40,6 @@ Needs the peer built (benchmarks/peer/build_llamacpp.sh), the `test` and `bench`
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing
 import platform
@@ -74,6 +73,7 @@ from bench_generate import _prompts, _timed, dsv4_decode_step, dsv4_generate, ds
 from dsv4 import LLM  # noqa: E402
 from dsv4.kernels import describe_backends  # noqa: E402
 from paired import paired  # noqa: E402
+from report import write_report  # noqa: E402
 
 MODEL_SEED = 0
 # llama.cpp sizes its per-sequence caches in whole multiples of this many cells.
@@ -331,10 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.variants:
         results["variants"].append(run_variant(args, build, name, paths, peaks))
     load = f"_load{args.background_load}" if args.background_load else ""
-    stem = args.out / f"bench_llamacpp_{args.config}_t{args.threads}{load}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    plot(results, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json and {stem}.png")
+    write_report(args.out / f"bench_llamacpp_{args.config}_t{args.threads}{load}", results, plot)
     return 0
 
 

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,13 +28,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from llama_peer import PeerBuild  # noqa: E402
 
-from bench_generate import _prompts, dsv4_logits  # noqa: E402
+from bench_generate import _prompts, dsv4_decode_step, dsv4_logits  # noqa: E402
 from bench_llamacpp import CONFIGS, prepare_models  # noqa: E402
-from dsv4 import LLM, SamplingParams  # noqa: E402
+from dsv4 import LLM  # noqa: E402
 from dsv4.kernels.gemv_cpu import build_kernels  # noqa: E402
 from dsv4.model.linear import Linear  # noqa: E402
 from dsv4.model.moe import DENSE, RoutedExperts  # noqa: E402
 from paired import paired  # noqa: E402
+from report import write_report  # noqa: E402
 
 # The swapped model computes the same values as the plain one, summed in another order.
 LOGITS_TOL = 1e-3
@@ -91,18 +89,10 @@ class Swap:
 
 
 def _decode_steps(llm: LLM, prompt: list[int], steps: int, swap: Swap, on: bool) -> float:
-    """Median seconds of `steps` engine steps of one sequence after its prompt (prefill untimed)."""
-    engine = llm.engine
-    engine.add_request(f"estimate-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=steps + 1,
-                                                                                 ignore_eos=True))
+    """Median seconds of `steps` engine steps of one sequence after its prompt (prefill untimed), the
+    kernels swapped in when `on`."""
     with swap.enabled() if on else contextlib.nullcontext():
-        engine.step()
-        times = []
-        while engine.has_work():
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return dsv4_decode_step(llm, [prompt], steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,10 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"experts {args.experts}, {args.threads} thread(s): plain {t.peer_s * 1e3:.2f} ms, with the kernels "
           f"{t.ds_s * 1e3:.2f} ms per step: x{t.ratio:.2f} [{min(t.ratios):.2f}-{max(t.ratios):.2f}] "
           f"(logits max abs diff {diff:.2g})")
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"estimate_wired_kernels_{args.experts}_t{args.threads}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_report(args.out / f"estimate_wired_kernels_{args.experts}_t{args.threads}", result)
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ import llama_peer  # noqa: E402
 from bench_llamacpp import CONFIGS, prepare_models  # noqa: E402
 from dsv4 import LLM, SamplingParams  # noqa: E402
 from dsv4.kernels import describe_backends  # noqa: E402
+from report import write_report  # noqa: E402
 
 PROMPT_SEED = 1
 TOP_OPS = 15
@@ -174,10 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = profile_decode(args)
     _print(result)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"profile_decode_{args.experts}{'_compiled' if args.compile else ''}_t{args.threads}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    write_report(args.out / f"profile_decode_{args.experts}{'_compiled' if args.compile else ''}_t{args.threads}",
+                 result)
     return 0
 
 
