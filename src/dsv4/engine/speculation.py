@@ -127,7 +127,7 @@ MAX_SPECULATIVE_TOKENS = 8
 #: benchmarks/bench_speculation.py measures the break-even batch; on the embedded dsv4-sort on a 2-core
 #: CPU (a dispatch-bound toy: a 4-token verify chunk costs ~1.9x a 1-token decode, one MTP call ~0.4x)
 #: speculation paid at no batch size, so that figure cannot set a default for real models; 8 follows the
-#: peers' GPU measurements (+75% at 1 sequence, +38% at 8, -37% at 32; notes in the issue).
+#: peers' GPU measurements (vLLM on DSV4: +75% at 1 sequence, +38% at 8, -37% at 32).
 DEFAULT_SPECULATION_MAX_BATCH = 8
 
 
