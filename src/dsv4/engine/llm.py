@@ -34,6 +34,7 @@ from dsv4.engine.validation import (
     require_str,
 )
 from dsv4.errors import ConfigError, RequestError, WeightUpdateError
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.progress import Progress
 from dsv4.weights.loader import LoadedModels, load_models
 from dsv4.weights.refit import Bucket, WeightUpdateSession
@@ -111,6 +112,8 @@ class LLM:
             DSpark's whole block).
         speculation_max_batch: speculate only in steps with at most this many decoding sequences (the
             break-even batch; None: `speculation.DEFAULT_SPECULATION_MAX_BATCH`).
+        kernels: the kernel registry of the models' fast paths (None: the process-wide
+            `kernels.default_registry()`, which honours DSV4_KERNELS=reference).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class LLM:
         compile: bool = False,
         num_speculative_tokens: int | None = None,
         speculation_max_batch: int | None = None,
+        kernels: KernelRegistry | None = None,
     ):
         check_llm_arguments(
             model=model, load_format=load_format, dtype=dtype, device=device, seed=seed, draft=draft,
@@ -147,7 +151,7 @@ class LLM:
         self.chat_template = ChatTemplate.from_checkpoint(self.path)
         self.loaded: LoadedModels = load_models(
             path, load_format=load_format, dtype=self.dtype, device=device, draft=draft,
-            expert_dtype=expert_dtype, seed=seed,
+            expert_dtype=expert_dtype, seed=seed, kernels=kernels,
         )
         self.config = self.loaded.config
         self.limits = EngineLimits.derive(

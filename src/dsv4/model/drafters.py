@@ -17,6 +17,7 @@ from torch import nn
 
 from dsv4.config import MOE, SLIDING, ModelConfig
 from dsv4.errors import ConfigError
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
 from dsv4.model.cache import ModelCache, allocate_layer_cache
@@ -31,17 +32,19 @@ from dsv4.model.shared_target import SharedTarget
 class MTPLayer(Block):
     """One decoder block (sliding attention, routed MoE) plus the MTP input and head stack."""
 
-    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype):
-        super().__init__(cfg, SLIDING, MOE, expert_format, dtype)
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype, kernels: KernelRegistry):
+        super().__init__(cfg, SLIDING, MOE, expert_format, dtype, kernels)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.e_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype)
         self.h_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         add_hyper_head(self, cfg)
 
 
 class MTPDrafter(TopLevelModel):
+    """The MTP layers as a drafter; its fast paths use the target's kernel registry."""
+
     role = "mtp"
 
     def __init__(self, cfg: ModelConfig, target: DeepseekV4, expert_format: str, dtype: torch.dtype):
@@ -51,7 +54,8 @@ class MTPDrafter(TopLevelModel):
         self.cfg = cfg
         self.dtype = dtype
         self.shared = SharedTarget(target)
-        self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype) for _ in range(cfg.num_nextn_predict_layers))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype, target.kernels)
+                                 for _ in range(cfg.num_nextn_predict_layers))
         self.requires_grad_(False)
 
     def allocate_cache(self, slots: int, max_len: int) -> ModelCache:

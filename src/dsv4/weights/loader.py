@@ -18,6 +18,7 @@ import torch
 
 from dsv4.config import DENSE, EXPERT_FORMATS, ModelConfig
 from dsv4.errors import CheckpointError, ConfigError
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.derived import TopLevelModel
 from dsv4.weights.checkpoint import CheckpointDir
@@ -90,11 +91,18 @@ def quant_layout(cfg: ModelConfig) -> QuantLayout:
 
 
 def build_models(
-    cfg: ModelConfig, expert_format: str, dtype: torch.dtype, device: str, draft: str | None
+    cfg: ModelConfig, expert_format: str, dtype: torch.dtype, device: str, draft: str | None,
+    kernels: KernelRegistry | None = None,
 ) -> dict[str, TopLevelModel]:
-    """Allocate the target (and the drafter) in runtime layout; nothing is READY yet."""
+    """Allocate the target (and the drafter) in runtime layout; nothing is READY yet.
+
+    Args:
+        kernels: the registry serving every fast path of the target and its drafter (None: the
+            process-wide `default_registry()`; training passes `KernelRegistry(force_reference=True)`,
+            since the fast paths have no backward).
+    """
     with torch.device(device):
-        models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype)}
+        models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype, kernels)}
         if draft is not None:
             from dsv4.model.drafters import build_drafter
 
@@ -121,8 +129,9 @@ def load_models(
     draft: str | None = None,
     expert_dtype: str | None = None,
     seed: int = 0,
+    kernels: KernelRegistry | None = None,
 ) -> LoadedModels:
-    """Build, load and finalize a checkpoint directory's models."""
+    """Build, load and finalize a checkpoint directory's models (`kernels`: see `build_models`)."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     if draft is not None and draft not in DRAFTERS:
@@ -133,7 +142,7 @@ def load_models(
         cfg = cfg.with_checkpoint_names(checkpoint.tensors)  # DSpark's stage count: its mtp.{s} names
     expert_format = resolve_expert_format(cfg, expert_dtype)
     layout = quant_layout(cfg)
-    models = build_models(cfg, expert_format, dtype, device, draft)
+    models = build_models(cfg, expert_format, dtype, device, draft, kernels)
     loaded = LoadedModels(cfg, models, layout, expert_format, fmt)
     routes = loaded.routes()
     writer = WeightWriter(routes, layout, error_type=CheckpointError)
