@@ -13,6 +13,13 @@ ratios, so that a neighbour slowing the machine slows both halves of a pair). Re
   tok_s_off / tok_s_on   generated tokens per second, prompt included in the time (what a user waits for)
   speedup                tok_s_on / tok_s_off, the median of paired ratios (ratio_min / ratio_max: their spread)
 
+  costs                  where the steps' time goes, from one more (untimed) run of each engine with the
+                         engine's parts wrapped in timers (`StepCosts`): per step kind ("prefill": a chunk
+                         starts at position 0; "decode": a plain decode step; "verify": a step verifying
+                         drafts), its count and mean ms of target forward, drafting (the proposer's
+                         `propose` + `end_step`: the MTP forwards and draft sampling) and everything else
+                         (scheduling, sampling, accepting, rewinding), and the MTP forwards per verify step
+
 and `break_even_batch`: per k, the largest measured batch at which speculation still pays (speedup >= 1), the
 measurement behind `speculation.DEFAULT_SPECULATION_MAX_BATCH`. Goals (issue 12): acceptance >= 0.85 at k=1, mean
 accepted length >= 2.5 at k=3, batch-1 tokens/s with speculation >= 1.8x without (the best k).
@@ -65,6 +72,88 @@ def _answer(llm: LLM, prompts: list[str], batch: int) -> tuple[float, int, list[
     return seconds, sum(len(t) for t in ids), ids
 
 
+class StepCosts:
+    """Times an engine's steps by part while active (a context manager): the engine's `step`, its runner's
+    `execute` (the target forward), its proposer's `propose` and `end_step`, and the MTP drafter's forward
+    calls, each wrapped on the instance and restored on exit. Per step kind (module docstring): steps and
+    seconds of forward / draft / total, and MTP forwards."""
+
+    PARTS = ("forward", "draft", "total")
+
+    def __init__(self, llm: LLM):
+        self.engine = llm.engine
+        self.kinds: dict[str, dict[str, float]] = {}
+        self._step: dict[str, float] = {}
+        self._kind = "decode"
+        self._saved: list[tuple[object, str]] = []
+
+    def _wrap(self, obj, name: str, on_call) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            on_call(time.perf_counter() - start, *args, **kwargs)
+            return out
+        self._saved.append((obj, name))
+        setattr(obj, name, timed)
+
+    def __enter__(self) -> StepCosts:
+        engine, proposer = self.engine, self.engine.proposer
+
+        def on_execute(seconds, chunks, logit_rows, verify=(), *rest):
+            self._kind = "prefill" if any(c.start == 0 for c in chunks) else "verify" if verify else "decode"
+            self._step["forward"] += seconds
+
+        def on_draft(seconds, *args):
+            self._step["draft"] += seconds
+
+        def on_mtp(seconds, *args, **kwargs):
+            self._step["mtp_forwards"] += 1
+
+        self._wrap(engine.runner, "execute", on_execute)
+        if proposer is not None:
+            self._wrap(proposer, "propose", on_draft)
+            self._wrap(proposer, "end_step", on_draft)
+            self._wrap(proposer.drafter, "forward", on_mtp)
+        step = engine.step
+
+        def timed_step():
+            self._step = {"forward": 0.0, "draft": 0.0, "mtp_forwards": 0}
+            start = time.perf_counter()
+            out = step()
+            totals = self.kinds.setdefault(self._kind, dict.fromkeys(("steps", "mtp_forwards", *self.PARTS), 0.0))
+            totals["steps"] += 1
+            totals["total"] += time.perf_counter() - start
+            for part, value in self._step.items():
+                totals[part] += value
+            return out
+        self._saved.append((engine, "step"))
+        engine.step = timed_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name in reversed(self._saved):
+            delattr(obj, name)  # the instance attribute: the class's method shows again
+
+    def report(self) -> dict:
+        """{kind: {"steps", "forward_ms", "draft_ms", "other_ms" (per step means), "mtp_forwards_per_step"}}."""
+        out = {}
+        for kind, t in sorted(self.kinds.items()):
+            n = t["steps"]
+            out[kind] = {"steps": int(n), "forward_ms": 1e3 * t["forward"] / n, "draft_ms": 1e3 * t["draft"] / n,
+                         "other_ms": 1e3 * (t["total"] - t["forward"] - t["draft"]) / n,
+                         "mtp_forwards_per_step": t["mtp_forwards"] / n}
+        return out
+
+
+def step_costs(llm: LLM, prompts: list[str], batch: int) -> dict:
+    """`StepCosts.report` of one run of the workload."""
+    with StepCosts(llm) as costs:
+        _answer(llm, prompts, batch)
+    return costs.report()
+
+
 def measure(k: int, batch: int, prompts: list[str], repeats: int, plain: LLM, expert_dtype: str | None) -> dict:
     spec = _engine(batch, k, expert_dtype)
     _, tokens, plain_ids = _answer(plain, prompts, batch)
@@ -74,12 +163,14 @@ def measure(k: int, batch: int, prompts: list[str], repeats: int, plain: LLM, ex
     spec.engine.speculation = type(spec.engine.speculation)()  # count the timed runs only
     timing = paired(lambda: _answer(plain, prompts, batch)[0], lambda: _answer(spec, prompts, batch)[0], repeats)
     metrics = spec.engine.speculation
+    costs = {"off": step_costs(plain, prompts, batch), "on": step_costs(spec, prompts, batch)}
     return {
         "k": k, "batch": batch, "tokens": tokens,
         "acceptance_rate": metrics.acceptance_rate, "mean_accepted_length": metrics.mean_accepted_length,
         "per_position": metrics.per_position_rate(), "verify_steps": metrics.verify_steps,
         "tok_s_off": tokens / timing.peer_s, "tok_s_on": tokens / timing.ds_s,
         "speedup": timing.ratio, "speedup_min": min(timing.ratios), "speedup_max": max(timing.ratios),
+        "costs": costs,
     }
 
 
