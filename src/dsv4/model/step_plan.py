@@ -177,7 +177,7 @@ class DecodeMeta(_Memo):
         def build():
             self._check_span(W)
             first, last = (self._span_tensor(i).unsqueeze(-1) for i in (0, 1))
-            span = int(max(b - a for a, b in zip(*self.spans))) + 1
+            span = max(b - a for a, b in zip(*self.spans)) + 1
             written = first + torch.arange(span, device=self.device)  # [B, D] positions the segment writes
             visible = (written <= last) & (written > self.pos.unsqueeze(-1)) & (written - W >= 0)
             flat_rows = self.slots.unsqueeze(-1) * W + written % W
@@ -217,6 +217,7 @@ class DecodeMeta(_Memo):
         """The WindowPlan of the rows' windows (compressor rate m, ring of ring_len >= the window's span):
         with host positions, the rows whose token completes window p // m; else every row's (`complete`)."""
         def build():
+            self._check_span(ring_len)  # the ring writes below must hit distinct rows
             B, m, device = self.pos.shape[0], rate, self.device
             ring_index = (self.slots, self.pos % ring_len)
             complete = first = None
@@ -242,7 +243,6 @@ class DecodeMeta(_Memo):
             if self.spans is None:
                 source = torch.where(token_pos == pos.unsqueeze(-1), rows.unsqueeze(-1), in_ring)
             else:
-                self._check_span(ring_len)
                 segment_first = self._span_tensor(0).index_select(0, rows).unsqueeze(-1)
                 in_step = rows.unsqueeze(-1) - (pos.unsqueeze(-1) - token_pos)
                 source = torch.where(token_pos >= segment_first, in_step, in_ring)
