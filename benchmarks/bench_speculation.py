@@ -13,6 +13,20 @@ ratios, so that a neighbour slowing the machine slows both halves of a pair). Re
   tok_s_off / tok_s_on   generated tokens per second, prompt included in the time (what a user waits for)
   speedup                tok_s_on / tok_s_off, the median of paired ratios (ratio_min / ratio_max: their spread)
 
+  speedup_ceiling_free_verify  the plain run's ms over the speculating run's prompt steps alone (from `costs`):
+                         the speedup if verify steps and their drafting cost nothing
+  costs                  where the steps' time goes, from one more (untimed) run of each engine with the
+                         engine's parts wrapped in timers (`StepCosts`): per step kind ("prefill": a chunk
+                         starts at position 0; "decode": a plain decode step; "verify": a step verifying
+                         drafts), its count and mean ms of target forward, drafting (the proposer's
+                         `propose` + `end_step`: the MTP forwards and draft sampling) and everything else
+                         (scheduling, sampling, accepting, rewinding), and the MTP forwards per verify step
+
+and `verify_cost`: one target forward over a chunk of n = 1 .. k_max + 1 tokens of one sequence (a verify
+chunk; n = 1 is a decode step) after a held-out prompt, ms as the median of `--repeats` x VERIFY_CALLS calls,
+through the decode path (one row per token, what the engine runs) and, paired with it, through the padded
+prefill path (decode_span=1, what verify chunks ran before), each also as a multiple of the decode step;
+
 and `break_even_batch`: per k, the largest measured batch at which speculation still pays (speedup >= 1), the
 measurement behind `speculation.DEFAULT_SPECULATION_MAX_BATCH`. Goals (issue 12): acceptance >= 0.85 at k=1, mean
 accepted length >= 2.5 at k=3, batch-1 tokens/s with speculation >= 1.8x without (the best k).
@@ -37,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dsv4 import LLM, SamplingParams
+from dsv4.model.batch import ForwardBatch
 from dsv4.tasks import sort_digits as task
 from paired import paired
 
@@ -65,6 +80,127 @@ def _answer(llm: LLM, prompts: list[str], batch: int) -> tuple[float, int, list[
     return seconds, sum(len(t) for t in ids), ids
 
 
+class StepCosts:
+    """Times an engine's steps by part while active (a context manager): the engine's `step`, its runner's
+    `execute` (the target forward), its proposer's `propose` and `end_step`, and the MTP drafter's forward
+    calls, each wrapped on the instance and restored on exit. Per step kind (module docstring): steps and
+    seconds of forward / draft / total, and MTP forwards."""
+
+    PARTS = ("forward", "draft", "total")
+
+    def __init__(self, llm: LLM):
+        self.engine = llm.engine
+        self.kinds: dict[str, dict[str, float]] = {}
+        self._step: dict[str, float] = {}
+        self._kind = "decode"
+        self._saved: list[tuple[object, str]] = []
+
+    def _wrap(self, obj, name: str, on_call) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            on_call(time.perf_counter() - start, *args, **kwargs)
+            return out
+        self._saved.append((obj, name))
+        setattr(obj, name, timed)
+
+    def __enter__(self) -> StepCosts:
+        engine, proposer = self.engine, self.engine.proposer
+
+        def on_execute(seconds, chunks, logit_rows, verify=(), *rest):
+            self._kind = "prefill" if any(c.start == 0 for c in chunks) else "verify" if verify else "decode"
+            self._step["forward"] += seconds
+
+        def on_draft(seconds, *args):
+            self._step["draft"] += seconds
+
+        def on_mtp(seconds, *args, **kwargs):
+            self._step["mtp_forwards"] += 1
+
+        self._wrap(engine.runner, "execute", on_execute)
+        if proposer is not None:
+            self._wrap(proposer, "propose", on_draft)
+            self._wrap(proposer, "end_step", on_draft)
+            self._wrap(proposer.drafter, "forward", on_mtp)
+        step = engine.step
+
+        def timed_step():
+            self._step = {"forward": 0.0, "draft": 0.0, "mtp_forwards": 0}
+            start = time.perf_counter()
+            out = step()
+            totals = self.kinds.setdefault(self._kind, dict.fromkeys(("steps", "mtp_forwards", *self.PARTS), 0.0))
+            totals["steps"] += 1
+            totals["total"] += time.perf_counter() - start
+            for part, value in self._step.items():
+                totals[part] += value
+            return out
+        self._saved.append((engine, "step"))
+        engine.step = timed_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name in reversed(self._saved):
+            delattr(obj, name)  # the instance attribute: the class's method shows again
+
+    def report(self) -> dict:
+        """{kind: {"steps", "forward_ms", "draft_ms", "other_ms" (per step means), "mtp_forwards_per_step"}}."""
+        out = {}
+        for kind, t in sorted(self.kinds.items()):
+            n = t["steps"]
+            out[kind] = {"steps": int(n), "forward_ms": 1e3 * t["forward"] / n, "draft_ms": 1e3 * t["draft"] / n,
+                         "other_ms": 1e3 * (t["total"] - t["forward"] - t["draft"]) / n,
+                         "mtp_forwards_per_step": t["mtp_forwards"] / n}
+        return out
+
+
+def _total_ms(part: dict | None) -> float:
+    """All the ms of one step kind of a `StepCosts.report` (0 for a kind that did not occur)."""
+    if part is None:
+        return 0.0
+    return (part["forward_ms"] + part["draft_ms"] + part["other_ms"]) * part["steps"]
+
+
+def step_costs(llm: LLM, prompts: list[str], batch: int) -> dict:
+    """`StepCosts.report` of one run of the workload."""
+    with StepCosts(llm) as costs:
+        _answer(llm, prompts, batch)
+    return costs.report()
+
+
+VERIFY_CALLS = 20  # forwards per timed sample of `verify_cost`
+
+
+def verify_cost(llm: LLM, prompt: str, longest: int, repeats: int) -> list[dict]:
+    """Per chunk length n in 1..longest: ms of one target forward over n tokens after `prompt` (module
+    docstring), decode rows vs the prefill path, paired."""
+    runner = llm.engine.runner
+    model, cache = runner.model, runner.model.allocate_cache(1, llm.limits.max_model_len)
+    ids = llm.tokenizer.encode(prompt).ids
+    start = len(ids)
+    with torch.inference_mode():
+        model(ForwardBatch.build([(0, ids, 0)]), cache)
+
+        def seconds(n: int, span: int) -> float:
+            begin = time.perf_counter()
+            for _ in range(VERIFY_CALLS):
+                batch = ForwardBatch.build([(0, ids[:n], start)], decode_span=span)
+                model(batch, cache)
+            return (time.perf_counter() - begin) / VERIFY_CALLS
+
+        rows = []
+        for n in range(1, longest + 1):
+            timing = paired(lambda n=n: seconds(n, 1), lambda n=n: seconds(n, runner.decode_span), repeats)
+            rows.append({"tokens": n, "decode_rows_ms": 1e3 * timing.ds_s, "prefill_path_ms": 1e3 * timing.peer_s,
+                         "prefill_path_over_decode_rows": timing.ratio})
+    decode_ms = rows[0]["decode_rows_ms"]
+    for row in rows:
+        row["decode_rows_over_decode_step"] = row["decode_rows_ms"] / decode_ms
+        row["prefill_path_over_decode_step"] = row["prefill_path_ms"] / decode_ms
+    return rows
+
+
 def measure(k: int, batch: int, prompts: list[str], repeats: int, plain: LLM, expert_dtype: str | None) -> dict:
     spec = _engine(batch, k, expert_dtype)
     _, tokens, plain_ids = _answer(plain, prompts, batch)
@@ -74,12 +210,18 @@ def measure(k: int, batch: int, prompts: list[str], repeats: int, plain: LLM, ex
     spec.engine.speculation = type(spec.engine.speculation)()  # count the timed runs only
     timing = paired(lambda: _answer(plain, prompts, batch)[0], lambda: _answer(spec, prompts, batch)[0], repeats)
     metrics = spec.engine.speculation
+    costs = {"off": step_costs(plain, prompts, batch), "on": step_costs(spec, prompts, batch)}
+    # What speculation could reach at best here: every verify step free, the prompt steps (target and MTP
+    # forwards over the prompt) as measured: the workload's plain seconds over those.
+    prompt_ms = _total_ms(costs["on"].get("prefill"))
+    plain_ms = sum(_total_ms(part) for part in costs["off"].values())
     return {
         "k": k, "batch": batch, "tokens": tokens,
         "acceptance_rate": metrics.acceptance_rate, "mean_accepted_length": metrics.mean_accepted_length,
         "per_position": metrics.per_position_rate(), "verify_steps": metrics.verify_steps,
         "tok_s_off": tokens / timing.peer_s, "tok_s_on": tokens / timing.ds_s,
         "speedup": timing.ratio, "speedup_min": min(timing.ratios), "speedup_max": max(timing.ratios),
+        "costs": costs, "speedup_ceiling_free_verify": plain_ms / prompt_ms if prompt_ms else None,
     }
 
 
@@ -113,7 +255,7 @@ def plot(result: dict, path: Path) -> None:
 
     rows = result["rows"]
     ks = sorted({r["k"] for r in rows})
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right, parts) = plt.subplots(1, 3, figsize=(16, 4))
     for k in ks:
         mine = sorted((r for r in rows if r["k"] == k), key=lambda r: r["batch"])
         batches = [r["batch"] for r in mine]
@@ -134,10 +276,46 @@ def plot(result: dict, path: Path) -> None:
     right.set_xlabel("draft tokens per step (k)")
     right.set_ylabel("mean accepted length (tokens per verify step)")
     right.legend()
+    _plot_costs(parts, rows)
     fig.suptitle(f"MTP speculative decoding on {MODEL} ({result['machine']['threads']} thread(s))")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+COST_PARTS = (  # (engine, step kind, StepCosts field, label) stacked per bar of the cost panel
+    ("prefill", "forward_ms", "prefill forward"), ("prefill", "draft_ms", "prefill: MTP over the prompt"),
+    ("decode", "forward_ms", "decode forward"), ("verify", "forward_ms", "verify forward"),
+    ("verify", "draft_ms", "drafting (MTP forwards, draft sampling)"),
+)
+
+
+def _plot_costs(ax, rows: list[dict]) -> None:
+    """Batch 1: ms per generated token, by part (`StepCosts`), without speculation and with it per k."""
+    import matplotlib.pyplot as plt
+
+    mine = sorted((r for r in rows if r["batch"] == 1), key=lambda r: r["k"])
+    if not mine:
+        return
+    bars = [("off", mine[0]["costs"]["off"], mine[0]["tokens"])]
+    bars += [(f"k={r['k']}", r["costs"]["on"], r["tokens"]) for r in mine]
+    colors = [plt.get_cmap("tab10")(i) for i in range(len(COST_PARTS) + 1)]
+    labelled = set()
+    for x, (_, costs, tokens) in enumerate(bars):
+        values = [costs[kind][field] * costs[kind]["steps"] / tokens if kind in costs else 0.0
+                  for kind, field, _ in COST_PARTS]
+        values.append(sum(p["other_ms"] * p["steps"] for p in costs.values()) / tokens)
+        labels = [label for _, _, label in COST_PARTS] + ["other (schedule, sample, accept, rewind)"]
+        bottom = 0.0
+        for value, label, color in zip(values, labels, colors):
+            shown = value > 0 and label not in labelled
+            labelled |= {label} if shown else set()
+            ax.bar(x, value, bottom=bottom, color=color, label=label if shown else None)
+            bottom += value
+    ax.set_xticks(range(len(bars)), [name for name, _, _ in bars])
+    ax.set_ylabel("ms per generated token (batch 1)")
+    ax.set_xlabel("one instrumented run per engine (StepCosts)")
+    ax.legend(fontsize=7)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -157,6 +335,7 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "machine": {"platform": platform.platform(), "threads": args.threads, "torch": torch.__version__},
         "rows": rows, "break_even_batch": break_even(rows), "goals": goals(rows),
+        "verify_cost": verify_cost(_engine(1, None, args.expert_dtype), prompts[0], max(args.ks) + 1, args.repeats),
     }
 
 

@@ -25,5 +25,14 @@ def test_quick_mode_writes_every_figure(tmp_path):
     for r in rows:
         assert 0 < r["acceptance_rate"] <= 1 and 1 < r["mean_accepted_length"] <= r["k"] + 1
         assert len(r["per_position"]) == r["k"] and r["tok_s_off"] > 0 and r["tok_s_on"] > 0 and r["speedup"] > 0
+        costs = r["costs"]  # where the steps' time went: plain decode steps, verify steps with their MTP forwards
+        assert costs["off"]["decode"]["steps"] > 0 and costs["off"]["decode"]["draft_ms"] == 0
+        verify = costs["on"]["verify"]
+        assert verify["steps"] > 0 and verify["forward_ms"] > 0 and verify["draft_ms"] > 0
+        # At most k: one commit (none after a step that finished its sequence), then one per draft after the first.
+        assert 0 < verify["mtp_forwards_per_step"] <= r["k"]
+    lengths = [row["tokens"] for row in result["verify_cost"]]
+    assert lengths == list(range(1, max(module.QUICK["ks"]) + 2))
+    assert all(row["decode_rows_ms"] > 0 and row["prefill_path_ms"] > 0 for row in result["verify_cost"])
     assert set(result["goals"]) == set(module.GOALS) and set(result["break_even_batch"]) == {"1", "3"}
     assert (tmp_path / "bench_speculation_quick.png").stat().st_size > 0

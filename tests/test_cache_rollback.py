@@ -11,7 +11,9 @@ right continuation and decode steps. One context's verify chunk holds the right 
 a wrong tail after the kept tokens; the replayed logits must be equal bit for bit, and close to a plain
 run that never verified anything. Without the restore the same comparison fails (the control), so the
 test can fail. Cases sit at the window's wrap (32, 64) and at windows of both compress rates (4 and 16)
-completed inside the rejected tail, on the tiny config (sliding, CSA, HCA layers).
+completed inside the rejected tail, on the tiny config (sliding, CSA, HCA layers), with the chunks run
+through the prefill path and as decode rows (`ForwardBatch.build`'s decode_span, what the engine does);
+the two paths' logits also agree with each other.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ PLAIN_TOL = 1e-4
 # completes a 4- and a 16-window at 31 inside the rejected tail; 44: completes the 16-window ending at 47;
 # 61: crosses the second wrap (64) with a 4-window at 63.
 PREFIXES = (29, 44, 61)
+# decode_span: 1 runs every multi-token chunk through the prefill path; 8 (the tiny config's smallest ring,
+# as the engine's runner sets it) runs the verify chunk and the replay as decode rows.
+SPANS = {"prefill_path": 1, "decode_rows": 8}
+PATH_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +50,22 @@ def model(tmp_path_factory, write_word_tokenizer):
     return LLM(str(path), dtype="float32", max_num_seqs=1, max_model_len=MAX_LEN).loaded.target
 
 
-def _forward(model, cache, tokens, start):
-    streams, _ = model(ForwardBatch.build([Chunk(0, list(tokens), start)]), cache)
+def _forward(model, cache, tokens, start, span=1):
+    streams, _ = model(ForwardBatch.build([Chunk(0, list(tokens), start)], decode_span=span), cache)
     return model.logits(streams)
 
 
-def _context(model, ids, prefix, verify_tokens, restore=True):
+def _context(model, ids, prefix, verify_tokens, restore=True, span=1):
     """prefix tokens, the verify chunk (rewound to keep 1 + KEEP), the replay, then DECODE_STEPS single
     tokens; returns the logits of the replay and of every decode step."""
     cache = model.allocate_cache(1, MAX_LEN)
     _forward(model, cache, ids[:prefix], 0)
     snapshot = cache.snapshot([(0, prefix, 1 + K)])
-    _forward(model, cache, verify_tokens, prefix)
+    _forward(model, cache, verify_tokens, prefix, span)
     cache.rewind({0: prefix + 1 + KEEP}, snapshot if restore else None)
     assert cache.lengths[0] == prefix + 1 + KEEP
     replay_from = prefix + 1 + KEEP
-    out = [_forward(model, cache, ids[replay_from : prefix + 1 + K], replay_from)]
+    out = [_forward(model, cache, ids[replay_from : prefix + 1 + K], replay_from, span)]
     for p in range(prefix + 1 + K, prefix + 1 + K + DECODE_STEPS):
         out.append(_forward(model, cache, ids[p : p + 1], p))
     return torch.cat(out)
@@ -76,26 +82,44 @@ def _ids(n):
     return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(SEED)).tolist()
 
 
+@pytest.mark.parametrize("span", SPANS.values(), ids=SPANS.keys())
 @pytest.mark.parametrize("prefix", PREFIXES)
-def test_rolled_back_tail_leaves_no_trace(model, prefix):
+def test_rolled_back_tail_leaves_no_trace(model, prefix, span):
     ids = _ids(prefix + 1 + K + DECODE_STEPS)
     right = ids[prefix : prefix + 1 + K]
     wrong = right[: 1 + KEEP] + [(t + 7) % VOCAB for t in right[1 + KEEP :]]
-    clean = _context(model, ids, prefix, right)
-    rolled_back = _context(model, ids, prefix, wrong)
+    clean = _context(model, ids, prefix, right, span=span)
+    rolled_back = _context(model, ids, prefix, wrong, span=span)
     assert torch.equal(clean, rolled_back)
     assert (clean - _plain(model, ids, prefix)).abs().max().item() <= PLAIN_TOL
 
 
+@pytest.mark.parametrize("span", SPANS.values(), ids=SPANS.keys())
 @pytest.mark.parametrize("prefix", PREFIXES)
-def test_control_length_only_rewind_differs(model, prefix):
+def test_control_length_only_rewind_differs(model, prefix, span):
     """The same contexts rewound by length alone differ: the test above can fail."""
     ids = _ids(prefix + 1 + K + DECODE_STEPS)
     right = ids[prefix : prefix + 1 + K]
     wrong = right[: 1 + KEEP] + [(t + 7) % VOCAB for t in right[1 + KEEP :]]
-    clean = _context(model, ids, prefix, right, restore=False)
-    rolled_back = _context(model, ids, prefix, wrong, restore=False)
+    clean = _context(model, ids, prefix, right, restore=False, span=span)
+    rolled_back = _context(model, ids, prefix, wrong, restore=False, span=span)
     assert (clean - rolled_back).abs().max().item() > PLAIN_TOL
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+def test_verify_chunk_as_decode_rows_equals_prefill_path(model, prefix):
+    """The verify chunk's logits (every row) and the decode steps after it: decode rows vs the prefill
+    path, fp32, on the whole model (sliding, CSA and HCA layers)."""
+    ids = _ids(prefix + 1 + K + DECODE_STEPS)
+    runs = []
+    for span in SPANS.values():
+        cache = model.allocate_cache(1, MAX_LEN)
+        _forward(model, cache, ids[:prefix], 0)
+        out = [_forward(model, cache, ids[prefix : prefix + 1 + K], prefix, span)]
+        out += [_forward(model, cache, ids[p : p + 1], p) for p in range(prefix + 1 + K, len(ids))]
+        runs.append(torch.cat(out))
+    assert (runs[0] - runs[1]).abs().max().item() <= PATH_TOL
+    assert torch.equal(runs[0].argmax(-1), runs[1].argmax(-1))
 
 
 def test_snapshot_refuses_a_chunk_longer_than_a_ring(model):

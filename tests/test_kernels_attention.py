@@ -45,8 +45,8 @@ def _random_attention(cfg: ModelConfig, layer_type: str, seed: int) -> Attention
     return attn
 
 
-def _run(attn, cache, chunks, x, batched: bool):
-    batch = ForwardBatch.build(chunks)
+def _run(attn, cache, chunks, x, batched: bool, decode_span: int = 1):
+    batch = ForwardBatch.build(chunks, decode_span=decode_span)
     return attn(x, batch, cache) if batched else segment_attention(attn, x, batch, cache)
 
 
@@ -168,6 +168,58 @@ def _check_prefill_steps(cfg, layer_type, prefill_steps, seed):
         torch.testing.assert_close(got, want, **TOL)
         for a, b in zip(cache_tensors([fast_cache]), cache_tensors([ref_cache])):
             torch.testing.assert_close(a, b, **TOL)
+
+
+# Verify-shaped steps (cache slot, chunk length, start position), run with decode_span=5 so that every
+# chunk of up to 5 tokens is decoded as rows of its slot: single rows and 2..5-token chunks mixed, chunks
+# that cross the window ring's wrap (W=32) and complete CSA (m=4) and HCA (m=16) windows, a fresh sequence
+# starting at 0 over a slot's stale data, a chunk rewritten from an earlier position (after rejected
+# drafts), and a longer prefill chunk in the same step (the prefill path).
+VERIFY_SPAN = 5
+VERIFY_STEPS = [
+    [(0, 30, 0), (1, 14, 0), (2, 62, 0), (3, 5, 0)],
+    [(0, 4, 30), (1, 3, 14), (2, 5, 62), (3, 1, 5), (4, 2, 0)],
+    [(0, 5, 31), (1, 1, 17), (2, 2, 64), (3, 4, 6), (4, 3, 2), (5, 9, 0)],
+    [(2, 5, 65), (0, 3, 34), (1, 5, 15), (4, 1, 5), (3, 2, 10)],
+    [(0, 5, 36), (1, 4, 19), (2, 3, 70), (3, 5, 12), (5, 40, 9)],
+]
+
+
+@pytest.mark.parametrize("layer_type", [SLIDING, CSA, HCA])
+@torch.no_grad()
+def test_verify_chunks_as_decode_rows_equal_reference_and_prefill_path(cfg, layer_type):
+    """Short chunks decoded as rows of their slot (decode_span) against the per-segment reference, and
+    against the same steps through the prefill path (decode_span=1): outputs and every cache tensor."""
+    attn = _random_attention(cfg, layer_type, seed=9 + len(layer_type))
+    g = torch.Generator().manual_seed(13)
+    ref_cache = allocate_layer_cache(cfg, layer_type, SLOTS, MAX_LEN, torch.float32, "cpu")
+    for t in cache_tensors([ref_cache]):  # stale data from earlier sequences must never leak in
+        t.copy_(torch.randn(t.shape, generator=g))
+    rows_cache, prefill_cache = copy.deepcopy(ref_cache), copy.deepcopy(ref_cache)
+    decoded_as_rows = 0
+    for steps in VERIFY_STEPS:
+        chunks = [(slot, [0] * length, start) for slot, length, start in steps]
+        x = torch.randn(sum(length for _, length, _ in steps), cfg.hidden_size, generator=g)
+        plan = ForwardBatch.build(chunks, decode_span=VERIFY_SPAN).plan
+        decoded_as_rows += plan.decode is not None and plan.decode.spans is not None
+        want = _run(attn, ref_cache, chunks, x, False)
+        got = _run(attn, rows_cache, chunks, x, True, decode_span=VERIFY_SPAN)
+        prefill = _run(attn, prefill_cache, chunks, x, True)
+        torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(got, prefill, **TOL)
+        for a, b, c in zip(cache_tensors([rows_cache]), cache_tensors([ref_cache]), cache_tensors([prefill_cache])):
+            torch.testing.assert_close(a, b, **TOL)
+            torch.testing.assert_close(a, c, **TOL)
+    assert decoded_as_rows == len(VERIFY_STEPS)  # every step has a multi-row segment (slot 3 first at 0)
+
+
+def test_decode_span_longer_than_a_ring_is_refused(cfg):
+    """A chunk decoded as rows must fit every ring (it writes each of its positions' rows once)."""
+    attn = _random_attention(cfg, SLIDING, seed=1)
+    cache = allocate_layer_cache(cfg, SLIDING, 1, MAX_LEN, torch.float32, "cpu")
+    span = cfg.sliding_window + 1
+    with pytest.raises(ValueError, match="does not fit a ring"):
+        _run(attn, cache, [(0, [0] * span, 0)], torch.zeros(span, cfg.hidden_size), True, decode_span=span)
 
 
 def test_indexer_picks_break_ties_by_the_lowest_entry():

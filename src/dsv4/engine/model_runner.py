@@ -8,6 +8,9 @@ forward, and returns the streams of every row, the streams of the inner layers a
 asked for: the last row of each sequence that samples, or every row of a verify chunk. The compiled step
 returns no layer captures, so a step that captures runs the eager forward.
 
+Verify chunks (k + 1 tokens) and other chunks that fit the cache's smallest ring run through the decode
+path, one row per token (`ForwardBatch.build`'s decode_span), not the padded prefill path.
+
 Speculation: `execute` snapshots the cache rows that verify chunks overwrite (`ModelCache.snapshot`), and
 `rewind` puts back those of rejected draft positions after the engine has kept the accepted prefix, so a
 rejected draft leaves no trace in the window or compressor rings.
@@ -63,6 +66,9 @@ class ModelRunner:
         self.model = model
         self.static_decode = StaticDecode(model, compile=True) if compile_decode else None
         self.cache = model.allocate_cache(limits.max_num_seqs, limits.max_model_len)
+        # Chunks that fit the smallest ring (verify chunks always do) run as decode rows of their slot:
+        # a verify chunk then costs the decode path's ops, not the padded prefill path's.
+        self.decode_span = self.cache.rollback_limit()
         self.device = model.embed.weight.device
         self._snapshot: RingSnapshot | None = None  # the last step's verify chunks' overwritten rows
 
@@ -94,7 +100,7 @@ class ModelRunner:
         if verify:
             self._snapshot = self.cache.snapshot(
                 [(chunks[i].slot, chunks[i].start, len(chunks[i].token_ids)) for i in verify])
-        batch = ForwardBatch.build(list(chunks), device=self.device)
+        batch = ForwardBatch.build(list(chunks), device=self.device, decode_span=self.decode_span)
         logits = None  # [T, V], when the forward already computed every row's logits
         if self.static_decode is not None and self.static_decode.serves(batch) and not capture_layers:
             streams, logits = self.static_decode(batch, self.cache)

@@ -58,6 +58,7 @@ class MTPProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.device = drafter.mtp[0].e_proj.weight.device
         self.cache = drafter.allocate_cache(limits.max_num_seqs, limits.max_model_len)
+        self.decode_span = self.cache.rollback_limit()  # chunks that fit its rings run as decode rows
         self.sampling = SamplingBatch(limits.max_num_seqs, self.device)
         self.sampler = Sampler(default_seed=seed, stream=DRAFT_STREAM)
         self._commits: list[tuple[Sequence, int, torch.Tensor]] = []  # this step's, run at `end_step`
@@ -85,7 +86,7 @@ class MTPProposer:
             if first + n + 1 == seq.num_tokens:  # its last row reads the last known token: it drafts next
                 last_rows.append(row - 1)
                 heads.append(seq.slot)
-        batch = ForwardBatch.build(chunks, device=self.device)
+        batch = ForwardBatch.build(chunks, device=self.device, decode_span=self.decode_span)
         target_streams = torch.cat([streams for _, _, streams in commits])
         picked = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
         out, logits = self.drafter(batch, target_streams, self.cache, depth=0, logit_rows=picked)

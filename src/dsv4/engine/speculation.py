@@ -125,9 +125,11 @@ def end_step(proposer: Proposer) -> None:
 MAX_SPECULATIVE_TOKENS = 8
 #: Default `SpeculationConfig.max_batch`: above this many decoding sequences a step does not speculate.
 #: benchmarks/bench_speculation.py measures the break-even batch; on the embedded dsv4-sort on a 2-core
-#: CPU (a dispatch-bound toy: a 4-token verify chunk costs ~1.9x a 1-token decode, one MTP call ~0.4x)
-#: speculation paid at no batch size, so that figure cannot set a default for real models; 8 follows the
-#: peers' GPU measurements (vLLM on DSV4: +75% at 1 sequence, +38% at 8, -37% at 32).
+#: CPU (a dispatch-bound toy: a 4-token verify chunk costs ~1.9-2.2x a 1-token decode whether it runs as
+#: decode rows or through the prefill path, mostly for the routed experts its tokens touch; one MTP call
+#: ~0.4-0.6x) speculation paid at no batch size beyond noise (k=1 at batch 4: 1.20x, pairs 0.64-1.40x), so
+#: that figure cannot set a default for real models; 8 follows the peers' GPU measurements (vLLM on DSV4:
+#: +75% at 1 sequence, +38% at 8, -37% at 32).
 DEFAULT_SPECULATION_MAX_BATCH = 8
 
 

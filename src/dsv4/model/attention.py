@@ -10,7 +10,9 @@ B single-token (decode) rows, P padded chunks of L tokens.
 The step plan (`ForwardBatch.plan`) splits a step in two: the decode path serves every single-token
 row at once (it gathers each row's window ring and entries by cache slot and masks them by position,
 so a step costs the same number of ops for 1 or 64 sequences; the compiled decode step runs this same
-code), the prefill path every longer chunk at once, padded to the longest. Both pool compressor windows
+code), and also each token of the chunks short enough to run as rows (`decode_span`: verify chunks of
+k + 1 tokens, each row seeing its own and earlier positions); the prefill path every longer chunk at
+once, padded to the longest. Both pool compressor windows
 with `Compressor.emit`, pick entries with `Indexer.select` and weigh keys with `softmax_with_sink`.
 """
 
@@ -217,9 +219,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Batched path for B single-token segments: q [B, H, hd], kv [B, hd] -> [B, H, hd]."""
         ring_rows, window_bias = meta.window(self.window)
+        displaced = meta.displaced(self.window)  # multi-row segments: the ring rows they overwrite, read first
+        if displaced is not None:
+            displaced_rows, displaced_bias = displaced
+            displaced_keys = cache.window.view(-1, self.head_dim).index_select(0, displaced_rows)
         cache.window.index_put_((meta.slots, ring_rows), kv)
-        # [B, W, hd]; ring row i holds the latest position = i (mod W), <= pos
+        # [B, W, hd]; ring row i holds the latest position = i (mod W), <= the segment's last position
         blocks = [(meta.read(cache.window), window_bias)]
+        if displaced is not None:
+            blocks.append((displaced_keys.view(*displaced_bias.shape, self.head_dim), displaced_bias))
         if self.compressor is not None:
             comp, rate = cache.compressor, self.compressor.rate
             self._emit(side, meta, cache)

@@ -31,8 +31,11 @@ class ForwardBatch:
     plan: StepPlan
 
     @classmethod
-    def build(cls, chunks: list[tuple[int, list[int], int]], device: torch.device | str = "cpu") -> "ForwardBatch":
-        """chunks: (cache slot, new token ids, position of the first new token) per sequence."""
+    def build(cls, chunks: list[tuple[int, list[int], int]], device: torch.device | str = "cpu",
+              decode_span: int = 1) -> "ForwardBatch":
+        """chunks: (cache slot, new token ids, position of the first new token) per sequence; chunks of
+        at most `decode_span` tokens (verify chunks) run through the decode path, one row per token
+        (`StepPlan.of_segments`; at most the cache's smallest ring length)."""
         ids: list[int] = []
         positions: list[int] = []
         segments = []
@@ -47,7 +50,7 @@ class ForwardBatch:
             token_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             segments=segments,
-            plan=StepPlan.of_segments(segments, len(ids), torch.device(device)),
+            plan=StepPlan.of_segments(segments, len(ids), torch.device(device), decode_span),
         )
 
     @property

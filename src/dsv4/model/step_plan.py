@@ -39,12 +39,17 @@ class StepPlan:
     prefill: PrefillMeta | None
 
     @classmethod
-    def of_segments(cls, segments: Sequence[Segment], num_rows: int, device: torch.device) -> StepPlan:
-        """The plan of a flat batch of num_rows rows cut into `segments`."""
-        singles = [seg for seg in segments if seg.length == 1]
-        chunks = [seg for seg in segments if seg.length > 1]
-        pure = len(singles) == len(segments) == num_rows
-        return cls(decode=DecodeMeta.of_segments(singles, pure, device) if singles else None,
+    def of_segments(cls, segments: Sequence[Segment], num_rows: int, device: torch.device,
+                    decode_span: int = 1) -> StepPlan:
+        """The plan of a flat batch of num_rows rows cut into `segments`: segments of at most
+        `decode_span` tokens go to the decode path (each token a row of its own), longer ones to the
+        prefill path."""
+        if decode_span < 1:
+            raise ValueError(f"decode_span must be >= 1, got {decode_span}")
+        rows = [seg for seg in segments if seg.length <= decode_span]
+        chunks = [seg for seg in segments if seg.length > decode_span]
+        pure = not chunks
+        return cls(decode=DecodeMeta.of_segments(rows, pure, device) if rows else None,
                    prefill=PrefillMeta(chunks, num_rows, device) if chunks else None)
 
 
@@ -90,16 +95,25 @@ def _half_rows(rows: torch.Tensor, slot: torch.Tensor, overlap: bool) -> torch.T
 
 
 class DecodeMeta(_Memo):
-    """The index tensors of a step's single-token rows, shared by every layer (each layer's caches
-    differ, the slots / positions / masks do not).
+    """The index tensors of a step's decode rows, shared by every layer (each layer's caches differ, the
+    slots / positions / masks do not).
+
+    A row is one token of a short segment: a decode step's token, or one of the k + 1 tokens of a verify
+    chunk (`StepPlan.of_segments`' decode_span), which are decoded as rows of the same slot, each seeing
+    only its own and earlier positions. The chunk writes its tokens into the window ring before the rows
+    read it, so ring row p % W then holds the chunk's position p, not the position p - W that the
+    chunk's earlier rows still see: those rows, read before the write, come as a separate "displaced"
+    block (`displaced`). Compressor windows that a row completes pool the chunk's earlier tokens from the
+    layer input, not from the ring (`windows`).
 
     Built from the segments (eager: the host knows each row's position, so only the rows completing a
     compressor window pool one, and each layer reads as many entries as the furthest row has) or from
-    tensors (`of_tensors`, inside a compiled graph: every row pools its current window and keeps it only
-    when complete; `reads` fixes the entries read per compress rate)."""
+    tensors (`of_tensors`, inside a compiled graph: single-token rows only; every row pools its current
+    window and keeps it only when complete; `reads` fixes the entries read per compress rate)."""
 
     def __init__(self, pos: torch.Tensor, slots: torch.Tensor, rows, pure: bool, host_positions: list[int] | None,
-                 reads: dict[int, int] | None, slot_range: slice | None):
+                 reads: dict[int, int] | None, slot_range: slice | None,
+                 spans: tuple[list[int], list[int]] | None = None):
         super().__init__()
         self.pos, self.slots, self.rows, self.pure = pos, slots, rows, pure  # [B] positions, [B] cache slots
         self.device = pos.device
@@ -108,15 +122,25 @@ class DecodeMeta(_Memo):
         # Rows whose slots are one ascending run (the usual steady decode batch) read every cache as a
         # slice, a view: no per-layer copy of each row's window ring and entries.
         self.slot_range = slot_range
+        # Per row, the first and the last position of its segment (host lists), or None when every
+        # segment is a single token (each row's own position).
+        self.spans = spans
 
     @classmethod
     def of_segments(cls, segs: Sequence[Segment], pure: bool, device: torch.device) -> DecodeMeta:
-        positions, slot_ids = [seg.start for seg in segs], [seg.slot for seg in segs]
-        rows = slice(None) if pure else torch.tensor([seg.begin for seg in segs], device=device)
+        positions, slot_ids, flat_rows, firsts, lasts = [], [], [], [], []
+        for seg in segs:
+            positions.extend(range(seg.start, seg.start + seg.length))
+            slot_ids.extend([seg.slot] * seg.length)
+            flat_rows.extend(range(seg.begin, seg.end))
+            firsts.extend([seg.start] * seg.length)
+            lasts.extend([seg.start + seg.length - 1] * seg.length)
+        rows = slice(None) if pure else torch.tensor(flat_rows, device=device)
         first = slot_ids[0]
-        contiguous = slot_ids == list(range(first, first + len(slot_ids)))
+        contiguous = slot_ids == list(range(first, first + len(slot_ids)))  # never so for a multi-row segment
+        spans = (firsts, lasts) if len(positions) > len(segs) else None
         return cls(torch.tensor(positions, device=device), torch.tensor(slot_ids, device=device), rows, pure,
-                   positions, None, slice(first, first + len(slot_ids)) if contiguous else None)
+                   positions, None, slice(first, first + len(slot_ids)) if contiguous else None, spans)
 
     @classmethod
     def of_tensors(cls, pos: torch.Tensor, slots: torch.Tensor, reads: dict[int, int]) -> DecodeMeta:
@@ -130,13 +154,47 @@ class DecodeMeta(_Memo):
         return cache_rows[rows] if count is None else cache_rows[rows, :count]
 
     def window(self, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ring row of each token, [B, W] bias): ring row i holds the latest position = i (mod W), <= pos;
-        held > pos - W always, so only never-written rows are hidden."""
+        """(ring row of each token, [B, W] bias of the ring after the step's writes): ring row i holds the
+        latest position = i (mod W) up to the row's segment's last position; held > pos - W always, so
+        only never-written rows and, in a multi-row segment, the later rows' positions are hidden."""
         def build():
+            self._check_span(W)
             pos = self.pos.unsqueeze(-1)
-            held = pos - (pos - torch.arange(W, device=self.device)) % W
-            return self.pos % W, mask_to_bias(held >= 0)
+            last = pos if self.spans is None else self._span_tensor(1).unsqueeze(-1)
+            held = last - (last - torch.arange(W, device=self.device)) % W
+            visible = held >= 0 if self.spans is None else (held >= 0) & (held <= pos)
+            return self.pos % W, mask_to_bias(visible)
         return self._cached(("window", W), build)
+
+    def displaced(self, W: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For multi-row segments (None when there are none): ([B * D] flat rows of a [S * W, hd] window
+        ring, [B, D] bias), D the longest segment: the ring rows that the row's segment overwrites, to be
+        read before the write. Row j of the segment held position first + j - W, which the segment's rows
+        before j still see (and rows from j on see the chunk's own position first + j instead)."""
+        if self.spans is None:
+            return None
+
+        def build():
+            self._check_span(W)
+            first, last = (self._span_tensor(i).unsqueeze(-1) for i in (0, 1))
+            span = max(b - a for a, b in zip(*self.spans)) + 1
+            written = first + torch.arange(span, device=self.device)  # [B, D] positions the segment writes
+            visible = (written <= last) & (written > self.pos.unsqueeze(-1)) & (written - W >= 0)
+            flat_rows = self.slots.unsqueeze(-1) * W + written % W
+            return flat_rows.view(-1), mask_to_bias(visible)
+        return self._cached(("displaced", W), build)
+
+    def _span_tensor(self, which: int) -> torch.Tensor:
+        """[B] the first (which=0) or last (1) position of each row's segment."""
+        return self._cached(("span", which), lambda: torch.tensor(self.spans[which], device=self.device))
+
+    def _check_span(self, ring_len: int) -> None:
+        """A segment longer than a ring would write one of its rows twice in a step."""
+        if self.spans is not None:
+            longest = max(b - a for a, b in zip(*self.spans)) + 1
+            if longest > ring_len:
+                raise ValueError(f"a decode-path segment of {longest} tokens does not fit a ring of {ring_len} rows "
+                                 f"(decode_span must be at most every ring's length)")
 
     def entry_reads(self, rate: int) -> int:
         """How many entries each row reads: the given `reads`, else the most any row has completed."""
@@ -159,6 +217,7 @@ class DecodeMeta(_Memo):
         """The WindowPlan of the rows' windows (compressor rate m, ring of ring_len >= the window's span):
         with host positions, the rows whose token completes window p // m; else every row's (`complete`)."""
         def build():
+            self._check_span(ring_len)  # the ring writes below must hit distinct rows
             B, m, device = self.pos.shape[0], rate, self.device
             ring_index = (self.slots, self.pos % ring_len)
             complete = first = None
@@ -177,10 +236,16 @@ class DecodeMeta(_Memo):
             E = rows.shape[0]
             slot = _window_slots(m, overlap, device)
             token_pos = ((pos // m).unsqueeze(-1) * m + slot).clamp(min=0)  # [E, S]
-            # The row's own token from the layer input, the window's earlier ones from its ring (read
-            # before this token is written; in a kept window no slot lies after the token).
+            # The window's tokens from the row's segment come from the layer input (the segment's rows
+            # are consecutive: position p is row b - (pos_b - p)), its earlier ones from the ring (read
+            # before the step's tokens are written; in a kept window no slot lies after the row's token).
             in_ring = B + torch.arange(E, device=device).unsqueeze(-1) * ring_len + token_pos % ring_len
-            source = torch.where(token_pos == pos.unsqueeze(-1), rows.unsqueeze(-1), in_ring)
+            if self.spans is None:
+                source = torch.where(token_pos == pos.unsqueeze(-1), rows.unsqueeze(-1), in_ring)
+            else:
+                segment_first = self._span_tensor(0).index_select(0, rows).unsqueeze(-1)
+                in_step = rows.unsqueeze(-1) - (pos.unsqueeze(-1) - token_pos)
+                source = torch.where(token_pos >= segment_first, in_step, in_ring)
             history = (slots.unsqueeze(-1) * ring_len + torch.arange(ring_len, device=device)).view(-1)
             return WindowPlan(
                 ring_index=ring_index, src_rows=None, history_rows=history,
