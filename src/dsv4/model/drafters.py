@@ -26,13 +26,14 @@ from dsv4.model.dspark import DSparkDrafter
 from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
 from dsv4.model.shared_target import SharedTarget
+from dsv4.parallel.state import SINGLE, ParallelState
 
 
 class MTPLayer(Block):
     """One decoder block (sliding attention, routed MoE) plus the MTP input and head stack."""
 
-    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype):
-        super().__init__(cfg, SLIDING, MOE, expert_format, dtype)
+    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype, parallel: ParallelState = SINGLE):
+        super().__init__(cfg, SLIDING, MOE, expert_format, dtype, parallel=parallel)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.e_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype)
@@ -51,7 +52,8 @@ class MTPDrafter(TopLevelModel):
         self.cfg = cfg
         self.dtype = dtype
         self.shared = SharedTarget(target)
-        self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype) for _ in range(cfg.num_nextn_predict_layers))
+        self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype, target.parallel)
+                                 for _ in range(cfg.num_nextn_predict_layers))
         self.requires_grad_(False)
 
     def allocate_cache(self, slots: int, max_len: int) -> ModelCache:
@@ -91,4 +93,6 @@ def build_drafter(
             f"{cfg.source}: a DSpark checkpoint (dspark_* fields): its mtp.* tensors are DSpark blocks, "
             f"loading them as MTP would half-load them; use draft='dspark'"
         )
+    if name == "dspark" and target.parallel.is_parallel:
+        raise ConfigError("draft='dspark' runs in one process only; with tensor_parallel_size > 1 use draft='mtp'")
     return DRAFTER_CLASSES[name](cfg, target, expert_format, dtype)
