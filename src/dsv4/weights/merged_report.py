@@ -41,17 +41,20 @@ def merged_weight_report(loaded: LoadedModels, version: int) -> dict[str, Any]:
 
 def _split_dims(loaded: LoadedModels) -> dict[str, int]:
     """Report key -> the resident dimension its shards split (the plan's dim of the logical [out, in]
-    shape, for stacked experts one further in), for the split tensors of the models."""
+    shape, for stacked experts one further in; dim 0 of stacked experts under expert parallelism)."""
     from dsv4.weights.loader import TARGET
     from dsv4.weights.report import ROLE_SEPARATOR
 
     dims = {}
     for slot in loaded.slot_table():
         split = split_of(slot.native, loaded.parallel)
-        if split is None:
-            continue
         key = slot.param if slot.role == TARGET else f"{slot.role}{ROLE_SEPARATOR}{slot.param}"
-        dims[key] = split.dim + (1 if slot.is_expert else 0)
+        if slot.is_expert and loaded.parallel.expert_parallel:
+            dims[key] = 0  # the stack of experts: each rank holds some of them
+        elif split is not None:
+            dims[key] = split.dim + (1 if slot.is_expert else 0)
+        else:
+            continue
         if slot.is_expert and slot.scale_resident is not None:
             dims[f"{key}_scale"] = dims[key]
     return dims
