@@ -18,9 +18,6 @@ program, SPMD as under torchrun; each writes what it generated to a file the tes
 from __future__ import annotations
 
 import json
-import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -28,24 +25,22 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
+import parallel_ranks as ranks
 import reference as ref
-from dsv4 import LLM, SamplingParams
-from dsv4.errors import CheckpointError, ConfigError, Dsv4Error, ParallelError
+from dsv4 import LLM
+from dsv4.errors import CheckpointError, ConfigError, ParallelError
 from dsv4.parallel.plan import split_of
 from dsv4.parallel.state import ParallelState
 from dsv4.weights.loader import build_models, load_models
 from dsv4.weights.refit import WeightUpdateSession
 from dsv4.weights.report import weight_report
 from dsv4.weights.slots import SlotTable
+from parallel_ranks import ENGINE, WORLD, free_port, results
 
-WORLD = 2
 TIMEOUT_S = 20.0  # any collective of the spawned ranks; generous for 2 shared cores, far below a hang
-SHORT_TIMEOUT_S = 2.0  # the group that cannot form
+SHORT_TIMEOUT_S = 2.0  # the group that cannot form, and the group that loses a rank
 LOGPROB_TOL = 1e-5
 SEED = 4242
-MAX_TOKENS = 8
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(40, 90))]  # the second crosses CSA/HCA window boundaries
-ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 80}
 # Scenario -> (checkpoint fixture key, LLM options).
 SCENARIOS = {
     "native_tp": ("native", {}),
@@ -79,88 +74,38 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def _results(llm: LLM) -> dict:
-    """Greedy ids and per-prompt logprobs: what is compared across ranks and with one process."""
-    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
-    return {"ids": [list(o.outputs[0].token_ids) for o in outputs], "logprobs": llm.forward_logprobs(PROMPTS)}
-
-
-# ---- the spawned ranks ----
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join_env(rank: int, port: int, world: int = WORLD) -> None:
-    """What torchrun sets for a rank."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-
-
-def _scenario_rank(rank: int, port: int, out_dir: str, scenarios: dict) -> None:
-    _join_env(rank, port)
-    results = {}
-    for key, (path, options) in scenarios.items():
-        llm = LLM(path, **ENGINE, tensor_parallel_size=WORLD, distributed_timeout_s=TIMEOUT_S, **options)
-        results[key] = _results(llm)
-        if key == "native_ep":
-            results["merged_report"] = llm.merged_weight_report()
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.destroy_process_group()
-
-
-def _dying_rank(rank: int, port: int, out_dir: str, path: str) -> None:
-    _join_env(rank, port)
-    llm = LLM(path, **ENGINE, tensor_parallel_size=WORLD, distributed_timeout_s=TIMEOUT_S)
-    if rank == 1:
-        os._exit(0)  # dies without a word, as a killed rank does
-    start = time.monotonic()
-    try:
-        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
-        message = "no error"
-    except Dsv4Error as exc:
-        message = f"{type(exc).__name__}: {exc}"
-    (Path(out_dir) / "rank0.txt").write_text(f"{time.monotonic() - start}\n{message}")
-
-
-def _lonely_rank(rank: int, port: int, out_dir: str, path: str) -> None:
-    _join_env(rank, port)  # WORLD_SIZE=2, but the other rank never starts
-    start = time.monotonic()
-    try:
-        LLM(path, **ENGINE, tensor_parallel_size=WORLD, distributed_timeout_s=SHORT_TIMEOUT_S)
-        message = "no error"
-    except Dsv4Error as exc:
-        message = f"{type(exc).__name__}: {exc}"
-    (Path(out_dir) / "rank0.txt").write_text(f"{time.monotonic() - start}\n{message}")
-
-
 def _spawn(fn, args: tuple, nprocs: int = WORLD) -> None:
     mp.spawn(fn, args=args, nprocs=nprocs, join=True)
 
 
 # ---- generation: 2 ranks against one process ----
 @pytest.fixture(scope="module")
-def rank_results(checkpoints, tmp_path_factory) -> list[dict]:
+def spawned(checkpoints, tmp_path_factory) -> Path:
+    """One launch of two ranks for every scenario, ending with a rank that dies (`parallel_ranks`)."""
     out = tmp_path_factory.mktemp("ranks")
     scenarios = {key: (str(checkpoints[ckpt]), options) for key, (ckpt, options) in SCENARIOS.items()}
-    _spawn(_scenario_rank, (_free_port(), str(out), scenarios))
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    _spawn(ranks.scenario_rank, (free_port(), str(out), scenarios, TIMEOUT_S, str(checkpoints["native"]),
+                                 SHORT_TIMEOUT_S))
+    return out
+
+
+@pytest.fixture(scope="module")
+def rank_results(spawned) -> list[dict]:
+    return [torch.load(spawned / f"rank{r}.pt") for r in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
 def one_process(checkpoints) -> dict[str, dict]:
     """One process's results per checkpoint (MTP: plain decoding, which greedy speculation must equal)."""
-    return {key: _results(LLM(checkpoints[key], **ENGINE)) for key in ("native", "release", "release_wide", "mtp")}
+    return {key: results(LLM(checkpoints[key], **ENGINE)) for key in ("native", "release", "release_wide", "mtp")}
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_two_ranks_generate_what_one_process_does(rank_results, one_process, scenario):
     ckpt = SCENARIOS[scenario][0]
     expected = one_process["native" if ckpt == "hf" else ckpt]
-    for rank, results in enumerate(rank_results):
-        got = results[scenario]
+    for rank, found in enumerate(rank_results):
+        got = found[scenario]
         assert got["ids"] == expected["ids"], f"rank {rank}"
         for lp, want in zip(got["logprobs"], expected["logprobs"], strict=True):
             assert lp.shape == want.shape
@@ -269,7 +214,7 @@ def test_a_launch_without_a_group_is_refused(checkpoints, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     with pytest.raises(ConfigError, match="WORLD_SIZE=3"):
         LLM(checkpoints["native"], tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="compile=True"):
@@ -277,16 +222,15 @@ def test_a_launch_without_a_group_is_refused(checkpoints, monkeypatch):
 
 
 def test_a_rank_that_never_arrives_times_out_clearly(checkpoints, tmp_path):
-    _spawn(_lonely_rank, (_free_port(), str(tmp_path), str(checkpoints["native"])), nprocs=1)
+    _spawn(ranks.lonely_rank, (free_port(), str(tmp_path), str(checkpoints["native"]), SHORT_TIMEOUT_S), nprocs=1)
     seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert message.startswith(ParallelError.__name__), message
     assert "2 ranks" in message and f"{SHORT_TIMEOUT_S:g} s timeout" in message
     assert float(seconds) < SHORT_TIMEOUT_S + 10
 
 
-def test_a_rank_that_dies_fails_the_others_clearly(checkpoints, tmp_path):
-    _spawn(_dying_rank, (_free_port(), str(tmp_path), str(checkpoints["native"])))
-    seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+def test_a_rank_that_dies_fails_the_others_clearly(spawned):
+    seconds, message = (spawned / "rank0.txt").read_text().split("\n", 1)
     assert message.startswith(ParallelError.__name__), message
-    assert "rank 0 of 2" in message and f"{TIMEOUT_S:g} s timeout" in message
-    assert float(seconds) < TIMEOUT_S + 10
+    assert "rank 0 of 2" in message and f"{SHORT_TIMEOUT_S:g} s timeout" in message
+    assert float(seconds) < SHORT_TIMEOUT_S + 10

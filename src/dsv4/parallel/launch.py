@@ -60,8 +60,13 @@ def join_group(tensor_parallel_size: int, expert_parallel: bool, device: str, ti
     if world != tensor_parallel_size:
         raise ConfigError(f"LLM: tensor_parallel_size={tensor_parallel_size}, but the initialised process group "
                           f"has {world} ranks; they must be equal")
+    try:  # a group of its own, so that this LLM's collectives wait timeout_s, whatever the default group's is
+        group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise ParallelError(f"tensor parallel group of {world} ranks: rank {dist.get_rank()} could not form the "
+                            f"LLM's group within the {timeout_s:g} s timeout: {type(exc).__name__}: {exc}") from None
     return ParallelState(rank=dist.get_rank(), world_size=world, expert_parallel=expert_parallel,
-                         timeout_s=timeout_s, group=dist.group.WORLD)
+                         timeout_s=timeout_s, group=group)
 
 
 def require_agreement(what: dict, state: ParallelState) -> None:
