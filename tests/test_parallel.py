@@ -161,15 +161,17 @@ def _checksums(loaded) -> dict[str, tuple[str, int]]:
 
 @pytest.mark.parametrize(("ckpt", "expert_parallel", "source"), [
     ("native", False, "native"), ("native", True, "hf"), ("release", True, "native"), ("release_wide", False, "native"),
+    ("mtp", False, "native"), ("mtp", True, "native"),  # the MTP drafter refits in the same session
 ])
 def test_a_refit_per_rank_equals_a_fresh_load_of_its_shard(checkpoints, ckpt, expert_parallel, source):
     path = checkpoints[ckpt]
+    draft = "mtp" if ckpt == "mtp" else None
     tensors = ref.read_safetensors_dir(path)
     if source == "hf":
         tensors = ref.hf_state_from_native(tensors, ref.tiny_config())
     for state in _states(expert_parallel):
-        fresh = _checksums(load_models(path, parallel=state))
-        dummy = load_models(path, load_format="dummy", parallel=state)
+        fresh = _checksums(load_models(path, parallel=state, draft=draft))
+        dummy = load_models(path, load_format="dummy", parallel=state, draft=draft)
         before = {k: ptr for k, (_, ptr) in _checksums(dummy).items()}
         assert {k: c for k, (c, _) in _checksums(dummy).items()} != {k: c for k, (c, _) in fresh.items()}
         # Two buckets, the scales first where there are any: the slicer pairs halves across buckets.
