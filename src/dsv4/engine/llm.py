@@ -495,12 +495,11 @@ class LLM:
             ConfigError, ArgumentTypeError: a bad pause mode, atomic or full (before any exchange).
         """
         from dsv4.errors import WeightTransferError
-        from dsv4.weights.transfer import max_update_bytes
 
         if self._weight_receiver is None:
             raise WeightTransferError("no weight transfer group: call init_weight_transfer(...) first")
         begin = self._session_opener("update_weights_from_distributed", atomic, full, pause)
-        return self._weight_receiver.update(metadata, self.weights_version, begin, max_update_bytes(self.loaded))
+        return self._weight_receiver.update(metadata, self.weights_version, begin, self._max_update_bytes())
 
     def update_weights_from_shared(
         self, metadata: dict, handle: dict, atomic: bool = True, full: bool = False, pause: str = PAUSE_ABORT
@@ -518,10 +517,10 @@ class LLM:
             WeightUpdateError: refused (base version, metadata, a handle outside shared memory) or failed.
             ConfigError, ArgumentTypeError: a bad pause mode, atomic or full.
         """
-        from dsv4.weights.transfer import max_update_bytes, update_from_shared
+        from dsv4.weights.transfer import update_from_shared
 
         begin = self._session_opener("update_weights_from_shared", atomic, full, pause)
-        return update_from_shared(metadata, handle, self.weights_version, begin, max_update_bytes(self.loaded))
+        return update_from_shared(metadata, handle, self.weights_version, begin, self._max_update_bytes())
 
     def _session_opener(self, caller: str, atomic: bool, full: bool, pause: str):
         """`begin_weight_update(atomic, full, pause)` for a transfer to call once it accepted the plan. The
@@ -532,9 +531,22 @@ class LLM:
         check_pause_mode(pause)
         return lambda: self.begin_weight_update(atomic=atomic, full=full, pause=pause)
 
+    def _max_update_bytes(self) -> int:
+        """The largest update accepted; a tensor parallel rank receives full tensors, N times its shard."""
+        from dsv4.weights.transfer import max_update_bytes
+
+        return max_update_bytes(self.loaded) * self.parallel.world_size
+
+    def _require_whole_model(self, caller: str) -> None:
+        if self.parallel.is_parallel:
+            raise ConfigError(f"{caller}: this rank holds 1/{self.parallel.world_size} of the model "
+                              f"(tensor_parallel_size={self.parallel.world_size}); export from one process")
+
     def iter_weights(self):
         """Every loadable tensor as (native name, resident-format view); feeds another engine's update."""
         from dsv4.weights.export import iter_weights
+
+        self._require_whole_model("iter_weights")
 
         return iter_weights(self.loaded)
 
@@ -560,6 +572,7 @@ class LLM:
     ) -> Path:
         """Write the current weights as a checkpoint directory (tokenizer files copied along)."""
         check_path("save_checkpoint: out_dir", out_dir)
+        self._require_whole_model("save_checkpoint")
         for name, value in (("layout", layout), ("dense", dense), ("experts", experts)):
             require_str(f"save_checkpoint: {name}", value)
         from dsv4.weights.export import save_checkpoint
