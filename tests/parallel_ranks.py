@@ -19,6 +19,7 @@ from dsv4.errors import Dsv4Error
 WORLD = 2
 MAX_TOKENS = 8
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(40, 90))]  # the second crosses CSA/HCA window boundaries
+SAMPLING_SEED = 7
 ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 80}
 
 
@@ -29,9 +30,13 @@ def free_port() -> int:
 
 
 def results(llm: LLM) -> dict:
-    """Greedy ids and per-prompt logprobs: what is compared across ranks and with one process."""
+    """Greedy ids and per-prompt logprobs (compared across ranks and with one process), and seeded sampled
+    ids (compared across ranks: each samples on its own from the same gathered logits)."""
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
-    return {"ids": [list(o.outputs[0].token_ids) for o in outputs], "logprobs": llm.forward_logprobs(PROMPTS)}
+    sampled = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=SAMPLING_SEED),
+                           use_tqdm=False)
+    return {"ids": [list(o.outputs[0].token_ids) for o in outputs], "logprobs": llm.forward_logprobs(PROMPTS),
+            "sampled": [list(o.outputs[0].token_ids) for o in sampled]}
 
 
 def _join_env(rank: int, port: int, world: int = WORLD) -> None:

@@ -113,6 +113,7 @@ def test_two_ranks_generate_what_one_process_does(rank_results, one_process, sce
     # Every rank sampled from the same gathered logits: bit-identical results, not merely close ones.
     for key in SCENARIOS:
         assert rank_results[0][key]["ids"] == rank_results[1][key]["ids"]
+        assert rank_results[0][key]["sampled"] == rank_results[1][key]["sampled"]
         first, second = (rank_results[r][key]["logprobs"] for r in range(WORLD))
         assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
