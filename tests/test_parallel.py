@@ -237,3 +237,23 @@ def test_a_rank_that_dies_fails_the_others_clearly(spawned):
     assert message.startswith(ParallelError.__name__), message
     assert "rank 0 of 2" in message and f"{SHORT_TIMEOUT_S:g} s timeout" in message
     assert float(seconds) < SHORT_TIMEOUT_S + 10
+
+
+def test_a_rank_reads_no_byte_of_other_ranks_experts(checkpoints, monkeypatch):
+    from dsv4.weights.checkpoint import CheckpointDir
+
+    read: list[str] = []
+    original = CheckpointDir.iter_tensors
+
+    def recording(self, wanted=lambda name: True):
+        for name, tensor, origin in original(self, wanted):
+            read.append(name)
+            yield name, tensor, origin
+
+    monkeypatch.setattr(CheckpointDir, "iter_tensors", recording)
+    for state in _states(True):
+        read.clear()
+        loaded = load_models(checkpoints["native"], parallel=state)
+        first, stop = state.expert_range(loaded.config.n_routed_experts)
+        experts = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
+        assert experts == set(range(first, stop)), f"rank {state.rank}"
