@@ -101,8 +101,7 @@ def _rank(rank: int, world: int, port: int, config_dir: str, expert_parallel: bo
     if rank == 0:
         Path(out_file).write_text(json.dumps({
             "load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "decode_tokens": tokens,
-            "decode_tok_s": tokens / decode_s, "resident_bytes_rank0": resident,
-            "ids": [list(o.outputs[0].token_ids) for o in outputs]}))
+            "decode_tok_s": tokens / decode_s, "resident_bytes_rank0": resident}))
 
 
 def _launch(processes: int, expert_parallel: bool, config_dir: Path, threads: int, new_tokens: int,
