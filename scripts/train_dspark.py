@@ -52,7 +52,7 @@ except ImportError:  # running from a checkout without an install
 from dsv4.config import DSparkConfig, ModelConfig
 from dsv4.embedded import DEFAULT_MODEL, resolve_model
 from dsv4.engine.llm import resolve_dtype
-from dsv4.kernels import default_registry
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.deepseek_v4 import broadcast_fn
 from dsv4.model.dspark import DSparkDrafter, StageContext
@@ -204,16 +204,12 @@ def dspark_config(cfg: ModelConfig, args: argparse.Namespace) -> ModelConfig:
 
 
 def train(args: argparse.Namespace) -> dict:
-    # The fast paths are inference kernels without a backward: train through the torch reference.
-    with default_registry().reference_only():
-        return _train(args)
-
-
-def _train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     path, _ = resolve_model(args.model, "auto")
-    loaded = load_models(path, dtype=torch.float32)  # the frozen target, experts resident as shipped
+    # The frozen target, experts resident as shipped. The fast paths are inference kernels without a
+    # backward: the target and the drafter (which shares its registry) train through the torch reference.
+    loaded = load_models(path, dtype=torch.float32, kernels=KernelRegistry(force_reference=True))
     target = loaded.target
     cfg = dspark_config(loaded.config, args)
     with torch.device("cpu"):

@@ -41,6 +41,7 @@ except ImportError:  # running from a checkout without an install
 from safetensors.torch import save_file
 
 from dsv4.config import ModelConfig, QuantConfig
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.deepseek_v4 import DeepseekV4, broadcast_fn, hyper_head
 from dsv4.model.drafters import MTPDrafter
@@ -303,18 +304,11 @@ def write_tokenizer_config(out_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------
 def train(args: argparse.Namespace) -> dict:
-    from dsv4.kernels import default_registry
-
-    # The fast paths are inference kernels without a backward: train through the torch reference.
-    with default_registry().reference_only():
-        return _train(args)
-
-
-def _train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     cfg = ModelConfig.from_dict(dict(MODEL_CONFIG), source="train_embedded.MODEL_CONFIG")
-    models = build_models(cfg, "dense", torch.float32, "cpu", draft="mtp")
+    # The fast paths are inference kernels without a backward: train through the torch reference.
+    models = build_models(cfg, "dense", torch.float32, "cpu", draft="mtp", kernels=KernelRegistry(force_reference=True))
     target, mtp = models["target"], models["mtp"]
     init_weights(models, cfg, args.seed)
     params = []

@@ -13,7 +13,7 @@ import torch
 
 from dsv4 import LLM
 from dsv4.embedded import DEFAULT_MODEL, resolve_model
-from dsv4.kernels import default_registry
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.dspark import DSparkDrafter
 from dsv4.model.moe import DENSE
 from dsv4.tasks import sort_digits as task
@@ -37,23 +37,24 @@ def script():
 
 def test_a_few_steps_lower_the_loss(script):
     args = script.parse_args(["--smoke"])
-    with default_registry().reference_only():
-        loaded = load_models(resolve_model(DEFAULT_MODEL, "auto")[0], dtype=torch.float32)
-        target = loaded.target
-        target_before = {n: p.clone() for n, p in target.named_parameters()}
-        drafter = DSparkDrafter(script.dspark_config(loaded.config, args), target, DENSE, torch.float32)
-        script.init_drafter(drafter, seed=0)
-        drafter.process_weights_after_loading()
-        params = [p.requires_grad_(True) for p in drafter.parameters()]
-        opt = torch.optim.AdamW(params, lr=3e-3)
-        batch = task.examples(8, seed=3)
-        losses = []
-        for _ in range(STEPS):
-            loss = script.dspark_objective(target, drafter, batch, script.LossWeights())
-            opt.zero_grad()
-            loss.total.backward()
-            opt.step()
-            losses.append(loss.total.item())
+    # the fast paths are inference kernels without a backward: train through the torch reference
+    loaded = load_models(resolve_model(DEFAULT_MODEL, "auto")[0], dtype=torch.float32,
+                         kernels=KernelRegistry(force_reference=True))
+    target = loaded.target
+    target_before = {n: p.clone() for n, p in target.named_parameters()}
+    drafter = DSparkDrafter(script.dspark_config(loaded.config, args), target, DENSE, torch.float32)
+    script.init_drafter(drafter, seed=0)
+    drafter.process_weights_after_loading()
+    params = [p.requires_grad_(True) for p in drafter.parameters()]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    batch = task.examples(8, seed=3)
+    losses = []
+    for _ in range(STEPS):
+        loss = script.dspark_objective(target, drafter, batch, script.LossWeights())
+        opt.zero_grad()
+        loss.total.backward()
+        opt.step()
+        losses.append(loss.total.item())
     assert losses[-1] < 0.8 * losses[0], losses
     assert all(torch.equal(p, target_before[n]) for n, p in target.named_parameters())  # frozen
     # every part of the objective received a gradient: the block's stages, the context stack, both heads

@@ -6,6 +6,7 @@ import torch
 from dsv4.config import ModelConfig
 from dsv4.embedded import EMBEDDED_MODELS
 from dsv4.engine.llm import LLM
+from dsv4.engine.sampling_params import SamplingParams
 from dsv4.kernels.mhc_cpu import MhcCpuKernel, build_library
 from dsv4.kernels.registry import MHC_COEFFICIENTS, REFERENCE, KernelRegistry, default_registry, describe_backends
 from dsv4.model import mhc
@@ -432,3 +433,25 @@ def test_in_place_streams_leave_captured_layers_intact():
     torch.testing.assert_close(layer1[1], want[1], **close)
     torch.testing.assert_close(streams, want_streams, **close)
     assert len({captured[0].data_ptr(), captured[2].data_ptr(), streams.data_ptr()}) == 3
+
+
+@pytest.mark.parametrize("draft", ["mtp", "dspark"])
+def test_the_registry_given_to_llm_serves_every_module_and_leaves_the_default_alone(draft):
+    """LLM(kernels=...) reaches every module of the target and its drafter (a drafter uses its target's),
+    and building with a reference-only registry changes nothing in the process-wide one: another model built
+    next still gets the fast paths (training builds its models this way while an engine may be serving)."""
+    model = "dsv4-sort-dspark" if draft == "dspark" else "dsv4-sort"
+    reference = KernelRegistry(force_reference=True)
+    llm = LLM(model, kernels=reference, draft=draft, max_num_seqs=2, max_model_len=64)
+    registries = {id(m.kernels) for role in llm.loaded.models.values() for m in role.modules() if hasattr(m, "kernels")}
+    assert registries == {id(reference)}
+    assert all(reference.choose(op).is_reference for op in ("mhc_fused", "norm_rope", "moe_experts"))
+    fast = LLM("dsv4-tiny-dummy", load_format="dummy", dtype="float32", max_num_seqs=2, max_model_len=64)
+    assert fast.loaded.target.kernels is default_registry()
+    assert not default_registry().choose("mhc_fused").is_reference
+    # the reference-path engine computes what the fast one does (greedy, same model)
+    plain = LLM(model, max_num_seqs=2, max_model_len=64)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompts = ["3 1 2", "9 8 7 6"]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

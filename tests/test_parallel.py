@@ -146,7 +146,7 @@ def test_each_rank_builds_its_shard_of_the_plan(checkpoints, expert_parallel):
     full = {s.native: s.logical for s in SlotTable(build_models(cfg, "dense", torch.float32, "cpu", "mtp"))}
     held: set[str] = set()
     for state in _states(expert_parallel):
-        for slot in SlotTable(build_models(cfg, "dense", torch.float32, "cpu", "mtp", state)):
+        for slot in SlotTable(build_models(cfg, "dense", torch.float32, "cpu", "mtp", parallel=state)):
             split = split_of(slot.native, state)
             want = list(full[slot.native])
             if split is not None:
@@ -202,10 +202,10 @@ def test_indivisible_configs_are_refused_naming_the_field(checkpoints):
 
     cfg = ModelConfig.from_file(checkpoints["release"])
     with pytest.raises(ConfigError, match=r"'moe_intermediate_size'.*FP4 scale group 32"):
-        build_models(cfg, "fp4", torch.float32, "cpu", None, _states(False)[0])
+        build_models(cfg, "fp4", torch.float32, "cpu", None, parallel=_states(False)[0])
     three = ParallelState(rank=0, world_size=3)
     with pytest.raises(ConfigError, match=r"'vocab_size': 512 is not divisible by 3"):
-        build_models(cfg, "dense", torch.float32, "cpu", None, three)
+        build_models(cfg, "dense", torch.float32, "cpu", None, parallel=three)
 
 
 # ---- groups that cannot form, ranks that die ----

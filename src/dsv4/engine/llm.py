@@ -34,6 +34,7 @@ from dsv4.engine.validation import (
     require_str,
 )
 from dsv4.errors import ConfigError, RequestError, WeightUpdateError
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.parallel.launch import join_group, require_agreement
 from dsv4.parallel.state import DEFAULT_TIMEOUT_S, ParallelState
 from dsv4.progress import Progress
@@ -113,6 +114,8 @@ class LLM:
             DSpark's whole block).
         speculation_max_batch: speculate only in steps with at most this many decoding sequences (the
             break-even batch; None: `speculation.DEFAULT_SPECULATION_MAX_BATCH`).
+        kernels: the kernel registry of the models' fast paths (None: the process-wide
+            `kernels.default_registry()`, which honours DSV4_KERNELS=reference).
         tensor_parallel_size: ranks the model is split over (docs/parallel.md). Above 1, every rank of a
             torchrun launch (or of a torch.distributed group the caller formed) builds this same `LLM`: each
             loads only its shard, all run the same scheduler and sampler on identical gathered logits, and
@@ -139,6 +142,7 @@ class LLM:
         compile: bool = False,
         num_speculative_tokens: int | None = None,
         speculation_max_batch: int | None = None,
+        kernels: KernelRegistry | None = None,
         tensor_parallel_size: int = 1,
         expert_parallel: bool = False,
         distributed_timeout_s: float | None = None,
@@ -169,7 +173,7 @@ class LLM:
         self.chat_template = ChatTemplate.from_checkpoint(self.path)
         self.loaded: LoadedModels = load_models(
             path, load_format=load_format, dtype=self.dtype, device=device, draft=draft,
-            expert_dtype=expert_dtype, seed=seed, parallel=self.parallel,
+            expert_dtype=expert_dtype, seed=seed, kernels=kernels, parallel=self.parallel,
         )
         self.config = self.loaded.config
         self.limits = EngineLimits.derive(

@@ -11,13 +11,15 @@ says whether this call can run there (device, dtype, shape, not inside a torch.c
 kernel). Callers ask `registry.kernel(op, *args)`, which returns the implementation when it supports the
 call and None when the caller's own torch reference must run it.
 
-The model gets its registry when it is built (`DeepseekV4(..., kernels=...)`): tests and tools pass their
-own; `default_registry()` is the process-wide one the loader uses when none is given.
+The model gets its registry when it is built (`DeepseekV4(..., kernels=...)`, `load_models(..., kernels=...)`,
+`LLM(..., kernels=...)`; drafters use their target's): tests and tools pass their own, e.g. training builds its
+models with `KernelRegistry(force_reference=True)` (the fast paths are inference kernels without a backward);
+`default_registry()` is the process-wide one used when none is given. Nothing changes a registry's choices
+after they are made.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -141,17 +143,6 @@ class KernelRegistry:
                 continue
             return Choice(op, backend.name, impl, backend.summary)
         return Choice(op, REFERENCE, None, "fallback (" + "; ".join(failures) + ")")
-
-    @contextlib.contextmanager
-    def reference_only(self):
-        """Within the block every op resolves to the plain-torch reference (differentiable: training
-        uses this, the fast paths are inference kernels without a backward); restored on exit."""
-        saved = (self.force_reference, self._choices)
-        self.force_reference, self._choices = True, {}
-        try:
-            yield self
-        finally:
-            self.force_reference, self._choices = saved
 
     def describe(self) -> list[str]:
         return [f"{op:18s} {c.backend:10s} {c.reason}" for op in _BACKENDS for c in (self.choose(op),)]

@@ -17,6 +17,7 @@ from torch import nn
 
 from dsv4.config import MOE, SLIDING, ModelConfig
 from dsv4.errors import ConfigError
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
 from dsv4.model.cache import ModelCache, allocate_layer_cache
@@ -32,17 +33,20 @@ from dsv4.parallel.state import SINGLE, ParallelState
 class MTPLayer(Block):
     """One decoder block (sliding attention, routed MoE) plus the MTP input and head stack."""
 
-    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype, parallel: ParallelState = SINGLE):
-        super().__init__(cfg, SLIDING, MOE, expert_format, dtype, parallel=parallel)
-        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype, kernels: KernelRegistry,
+                 parallel: ParallelState = SINGLE):
+        super().__init__(cfg, SLIDING, MOE, expert_format, dtype, kernels, parallel)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.e_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype)
         self.h_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         add_hyper_head(self, cfg)
 
 
 class MTPDrafter(TopLevelModel):
+    """The MTP layers as a drafter; its fast paths use the target's kernel registry."""
+
     role = "mtp"
 
     def __init__(self, cfg: ModelConfig, target: DeepseekV4, expert_format: str, dtype: torch.dtype):
@@ -52,7 +56,7 @@ class MTPDrafter(TopLevelModel):
         self.cfg = cfg
         self.dtype = dtype
         self.shared = SharedTarget(target)
-        self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype, target.parallel)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype, target.kernels, target.parallel)
                                  for _ in range(cfg.num_nextn_predict_layers))
         self.requires_grad_(False)
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from dsv4.config import DSPARK_V4, MOE, SLIDING, ModelConfig
 from dsv4.errors import ConfigError
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model import mhc
 from dsv4.model.attention import Attention, softmax_with_sink
 from dsv4.model.batch import ForwardBatch
@@ -76,8 +77,8 @@ class DSparkAttention(Attention):
     """A stage's attention: queries from the block rows; keys (= values) are the stage's context keys
     plus the block's own rows, all visible to every block query; a per-head sink as in every V4 layer."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
-        super().__init__(cfg, SLIDING, dtype)
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelRegistry):
+        super().__init__(cfg, SLIDING, dtype, kernels)
 
     def forward(self, x: torch.Tensor, blocks: DraftBlocks, context: StageContext) -> torch.Tensor:
         """Block attention over context + block rows.
@@ -110,16 +111,16 @@ class DSparkStage(Block):
     ring; the first stage also holds the context input stack, the last one the head stack."""
 
     def __init__(self, cfg: ModelConfig, stage_cfg: ModelConfig, expert_format: str, dtype: torch.dtype,
-                 first: bool, last: bool):
-        super().__init__(stage_cfg, SLIDING, MOE, expert_format, dtype)
+                 kernels: KernelRegistry, first: bool, last: bool):
+        super().__init__(stage_cfg, SLIDING, MOE, expert_format, dtype, kernels)
         spec = cfg.dspark
         D = cfg.hidden_size
-        self.attn = DSparkAttention(stage_cfg, dtype)
+        self.attn = DSparkAttention(stage_cfg, dtype, kernels)
         if first:
             self.main_proj = Linear(D * len(spec.target_layer_ids), D, dtype)
-            self.main_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.main_norm = RMSNorm(D, cfg.rms_norm_eps, kernels)
         if last:
-            self.norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.norm = RMSNorm(D, cfg.rms_norm_eps, kernels)
             if spec.variant == DSPARK_V4:
                 add_hyper_head(self, cfg)
             self.markov_head = MarkovHead(cfg.vocab_size, spec.markov_rank, dtype)
@@ -173,6 +174,8 @@ class DSparkStage(Block):
 
 
 class DSparkDrafter(TopLevelModel):
+    """DSpark's stages as a drafter; its fast paths use the target's kernel registry."""
+
     role = "dspark"
 
     def __init__(self, cfg: ModelConfig, target: DeepseekV4, expert_format: str, dtype: torch.dtype):
@@ -192,7 +195,7 @@ class DSparkDrafter(TopLevelModel):
         )
         last = spec.num_stages - 1
         self.mtp = nn.ModuleList(
-            DSparkStage(cfg, stage_cfg, expert_format, dtype, first=s == 0, last=s == last)
+            DSparkStage(cfg, stage_cfg, expert_format, dtype, target.kernels, first=s == 0, last=s == last)
             for s in range(spec.num_stages)
         )
         register_first_layer_broadcast(self, cfg)

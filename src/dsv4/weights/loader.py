@@ -18,6 +18,7 @@ import torch
 
 from dsv4.config import DENSE, EXPERT_FORMATS, ModelConfig
 from dsv4.errors import CheckpointError, ConfigError
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.derived import TopLevelModel
 from dsv4.parallel.state import SINGLE, ParallelState, check_divisible
@@ -100,13 +101,21 @@ def quant_layout(cfg: ModelConfig) -> QuantLayout:
 
 def build_models(
     cfg: ModelConfig, expert_format: str, dtype: torch.dtype, device: str, draft: str | None,
+    kernels: KernelRegistry | None = None,
     parallel: ParallelState = SINGLE,
 ) -> dict[str, TopLevelModel]:
     """Allocate the target (and the drafter) in runtime layout, this rank's shard of them under `parallel`;
-    nothing is READY yet."""
+    nothing is READY yet.
+
+    Args:
+        kernels: the registry serving every fast path of the target and its drafter (None: the
+            process-wide `default_registry()`; training passes `KernelRegistry(force_reference=True)`,
+            since the fast paths have no backward).
+        parallel: this rank's share of a tensor / expert parallel group (docs/parallel.md).
+    """
     check_divisible(cfg, parallel, expert_format)
     with torch.device(device):
-        models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype, parallel=parallel)}
+        models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype, kernels, parallel)}
         if draft is not None:
             from dsv4.model.drafters import build_drafter
 
@@ -133,10 +142,12 @@ def load_models(
     draft: str | None = None,
     expert_dtype: str | None = None,
     seed: int = 0,
+    kernels: KernelRegistry | None = None,
     parallel: ParallelState = SINGLE,
 ) -> LoadedModels:
-    """Build, load and finalize a checkpoint directory's models (this rank's shard of them under
-    `parallel`: only its part of each tensor is read from the files; dummy values are seeded per rank)."""
+    """Build, load and finalize a checkpoint directory's models (`kernels`: see `build_models`; under
+    `parallel`, this rank's shard of them: only its part of each tensor is read from the files; dummy values
+    are seeded per rank)."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     if draft is not None and draft not in DRAFTERS:
@@ -147,7 +158,7 @@ def load_models(
         cfg = cfg.with_checkpoint_names(checkpoint.tensors)  # DSpark's stage count: its mtp.{s} names
     expert_format = resolve_expert_format(cfg, expert_dtype)
     layout = quant_layout(cfg)
-    models = build_models(cfg, expert_format, dtype, device, draft, parallel)
+    models = build_models(cfg, expert_format, dtype, device, draft, kernels, parallel)
     loaded = LoadedModels(cfg, models, layout, expert_format, fmt, parallel=parallel)
     routes = loaded.routes()
     if checkpoint is not None:
