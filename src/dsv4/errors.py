@@ -44,3 +44,8 @@ class WeightTransferError(Dsv4Error, RuntimeError):
 class AgreementError(Dsv4Error, ValueError):
     """Log-probabilities the agreement metrics cannot compare (shapes that differ, no token selected by the
     mask, non-finite values) or an unreadable agreement file; the message names the argument or file."""
+
+
+class ParallelError(Dsv4Error, RuntimeError):
+    """A tensor / expert parallel group that cannot form (wrong world size, a rank that never arrives) or
+    breaks (a rank that died, a collective past its timeout); the message names the group, rank and timeout."""

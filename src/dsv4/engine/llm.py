@@ -35,6 +35,8 @@ from dsv4.engine.validation import (
 )
 from dsv4.errors import ConfigError, RequestError, WeightUpdateError
 from dsv4.kernels.registry import KernelRegistry
+from dsv4.parallel.launch import join_group, require_agreement
+from dsv4.parallel.state import DEFAULT_TIMEOUT_S, ParallelState
 from dsv4.progress import Progress
 from dsv4.weights.loader import LoadedModels, load_models
 from dsv4.weights.refit import Bucket, WeightUpdateSession
@@ -114,6 +116,15 @@ class LLM:
             break-even batch; None: `speculation.DEFAULT_SPECULATION_MAX_BATCH`).
         kernels: the kernel registry of the models' fast paths (None: the process-wide
             `kernels.default_registry()`, which honours DSV4_KERNELS=reference).
+        tensor_parallel_size: ranks the model is split over (docs/parallel.md). Above 1, every rank of a
+            torchrun launch (or of a torch.distributed group the caller formed) builds this same `LLM`: each
+            loads only its shard, all run the same scheduler and sampler on identical gathered logits, and
+            all return the same results.
+        expert_parallel: split routed experts by expert (each rank holds n_routed_experts / N whole
+            experts) instead of splitting every expert's width.
+        distributed_timeout_s: how long forming the group, or any collective, may wait for a peer before
+            it fails with ParallelError (None: `parallel.state.DEFAULT_TIMEOUT_S`).
+        outputs_on_all_ranks: every rank returns the results (True) or only rank 0 (the others get []).
     """
 
     def __init__(
@@ -132,7 +143,13 @@ class LLM:
         num_speculative_tokens: int | None = None,
         speculation_max_batch: int | None = None,
         kernels: KernelRegistry | None = None,
+        tensor_parallel_size: int = 1,
+        expert_parallel: bool = False,
+        distributed_timeout_s: float | None = None,
+        outputs_on_all_ranks: bool = True,
     ):
+        check_parallel_arguments(tensor_parallel_size, expert_parallel, distributed_timeout_s, outputs_on_all_ranks,
+                                 compile)
         check_llm_arguments(
             model=model, load_format=load_format, dtype=dtype, device=device, seed=seed, draft=draft,
             expert_dtype=expert_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -144,6 +161,11 @@ class LLM:
                               f"drafts with one of {sorted(PROPOSER_BUILDERS)}")
         path, load_format = resolve_model(model, load_format)
         cfg = ModelConfig.from_file(path)
+        self.parallel: ParallelState = join_group(
+            tensor_parallel_size, expert_parallel, device,
+            DEFAULT_TIMEOUT_S if distributed_timeout_s is None else distributed_timeout_s)
+        self.outputs_on_all_ranks = outputs_on_all_ranks
+        device = rank_device(device, self.parallel)
         self.dtype = resolve_dtype(dtype, cfg)
         self.path = Path(path)
         # Tokenizer and template first: a broken file fails before minutes of weight loading.
@@ -151,12 +173,18 @@ class LLM:
         self.chat_template = ChatTemplate.from_checkpoint(self.path)
         self.loaded: LoadedModels = load_models(
             path, load_format=load_format, dtype=self.dtype, device=device, draft=draft,
-            expert_dtype=expert_dtype, seed=seed, kernels=kernels,
+            expert_dtype=expert_dtype, seed=seed, kernels=kernels, parallel=self.parallel,
         )
         self.config = self.loaded.config
         self.limits = EngineLimits.derive(
             cfg, self.dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len
         )
+        if self.parallel.is_parallel:
+            self.limits = agree_across_ranks(self.parallel, self.limits, {
+                "config": cfg, "dtype": str(self.dtype), "seed": seed, "draft": draft,
+                "expert_format": self.loaded.expert_format, "load_format": load_format,
+                "expert_parallel": expert_parallel, "num_speculative_tokens": num_speculative_tokens,
+                "speculation_max_batch": speculation_max_batch})
         self.speculation: SpeculationConfig | None = None
         if draft in PROPOSER_BUILDERS:
             self.speculation = SpeculationConfig(
@@ -227,6 +255,8 @@ class LLM:
                 for _ in range(finished - done):
                     progress.update()
                 done = finished
+        if not self.outputs_on_all_ranks and self.parallel.rank != 0:
+            return []
         return [r.output(delta=False) if isinstance(r, Request) else r for r in requests]
 
     def stream(
@@ -469,12 +499,11 @@ class LLM:
             ConfigError, ArgumentTypeError: a bad pause mode, atomic or full (before any exchange).
         """
         from dsv4.errors import WeightTransferError
-        from dsv4.weights.transfer import max_update_bytes
 
         if self._weight_receiver is None:
             raise WeightTransferError("no weight transfer group: call init_weight_transfer(...) first")
         begin = self._session_opener("update_weights_from_distributed", atomic, full, pause)
-        return self._weight_receiver.update(metadata, self.weights_version, begin, max_update_bytes(self.loaded))
+        return self._weight_receiver.update(metadata, self.weights_version, begin, self._max_update_bytes())
 
     def update_weights_from_shared(
         self, metadata: dict, handle: dict, atomic: bool = True, full: bool = False, pause: str = PAUSE_ABORT
@@ -492,10 +521,10 @@ class LLM:
             WeightUpdateError: refused (base version, metadata, a handle outside shared memory) or failed.
             ConfigError, ArgumentTypeError: a bad pause mode, atomic or full.
         """
-        from dsv4.weights.transfer import max_update_bytes, update_from_shared
+        from dsv4.weights.transfer import update_from_shared
 
         begin = self._session_opener("update_weights_from_shared", atomic, full, pause)
-        return update_from_shared(metadata, handle, self.weights_version, begin, max_update_bytes(self.loaded))
+        return update_from_shared(metadata, handle, self.weights_version, begin, self._max_update_bytes())
 
     def _session_opener(self, caller: str, atomic: bool, full: bool, pause: str):
         """`begin_weight_update(atomic, full, pause)` for a transfer to call once it accepted the plan. The
@@ -506,28 +535,97 @@ class LLM:
         check_pause_mode(pause)
         return lambda: self.begin_weight_update(atomic=atomic, full=full, pause=pause)
 
+    def _max_update_bytes(self) -> int:
+        """The largest update accepted; a tensor parallel rank receives full tensors, N times its shard."""
+        from dsv4.weights.transfer import max_update_bytes
+
+        return max_update_bytes(self.loaded) * self.parallel.world_size
+
+    def _require_whole_model(self, caller: str) -> None:
+        if self.parallel.is_parallel:
+            raise ConfigError(f"{caller}: this rank holds 1/{self.parallel.world_size} of the model "
+                              f"(tensor_parallel_size={self.parallel.world_size}); export from one process")
+
     def iter_weights(self):
         """Every loadable tensor as (native name, resident-format view); feeds another engine's update."""
         from dsv4.weights.export import iter_weights
 
+        self._require_whole_model("iter_weights")
+
         return iter_weights(self.loaded)
 
     def weight_report(self) -> dict:
-        """Version, READY flag and per-tensor shape/dtype/address/checksum (see `dsv4.weights.report`)."""
+        """Version, READY flag and per-tensor shape/dtype/address/checksum (see `dsv4.weights.report`); under
+        tensor parallelism, this rank's shard (plus "rank" and "world_size")."""
         from dsv4.weights.report import weight_report
 
-        return weight_report(self.loaded, self.weights_version)
+        report = weight_report(self.loaded, self.weights_version)
+        if self.parallel.is_parallel:
+            report.update(rank=self.parallel.rank, world_size=self.parallel.world_size)
+        return report
+
+    def merged_weight_report(self) -> dict:
+        """Every rank's report merged (`dsv4.weights.merged_report`): full shapes, per-rank checksums, and
+        the replicated tensors whose ranks disagree. A collective: every rank must call it."""
+        from dsv4.weights.merged_report import merged_weight_report
+
+        return merged_weight_report(self.loaded, self.weights_version)
 
     def save_checkpoint(
         self, out_dir: str | Path, layout: str = "native", dense: str = "model", experts: str = "resident"
     ) -> Path:
         """Write the current weights as a checkpoint directory (tokenizer files copied along)."""
         check_path("save_checkpoint: out_dir", out_dir)
+        self._require_whole_model("save_checkpoint")
         for name, value in (("layout", layout), ("dense", dense), ("experts", experts)):
             require_str(f"save_checkpoint: {name}", value)
         from dsv4.weights.export import save_checkpoint
 
         return save_checkpoint(self.loaded, out_dir, layout, dense, experts, copy_from=self.path)
+
+
+def check_parallel_arguments(tensor_parallel_size, expert_parallel, distributed_timeout_s, outputs_on_all_ranks,
+                             compile) -> None:
+    """The type and range checks of `LLM(...)`'s parallel arguments.
+
+    Raises:
+        ArgumentTypeError, ConfigError: naming the argument.
+    """
+    from dsv4.engine.validation import require_int
+
+    require_int("LLM: tensor_parallel_size", tensor_parallel_size, minimum=1)
+    require_bool("LLM: expert_parallel", expert_parallel)
+    require_bool("LLM: outputs_on_all_ranks", outputs_on_all_ranks)
+    if distributed_timeout_s is not None and (isinstance(distributed_timeout_s, bool)
+                                              or not isinstance(distributed_timeout_s, (int, float))
+                                              or not distributed_timeout_s > 0):
+        raise ConfigError(f"LLM: distributed_timeout_s must be a positive number of seconds, "
+                          f"got {distributed_timeout_s!r}")
+    if tensor_parallel_size > 1 and compile is True:
+        raise ConfigError("LLM: compile=True runs in one process only; the compiled decode step has no "
+                          "collectives (tensor_parallel_size must be 1)")
+
+
+def rank_device(device: str, parallel: ParallelState) -> str:
+    """A rank's own GPU under tensor parallelism ("cuda" -> "cuda:LOCAL_RANK"); any other device as given."""
+    if parallel.is_parallel and device == "cuda":
+        import os
+
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', parallel.rank))}"
+    return device
+
+
+def agree_across_ranks(parallel: ParallelState, limits: EngineLimits, options: dict) -> EngineLimits:
+    """Check that every rank built the same model with the same options, and give every rank the same
+    engine limits (the smallest each derived from its own memory): ranks with different limits would
+    schedule different steps and wait on different collectives."""
+    from dataclasses import asdict
+
+    from dsv4.parallel.collectives import all_gather_objects
+
+    require_agreement(options, parallel)
+    everyone = all_gather_objects(asdict(limits), parallel)
+    return EngineLimits(**{key: min(rank[key] for rank in everyone) for key in asdict(limits)})
 
 
 class PausingWeightUpdate(WeightUpdateSession):

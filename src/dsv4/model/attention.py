@@ -29,6 +29,8 @@ from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import RotaryTable, norm_rope_
 from dsv4.model.step_plan import DecodeMeta, PrefillMeta, WindowPlan, mask_to_bias
+from dsv4.parallel.collectives import all_reduce
+from dsv4.parallel.state import SINGLE, ParallelState
 
 # Logits one attention tile may hold ([segments, queries, H, keys] fp32): 2^18 floats = 1 MiB, within a
 # typical per-core L2, so a tile's bmm -> softmax -> bmm chain reads its logits from cache, not memory
@@ -150,14 +152,20 @@ def top_k_lowest_index_on_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str, dtype: torch.dtype, kernels: KernelRegistry | None = None):
+    """Under tensor parallelism (`parallel`) a rank holds whole output-projection groups, g / N of them, and
+    the H / N query heads they read (q up-projection rows, sinks); the shared KV head, q down-projection,
+    compressors and indexer are replicated. The output is each rank's partial wo_b sum, all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, layer_type: str, dtype: torch.dtype, kernels: KernelRegistry | None = None,
+                 parallel: ParallelState = SINGLE):
         super().__init__()
         kernels = kernels or default_registry()
         self.layer_type = layer_type
-        self.n_heads = cfg.num_attention_heads
+        self.parallel = parallel
+        self.n_heads = parallel.local(cfg.num_attention_heads)
         self.head_dim = cfg.head_dim
         self.window = cfg.sliding_window
-        self.o_groups = cfg.o_groups
+        self.o_groups = parallel.local(cfg.o_groups)
         self.o_lora_rank = cfg.o_lora_rank
         self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, kernels)
@@ -368,7 +376,7 @@ class Attention(nn.Module):
         grouped = out.reshape(T, self.o_groups, -1)  # [T, g, (H/g)*hd]
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)  # [g, ol, (H/g)*hd]
         low_rank = torch.einsum("tgc,goc->tgo", grouped, wo_a).reshape(T, -1)  # [T, g*ol]
-        return self.wo_b(low_rank)
+        return all_reduce(self.wo_b(low_rank), self.parallel)  # tensor parallel: the ranks' groups summed
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import LayerCache
 from dsv4.model.moe import MoE
 from dsv4.model.norm import RMSNorm
+from dsv4.parallel.state import SINGLE, ParallelState
 
 
 class Block(nn.Module):
@@ -21,14 +22,14 @@ class Block(nn.Module):
     overwritten. Without it (or inside a compiled graph) the `mhc` formulas run."""
 
     def __init__(self, cfg: ModelConfig, layer_type: str, mlp_type: str, expert_format: str, dtype: torch.dtype,
-                 kernels: KernelRegistry | None = None):
+                 kernels: KernelRegistry | None = None, parallel: ParallelState = SINGLE):
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels or default_registry()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
-        self.attn = Attention(cfg, layer_type, dtype, self.kernels)
+        self.attn = Attention(cfg, layer_type, dtype, self.kernels, parallel)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
-        self.ffn = MoE(cfg, mlp_type, expert_format, dtype, self.kernels)
+        self.ffn = MoE(cfg, mlp_type, expert_format, dtype, self.kernels, parallel)
         hc, mix = cfg.hc_mult, cfg.hc_mix
         for sub in ("attn", "ffn"):
             self.register_parameter(f"hc_{sub}_fn",

@@ -19,6 +19,8 @@ from dsv4.model.cache import LayerCache, ModelCache, allocate_layer_cache
 from dsv4.model.derived import DerivedTensor, TopLevelModel
 from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
+from dsv4.model.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
+from dsv4.parallel.state import SINGLE, ParallelState
 
 FIRST_LAYER_BROADCAST = "hc_attn_fn_broadcast"
 
@@ -59,25 +61,33 @@ def hyper_head(module: nn.Module, streams: torch.Tensor, cfg: ModelConfig) -> to
 
 class DeepseekV4(TopLevelModel):
     """The target model; `kernels` (default: the process-wide registry) serves every fast path of its
-    modules."""
+    modules; `parallel`: this rank's share of a tensor / expert parallel group (docs/parallel.md)."""
 
     role = "target"
 
-    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype, kernels: KernelRegistry | None = None):
+    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype, kernels: KernelRegistry | None = None,
+                 parallel: ParallelState = SINGLE):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
         self.kernels = kernels or default_registry()
-        # Zeros like every other parameter at build (the load writes them all): nn.Embedding's own random
-        # init is a normal_ over V x D values, the largest single cost of building a model.
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                  _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.parallel = parallel
+        if parallel.is_parallel:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
+        else:
+            # Zeros like every other parameter at build (the load writes them all): nn.Embedding's own random
+            # init is a normal_ over V x D values, the largest single cost of building a model.
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                      _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(
-            Block(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], expert_format, dtype, self.kernels)
+            Block(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], expert_format, dtype, self.kernels, parallel)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
-        self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        if parallel.is_parallel:
+            self.head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, dtype, parallel)
+        else:
+            self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
         add_hyper_head(self, cfg)
         register_first_layer_broadcast(self, cfg)
         self.requires_grad_(False)

@@ -27,13 +27,15 @@ from dsv4.model.dspark import DSparkDrafter
 from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
 from dsv4.model.shared_target import SharedTarget
+from dsv4.parallel.state import SINGLE, ParallelState
 
 
 class MTPLayer(Block):
     """One decoder block (sliding attention, routed MoE) plus the MTP input and head stack."""
 
-    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype, kernels: KernelRegistry):
-        super().__init__(cfg, SLIDING, MOE, expert_format, dtype, kernels)
+    def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype, kernels: KernelRegistry,
+                 parallel: ParallelState = SINGLE):
+        super().__init__(cfg, SLIDING, MOE, expert_format, dtype, kernels, parallel)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.e_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype)
@@ -54,7 +56,7 @@ class MTPDrafter(TopLevelModel):
         self.cfg = cfg
         self.dtype = dtype
         self.shared = SharedTarget(target)
-        self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype, target.kernels)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype, target.kernels, target.parallel)
                                  for _ in range(cfg.num_nextn_predict_layers))
         self.requires_grad_(False)
 
@@ -95,4 +97,6 @@ def build_drafter(
             f"{cfg.source}: a DSpark checkpoint (dspark_* fields): its mtp.* tensors are DSpark blocks, "
             f"loading them as MTP would half-load them; use draft='dspark'"
         )
+    if name == "dspark" and target.parallel.is_parallel:
+        raise ConfigError("draft='dspark' runs in one process only; with tensor_parallel_size > 1 use draft='mtp'")
     return DRAFTER_CLASSES[name](cfg, target, expert_format, dtype)

@@ -12,6 +12,8 @@ from dsv4.config import DENSE, EXPERT_FORMATS, FP8, HASH_MOE, ModelConfig, Quant
 from dsv4.kernels.gathered_experts import loop_experts, swiglu
 from dsv4.kernels.registry import MOE_EXPERTS, KernelRegistry, default_registry
 from dsv4.model.linear import Linear, input_major
+from dsv4.parallel.collectives import all_reduce
+from dsv4.parallel.state import SINGLE, ParallelState
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
 
 # Keeps the normalisation well-defined when every selected score underflows to zero.
@@ -67,10 +69,13 @@ class RoutedExperts(nn.Module):
       fp8    float8_e4m3fn weights + fp32 block scales [E, ceil(out/b0), ceil(in/b1)]
       fp4    int8 [E, out, in/2] (two e2m1 codes per byte, low nibble = even input) + ue8m0 bytes
              (uint8) [E, out, in/group]
+
+    Parallel (`parallel`): with expert parallelism this rank holds experts [first_expert, first_expert + E/N)
+    whole; without it, every expert with 1/N of its intermediate width (w1/w3 rows, w2 columns).
     """
 
     def __init__(self, cfg: ModelConfig, fmt: str, quant: QuantConfig | None, dtype: torch.dtype,
-                 kernels: KernelRegistry | None = None):
+                 kernels: KernelRegistry | None = None, parallel: ParallelState = SINGLE):
         super().__init__()
         self.kernels = kernels or default_registry()
         if fmt not in EXPERT_FORMATS:
@@ -78,10 +83,12 @@ class RoutedExperts(nn.Module):
         self.format = fmt
         self.dtype = dtype
         self.limit = cfg.swiglu_limit
-        self.num_experts = cfg.n_routed_experts
+        self.parallel = parallel
+        self.first_expert, stop = parallel.expert_range(cfg.n_routed_experts)
+        self.num_experts = stop - self.first_expert  # held by this rank
         self.block = quant.weight_block_size if quant else (128, 128)
         self.group = quant.fp4_group_size if quant else 32
-        E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        E, inter, D = self.num_experts, parallel.expert_width(cfg.moe_intermediate_size), cfg.hidden_size
         for name, (out_dim, in_dim) in (("w1", (inter, D)), ("w3", (inter, D)), ("w2", (D, inter))):
             weight, scale = self._allocate(E, out_dim, in_dim)
             self.register_parameter(name, weight)
@@ -113,7 +120,26 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]; the registry's gathered path
-        for small batches of dense experts, else the reference loop."""
+        for small batches of dense experts, else the reference loop. Expert parallel: the sum over the
+        experts this rank holds (ids are global)."""
+        if self.parallel.expert_parallel:
+            return self._forward_held(x, ids, weights)
+        return self._forward_local(x, ids, weights)
+
+    def _forward_held(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Only the (token, pick) pairs routed to this rank's experts, each a one-pick row (so no expert
+        runs on tokens it was not picked for); the other ranks' picks arrive in the MoE's all-reduce."""
+        local = ids - self.first_expert
+        token, pick = ((local >= 0) & (local < self.num_experts)).nonzero(as_tuple=True)
+        out = torch.zeros_like(x)
+        if token.numel() == 0:
+            return out
+        rows = self._forward_local(x.index_select(0, token), local[token, pick].unsqueeze(1),
+                                   weights[token, pick].unsqueeze(1))
+        return out.index_add_(0, token, rows)
+
+    def _forward_local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`forward` with ids indexing this rank's experts."""
         if self.format == DENSE:
             args = (x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
             fast = self.kernels.kernel(MOE_EXPERTS, *args)
@@ -127,26 +153,33 @@ class RoutedExperts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    """Always-on SwiGLU MLP; under tensor parallelism each rank holds 1/N of its width (a partial sum)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE):
         super().__init__()
         self.limit = cfg.swiglu_limit
-        self.w1 = Linear(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
-        self.w3 = Linear(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
-        self.w2 = Linear(cfg.moe_intermediate_size, cfg.hidden_size, dtype)
+        width = parallel.local(cfg.moe_intermediate_size)
+        self.w1 = Linear(cfg.hidden_size, width, dtype)
+        self.w3 = Linear(cfg.hidden_size, width, dtype)
+        self.w2 = Linear(width, cfg.hidden_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
 
 
 class MoE(nn.Module):
+    """The router is replicated (every rank routes every token); routed and shared experts give partial
+    sums under tensor / expert parallelism, combined by one all-reduce."""
+
     def __init__(self, cfg: ModelConfig, mlp_type: str, expert_format: str, dtype: torch.dtype,
-                 kernels: KernelRegistry | None = None):
+                 kernels: KernelRegistry | None = None, parallel: ParallelState = SINGLE):
         super().__init__()
+        self.parallel = parallel
         self.gate = Router(cfg, hashed=mlp_type == HASH_MOE, dtype=dtype)
-        self.experts = RoutedExperts(cfg, expert_format, cfg.quant, dtype, kernels)
-        self.shared_experts = SharedExpert(cfg, dtype)
+        self.experts = RoutedExperts(cfg, expert_format, cfg.quant, dtype, kernels, parallel)
+        self.shared_experts = SharedExpert(cfg, dtype, parallel)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], token_ids [T] (hash routing needs them) -> [T, D]."""
         ids, weights = self.gate(x, token_ids)
-        return self.experts(x, ids, weights) + self.shared_experts(x)
+        return all_reduce(self.experts(x, ids, weights) + self.shared_experts(x), self.parallel)

@@ -21,10 +21,12 @@ from dsv4.errors import CheckpointError, ConfigError
 from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.derived import TopLevelModel
+from dsv4.parallel.state import SINGLE, ParallelState, check_divisible
 from dsv4.weights.checkpoint import CheckpointDir
 from dsv4.weights.convert import QuantLayout
 from dsv4.weights.dummy import dummy_tensors
 from dsv4.weights.routes import RouteTable
+from dsv4.weights.shards import ShardSlicer
 from dsv4.weights.slots import SlotTable, parameter_addresses
 from dsv4.weights.writer import WeightWriter
 
@@ -45,6 +47,7 @@ class LoadedModels:
     expert_format: str
     load_format: str
     ignored: set[str] = field(default_factory=set)
+    parallel: ParallelState = SINGLE  # this rank's share of a tensor / expert parallel group
     _routes: RouteTable | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -64,6 +67,12 @@ class LoadedModels:
         if self._routes is None or not self._routes.table.addresses.items() <= addresses.items():
             self._routes = RouteTable(SlotTable(self.models))
         return self._routes
+
+    def shard_slicer(self, routes: RouteTable) -> ShardSlicer | None:
+        """What cuts this rank's shard out of incoming full tensors (None in one process)."""
+        if not self.parallel.is_parallel:
+            return None
+        return ShardSlicer(routes, self.layout, self.parallel, self.config.n_routed_experts)
 
     def slot_table(self) -> SlotTable:
         return self.routes().table
@@ -93,16 +102,20 @@ def quant_layout(cfg: ModelConfig) -> QuantLayout:
 def build_models(
     cfg: ModelConfig, expert_format: str, dtype: torch.dtype, device: str, draft: str | None,
     kernels: KernelRegistry | None = None,
+    parallel: ParallelState = SINGLE,
 ) -> dict[str, TopLevelModel]:
-    """Allocate the target (and the drafter) in runtime layout; nothing is READY yet.
+    """Allocate the target (and the drafter) in runtime layout, this rank's shard of them under `parallel`;
+    nothing is READY yet.
 
     Args:
         kernels: the registry serving every fast path of the target and its drafter (None: the
             process-wide `default_registry()`; training passes `KernelRegistry(force_reference=True)`,
             since the fast paths have no backward).
+        parallel: this rank's share of a tensor / expert parallel group (docs/parallel.md).
     """
+    check_divisible(cfg, parallel, expert_format)
     with torch.device(device):
-        models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype, kernels)}
+        models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype, kernels, parallel)}
         if draft is not None:
             from dsv4.model.drafters import build_drafter
 
@@ -130,8 +143,11 @@ def load_models(
     expert_dtype: str | None = None,
     seed: int = 0,
     kernels: KernelRegistry | None = None,
+    parallel: ParallelState = SINGLE,
 ) -> LoadedModels:
-    """Build, load and finalize a checkpoint directory's models (`kernels`: see `build_models`)."""
+    """Build, load and finalize a checkpoint directory's models (`kernels`: see `build_models`; under
+    `parallel`, this rank's shard of them: only its part of each tensor is read from the files; dummy values
+    are seeded per rank)."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     if draft is not None and draft not in DRAFTERS:
@@ -142,17 +158,20 @@ def load_models(
         cfg = cfg.with_checkpoint_names(checkpoint.tensors)  # DSpark's stage count: its mtp.{s} names
     expert_format = resolve_expert_format(cfg, expert_dtype)
     layout = quant_layout(cfg)
-    models = build_models(cfg, expert_format, dtype, device, draft, kernels)
-    loaded = LoadedModels(cfg, models, layout, expert_format, fmt)
+    models = build_models(cfg, expert_format, dtype, device, draft, kernels, parallel)
+    loaded = LoadedModels(cfg, models, layout, expert_format, fmt, parallel=parallel)
     routes = loaded.routes()
-    writer = WeightWriter(routes, layout, error_type=CheckpointError)
     if checkpoint is not None:
+        shard = loaded.shard_slicer(routes)
+        writer = WeightWriter(routes, layout, error_type=CheckpointError, shard=shard)
+        wanted = (lambda name: True) if shard is None else (lambda name: not shard.held_elsewhere(name))
         with _progress(checkpoint) as bar:
-            for name, tensor, origin in checkpoint.iter_tensors():
+            for name, tensor, origin in checkpoint.iter_tensors(wanted):
                 writer.load(name, tensor, origin)
                 bar.update(tensor.numel() * tensor.element_size())
         writer.check_complete(routes.table.names(), f"{path}: incomplete checkpoint")
     else:
+        writer = WeightWriter(routes, layout, error_type=CheckpointError)  # dummy values come in local shapes
         for name, tensor in dummy_tensors(routes.table, seed):
             writer.load(name, tensor, "dummy")
         writer.check_complete(routes.table.names(), "dummy load")

@@ -91,7 +91,7 @@ class WeightUpdateSession:
         routes = loaded.routes(self._addresses)
         self._table = routes.table
         self._writer = WeightWriter(routes, loaded.layout, error_type=WeightUpdateError, staged=atomic,
-                                    before_first_write=self._mark_not_ready)
+                                    before_first_write=self._mark_not_ready, shard=loaded.shard_slicer(routes))
         # A model that is not READY may hold a half-written update: only a complete one can repair it.
         self.full = full or not all(m.ready for m in loaded.models.values())
         self.state = OPEN

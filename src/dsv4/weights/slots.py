@@ -106,13 +106,14 @@ class SlotTable:
         param_name = f"{prefix}.{w}"
         n_experts = model.cfg.n_routed_experts
         slots = []
+        first = experts.first_expert  # expert parallel: the global id of this rank's first expert
         for e in range(param.shape[0]):
-            native = model.native_name(f"{prefix}.{e}.{w}{WEIGHT_SUFFIX}")
+            native = model.native_name(f"{prefix}.{first + e}.{w}{WEIGHT_SUFFIX}")
             slot = Slot(native, role, param_name, experts.format, param, param[e], scale,
                         None if scale is None else scale[e], e, n_experts)
             self._add(slot)
             slots.append(slot)
-        native_prefix = slots[0].native.removesuffix(f".0.{w}{WEIGHT_SUFFIX}") if slots else prefix
+        native_prefix = slots[0].native.removesuffix(f".{first}.{w}{WEIGHT_SUFFIX}") if slots else prefix
         self._stacks[f"{native_prefix}.{w}"] = ExpertStack(native_prefix, w, experts.format, param, scale, tuple(slots))
 
     def _add(self, slot: Slot) -> None:

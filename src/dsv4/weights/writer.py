@@ -46,6 +46,7 @@ from dsv4.weights.convert import (
 )
 from dsv4.weights.names import ALIASED_DRAFTER_TENSORS, split_stacked
 from dsv4.weights.routes import SCALE, STACKED, WEIGHT, Route, RouteTable
+from dsv4.weights.shards import ShardSlicer
 from dsv4.weights.slots import FLOAT, TABLE, Slot
 
 __all__ = ["ALIASED_DRAFTER_TENSORS", "WeightWriter"]  # the alias pattern is re-exported for `dsv4 inspect`
@@ -76,6 +77,8 @@ class WeightWriter:
             tensors built from safetensors headers). A failed `load()` leaves the writer as it was, so a
             caller can collect every problem of a checkpoint.
         before_first_write: called once, right before the first resident byte is written.
+        shard: a tensor / expert parallel rank's slicer: incoming tensors are full, and only this rank's
+            part of each is validated and written (`weights/shards.py`).
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class WeightWriter:
         staged: bool = False,
         dry_run: bool = False,
         before_first_write: Callable[[], None] | None = None,
+        shard: ShardSlicer | None = None,
     ):
         self.routes = routes
         self.table = routes.table
@@ -95,6 +99,7 @@ class WeightWriter:
         self.staged = staged
         self.dry_run = dry_run
         self._before_first_write = before_first_write
+        self.shard = shard
         self.wrote = False  # whether any resident byte was written
         self.written: set[str] = set()  # native names of completed slots
         self.ignored: set[str] = set()
@@ -121,6 +126,16 @@ class WeightWriter:
         """
         if tensor.requires_grad:  # a trainer's live parameter: copy its values, record nothing
             tensor = tensor.detach()
+        if self.shard is not None:
+            try:
+                pieces = list(self.shard.pieces(name, tensor))
+            except ConversionError as exc:
+                raise self.error_type(f"{origin}: tensor {name}: {exc}") from None
+            return sum(self._load_one(piece_name, piece, origin) for piece_name, piece in pieces)
+        return self._load_one(name, tensor, origin)
+
+    def _load_one(self, name: str, tensor: torch.Tensor, origin: str) -> int:
+        """`load` of one tensor that needs no slicing."""
         route = self.routes.resolve(name)
         if route is None:
             raise self.error_type(f"{origin}: unexpected tensor {name!r} (no such weight in this model)")
@@ -305,6 +320,8 @@ class WeightWriter:
         """Drop the staged values and anything waiting for a partner."""
         self._staging.clear()
         self._pending.clear()
+        if self.shard is not None:
+            self.shard.discard()
 
     def own_pending(self) -> None:
         """Copy the halves still waiting for their partner out of the caller's buffers (a trainer reuses
@@ -314,6 +331,8 @@ class WeightWriter:
                 pending.weight = None if pending.weight is None else pending.weight.clone()
                 pending.scale = None if pending.scale is None else pending.scale.clone()
                 pending.owned = True
+        if self.shard is not None:
+            self.shard.own_pending()
 
     # ---- accounting ----
     def _check_first(self, slot: Slot, name: str, origin: str, *, scale: bool) -> None:
@@ -345,7 +364,8 @@ class WeightWriter:
         for slot, pending in self._pending.items():
             missing = "scale" if pending.scale is None else "weight"
             out.append((slot.native, f"{slot.native} (from {pending.origin}) has no {missing}"))
-        return [message for _, message in sorted(out)]
+        shard = [] if self.shard is None else self.shard.unpaired()
+        return [message for _, message in sorted(out)] + shard
 
     def check_complete(self, expected: set[str], what: str) -> None:
         """Raise unless every expected weight was written and no weight waits for its scale partner."""

@@ -1,0 +1,42 @@
+"""The vocabulary-parallel embedding and head: each rank holds a contiguous block of vocab_size / N rows.
+
+Embedding: ids outside the rank's block look up nothing (zeros); the all-reduce assembles each row from
+the one rank that holds it. Head: each rank computes its block of the logits; the all-gather hands every
+rank the full, identical [T, V] logits, so every rank samples the same tokens.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.model.linear import input_major
+from dsv4.parallel.collectives import all_gather_last, all_reduce
+from dsv4.parallel.state import ParallelState
+
+
+class VocabParallelEmbedding(nn.Module):
+    """embed[ids] with this rank's rows [first, first + vocab/N) of the table (`weight`, the native name)."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype, parallel: ParallelState):
+        super().__init__()
+        self.parallel = parallel
+        self.first, self.stop = parallel.split(vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.stop - self.first, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        elsewhere = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return all_reduce(rows.masked_fill_(elsewhere.unsqueeze(-1), 0.0), self.parallel)
+
+
+class VocabParallelHead(nn.Module):
+    """x W^T over this rank's vocabulary rows of W (input-major like model/linear.py), gathered to [T, V]."""
+
+    def __init__(self, dim: int, vocab_size: int, dtype: torch.dtype, parallel: ParallelState):
+        super().__init__()
+        self.parallel = parallel
+        self.weight = input_major(parallel.local(vocab_size), dim, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_gather_last(F.linear(x, self.weight), self.parallel)

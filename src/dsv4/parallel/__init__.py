@@ -1,0 +1,1 @@
+"""Tensor and expert parallelism across processes on torch.distributed (docs/parallel.md)."""

@@ -1,0 +1,82 @@
+"""The programs the spawned ranks of tests/test_parallel.py run (SPMD, as under torchrun).
+
+Kept apart from the test file so that a spawned rank imports only torch and dsv4, not the reference
+model's transformers: a rank's start-up is then a few seconds on a shared core.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.errors import Dsv4Error
+
+WORLD = 2
+MAX_TOKENS = 8
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(40, 90))]  # the second crosses CSA/HCA window boundaries
+SAMPLING_SEED = 7
+ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 80}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def results(llm: LLM) -> dict:
+    """Greedy ids and per-prompt logprobs (compared across ranks and with one process), and seeded sampled
+    ids (compared across ranks: each samples on its own from the same gathered logits)."""
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    sampled = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=SAMPLING_SEED),
+                           use_tqdm=False)
+    return {"ids": [list(o.outputs[0].token_ids) for o in outputs], "logprobs": llm.forward_logprobs(PROMPTS),
+            "sampled": [list(o.outputs[0].token_ids) for o in sampled]}
+
+
+def _join_env(rank: int, port: int, world: int = WORLD) -> None:
+    """What torchrun sets for a rank."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+
+
+def _attempt(out_dir: str, action) -> None:
+    """Run `action`, then write how long it took and the dsv4 error it raised (or "no error")."""
+    start = time.monotonic()
+    try:
+        action()
+        message = "no error"
+    except Dsv4Error as exc:
+        message = f"{type(exc).__name__}: {exc}"
+    (Path(out_dir) / "rank0.txt").write_text(f"{time.monotonic() - start}\n{message}")
+
+
+def scenario_rank(rank: int, port: int, out_dir: str, scenarios: dict, timeout_s: float, dying: str,
+                  dying_timeout_s: float) -> None:
+    """Every scenario's LLM in turn; then the `dying` checkpoint's LLM, after which rank 1 dies and rank 0
+    tries to generate."""
+    _join_env(rank, port)
+    found = {}
+    for key, (path, options) in scenarios.items():
+        llm = LLM(path, **ENGINE, tensor_parallel_size=WORLD, distributed_timeout_s=timeout_s, **options)
+        found[key] = results(llm)
+        if key == "native_ep":
+            found["merged_report"] = llm.merged_weight_report()
+    torch.save(found, Path(out_dir) / f"rank{rank}.pt")
+    llm = LLM(dying, **ENGINE, tensor_parallel_size=WORLD, distributed_timeout_s=dying_timeout_s)
+    if rank == 1:
+        os._exit(0)  # dies without a word, as a killed rank does
+    _attempt(out_dir, lambda: llm.generate(PROMPTS[:1], SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False))
+    os._exit(0)  # the group lost a member: nothing to tear down cleanly
+
+
+def lonely_rank(rank: int, port: int, out_dir: str, path: str, timeout_s: float) -> None:
+    """Rank 0 of a launch of WORLD ranks whose other ranks never start."""
+    _join_env(rank, port)
+    _attempt(out_dir, lambda: LLM(path, **ENGINE, tensor_parallel_size=WORLD, distributed_timeout_s=timeout_s))

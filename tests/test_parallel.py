@@ -1,0 +1,259 @@
+"""Tensor and expert parallelism (`LLM(tensor_parallel_size=2, expert_parallel=...)`) against one process.
+
+Two ranks are spawned (torch.multiprocessing, gloo on a free loopback port, fp32) and run the same
+program, SPMD as under torchrun; each writes what it generated to a file the test reads. The checks:
+
+* greedy output ids equal one process's and logprobs within LOGPROB_TOL, on the tiny config (sliding,
+  compressed-sparse with indexer and heavily-compressed layers; hash-routed and top-k MoE), for TP with
+  and without expert parallelism, from a sharded native fp32 checkpoint, an HF-names checkpoint (stacked
+  experts), the release format (FP8 dense linears + FP4 experts, resident FP4 with their width split, and
+  split by expert), and with MTP speculation on;
+* every rank returns the same results, and the merged weight report shows no replicated tensor that
+  differs between ranks and the full shapes;
+* the model each rank builds matches the sharding plan, and a refit per rank (full tensors in: native,
+  HF stacked, FP8/FP4) ends bit-equal to a fresh load of the rank's shard, with no address moved;
+* a group that cannot form, a wrong world size, and a rank that dies give a clear error, not a hang.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import save_file
+
+import parallel_ranks as ranks
+import reference as ref
+from dsv4 import LLM
+from dsv4.errors import CheckpointError, ConfigError, ParallelError
+from dsv4.parallel.plan import split_of
+from dsv4.parallel.state import ParallelState
+from dsv4.weights.loader import build_models, load_models
+from dsv4.weights.refit import WeightUpdateSession
+from dsv4.weights.report import weight_report
+from dsv4.weights.slots import SlotTable
+from parallel_ranks import ENGINE, WORLD, free_port, results
+
+TIMEOUT_S = 20.0  # any collective of the spawned ranks; generous for 2 shared cores, far below a hang
+SHORT_TIMEOUT_S = 2.0  # the group that cannot form, and the group that loses a rank
+LOGPROB_TOL = 1e-5
+SEED = 4242
+# Scenario -> (checkpoint fixture key, LLM options).
+SCENARIOS = {
+    "native_tp": ("native", {}),
+    "native_ep": ("native", {"expert_parallel": True}),
+    "hf_tp": ("hf", {}),
+    "hf_ep": ("hf", {"expert_parallel": True}),
+    "release_ep": ("release", {"expert_parallel": True}),
+    "release_wide_tp": ("release_wide", {}),  # resident FP4 experts, width split on scale groups
+    "mtp_ep": ("mtp", {"expert_parallel": True, "draft": "mtp", "num_speculative_tokens": 2}),
+}
+
+
+# ---- checkpoints ----
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("parallel")
+    config = ref.tiny_config()
+    native = ref.native_state_dict(ref.build_reference_model(config, SEED))
+    paths = {key: root / key for key in ("native", "hf", "release", "release_wide", "mtp")}
+    ref.write_native_checkpoint(paths["native"], config, native, shards=3)
+    paths["hf"].mkdir()
+    (paths["hf"] / "config.json").write_text(json.dumps(config))
+    hf = ref.hf_state_from_native(native, config)
+    save_file({n: t.contiguous() for n, t in hf.items()}, str(paths["hf"] / "model.safetensors"))
+    ref.write_native_checkpoint(paths["release"], config, native, dense="fp8", expert_dtype="fp4")
+    wide = ref.tiny_config(moe_intermediate_size=64)  # 32 per rank: whole FP4 scale groups
+    wide_native = ref.native_state_dict(ref.build_reference_model(wide, SEED))
+    ref.write_native_checkpoint(paths["release_wide"], wide, wide_native, dense="fp8", expert_dtype="fp4")
+    with_mtp = {**native, **ref.random_mtp_tensors(config, SEED)}
+    ref.write_native_checkpoint(paths["mtp"], config, with_mtp)
+    return paths
+
+
+def _spawn(fn, args: tuple, nprocs: int = WORLD) -> None:
+    mp.spawn(fn, args=args, nprocs=nprocs, join=True)
+
+
+# ---- generation: 2 ranks against one process ----
+@pytest.fixture(scope="module")
+def spawned(checkpoints, tmp_path_factory) -> Path:
+    """One launch of two ranks for every scenario, ending with a rank that dies (`parallel_ranks`)."""
+    out = tmp_path_factory.mktemp("ranks")
+    scenarios = {key: (str(checkpoints[ckpt]), options) for key, (ckpt, options) in SCENARIOS.items()}
+    _spawn(ranks.scenario_rank, (free_port(), str(out), scenarios, TIMEOUT_S, str(checkpoints["native"]),
+                                 SHORT_TIMEOUT_S))
+    return out
+
+
+@pytest.fixture(scope="module")
+def rank_results(spawned) -> list[dict]:
+    return [torch.load(spawned / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def one_process(checkpoints) -> dict[str, dict]:
+    """One process's results per checkpoint (MTP: plain decoding, which greedy speculation must equal)."""
+    return {key: results(LLM(checkpoints[key], **ENGINE)) for key in ("native", "release", "release_wide", "mtp")}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_two_ranks_generate_what_one_process_does(rank_results, one_process, scenario):
+    ckpt = SCENARIOS[scenario][0]
+    expected = one_process["native" if ckpt == "hf" else ckpt]
+    for rank, found in enumerate(rank_results):
+        got = found[scenario]
+        assert got["ids"] == expected["ids"], f"rank {rank}"
+        for lp, want in zip(got["logprobs"], expected["logprobs"], strict=True):
+            assert lp.shape == want.shape
+            assert (lp - want).abs().max().item() <= LOGPROB_TOL, f"rank {rank}"
+    # Every rank sampled from the same gathered logits: bit-identical results, not merely close ones.
+    for key in SCENARIOS:
+        assert rank_results[0][key]["ids"] == rank_results[1][key]["ids"]
+        assert rank_results[0][key]["sampled"] == rank_results[1][key]["sampled"]
+        first, second = (rank_results[r][key]["logprobs"] for r in range(WORLD))
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_merged_weight_report_has_full_shapes_and_agreeing_replicas(rank_results, checkpoints):
+    merged = rank_results[0]["merged_report"]
+    assert merged == rank_results[1]["merged_report"]
+    assert merged["ready"] and merged["world_size"] == WORLD and merged["disagreeing"] == []
+    single = weight_report(load_models(checkpoints["native"]), 0)["tensors"]
+    assert set(merged["tensors"]) == set(single)
+    for name, entry in merged["tensors"].items():
+        assert entry["shape"] == single[name]["shape"], name
+        if entry["split_dim"] is None and not name.endswith(("experts.w1", "experts.w2", "experts.w3")):
+            assert entry["ranks"] == list(range(WORLD)) and set(entry["checksums"]) == {single[name]["checksum"]}
+    # Expert parallel: each rank holds half the experts, so a stacked parameter's dim 0 is split.
+    assert merged["tensors"]["layers.0.ffn.experts.w1"]["split_dim"] == 0
+    assert merged["tensors"]["layers.0.attn.wq_b.weight"]["split_dim"] == 0
+
+
+# ---- what each rank builds and loads (no collectives needed: in this process, rank by rank) ----
+def _states(expert_parallel: bool) -> list[ParallelState]:
+    return [ParallelState(rank=r, world_size=WORLD, expert_parallel=expert_parallel) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_each_rank_builds_its_shard_of_the_plan(checkpoints, expert_parallel):
+    from dsv4.config import ModelConfig
+
+    cfg = ModelConfig.from_file(checkpoints["native"])
+    full = {s.native: s.logical for s in SlotTable(build_models(cfg, "dense", torch.float32, "cpu", "mtp"))}
+    held: set[str] = set()
+    for state in _states(expert_parallel):
+        for slot in SlotTable(build_models(cfg, "dense", torch.float32, "cpu", "mtp", parallel=state)):
+            split = split_of(slot.native, state)
+            want = list(full[slot.native])
+            if split is not None:
+                want[split.dim] //= WORLD
+            assert list(slot.logical) == want, slot.native
+            held.add(slot.native)
+    assert held == set(full)  # every expert on some rank
+
+
+def _checksums(loaded) -> dict[str, tuple[str, int]]:
+    return {k: (v["checksum"], v["data_ptr"]) for k, v in weight_report(loaded, 0)["tensors"].items()}
+
+
+@pytest.mark.parametrize(("ckpt", "expert_parallel", "source"), [
+    ("native", False, "native"), ("native", True, "hf"), ("release", True, "native"), ("release_wide", False, "native"),
+    ("mtp", False, "native"), ("mtp", True, "native"),  # the MTP drafter refits in the same session
+])
+def test_a_refit_per_rank_equals_a_fresh_load_of_its_shard(checkpoints, ckpt, expert_parallel, source):
+    path = checkpoints[ckpt]
+    draft = "mtp" if ckpt == "mtp" else None
+    tensors = ref.read_safetensors_dir(path)
+    if source == "hf":
+        tensors = ref.hf_state_from_native(tensors, ref.tiny_config())
+    for state in _states(expert_parallel):
+        fresh = _checksums(load_models(path, parallel=state, draft=draft))
+        dummy = load_models(path, load_format="dummy", parallel=state, draft=draft)
+        before = {k: ptr for k, (_, ptr) in _checksums(dummy).items()}
+        assert {k: c for k, (c, _) in _checksums(dummy).items()} != {k: c for k, (c, _) in fresh.items()}
+        # Two buckets, the scales first where there are any: the slicer pairs halves across buckets.
+        names = sorted(tensors, key=lambda n: not n.endswith(".scale"))
+        with WeightUpdateSession(dummy, 0, lambda: 1, atomic=True, full=True) as session:
+            for bucket in (names[: len(names) // 2], names[len(names) // 2 :]):
+                session.load([(n, tensors[n]) for n in bucket])
+        after = _checksums(dummy)
+        assert {k: c for k, (c, _) in after.items()} == {k: c for k, (c, _) in fresh.items()}, f"rank {state.rank}"
+        assert {k: ptr for k, (_, ptr) in after.items()} == before
+
+
+def test_a_wrong_full_shape_fails_on_every_rank(checkpoints, tmp_path):
+    tensors = ref.read_safetensors_dir(checkpoints["native"])
+    tensors["layers.1.attn.wq_b.weight"] = tensors["layers.1.attn.wq_b.weight"][:96]  # 3 heads' rows of 4
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((checkpoints["native"] / "config.json").read_text())
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(broken / "model.safetensors"))
+    for state in _states(False):  # rank 0's 64 rows would fit; the full size is what is checked
+        with pytest.raises(CheckpointError, match=r"wq_b.*expected 128 along dim 0"):
+            load_models(broken, parallel=state)
+
+
+def test_indivisible_configs_are_refused_naming_the_field(checkpoints):
+    from dsv4.config import ModelConfig
+
+    cfg = ModelConfig.from_file(checkpoints["release"])
+    with pytest.raises(ConfigError, match=r"'moe_intermediate_size'.*FP4 scale group 32"):
+        build_models(cfg, "fp4", torch.float32, "cpu", None, parallel=_states(False)[0])
+    three = ParallelState(rank=0, world_size=3)
+    with pytest.raises(ConfigError, match=r"'vocab_size': 512 is not divisible by 3"):
+        build_models(cfg, "dense", torch.float32, "cpu", None, parallel=three)
+
+
+# ---- groups that cannot form, ranks that die ----
+def test_a_launch_without_a_group_is_refused(checkpoints, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
+        LLM(checkpoints["native"], tensor_parallel_size=2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(ConfigError, match="WORLD_SIZE=3"):
+        LLM(checkpoints["native"], tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="compile=True"):
+        LLM(checkpoints["native"], tensor_parallel_size=2, compile=True)
+
+
+def test_a_rank_that_never_arrives_times_out_clearly(checkpoints, tmp_path):
+    _spawn(ranks.lonely_rank, (free_port(), str(tmp_path), str(checkpoints["native"]), SHORT_TIMEOUT_S), nprocs=1)
+    seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert message.startswith(ParallelError.__name__), message
+    assert "2 ranks" in message and f"{SHORT_TIMEOUT_S:g} s timeout" in message
+    assert float(seconds) < SHORT_TIMEOUT_S + 10
+
+
+def test_a_rank_that_dies_fails_the_others_clearly(spawned):
+    seconds, message = (spawned / "rank0.txt").read_text().split("\n", 1)
+    assert message.startswith(ParallelError.__name__), message
+    assert "rank 0 of 2" in message and f"{SHORT_TIMEOUT_S:g} s timeout" in message
+    assert float(seconds) < SHORT_TIMEOUT_S + 10
+
+
+def test_a_rank_reads_no_byte_of_other_ranks_experts(checkpoints, monkeypatch):
+    from dsv4.weights.checkpoint import CheckpointDir
+
+    read: list[str] = []
+    original = CheckpointDir.iter_tensors
+
+    def recording(self, wanted=lambda name: True):
+        for name, tensor, origin in original(self, wanted):
+            read.append(name)
+            yield name, tensor, origin
+
+    monkeypatch.setattr(CheckpointDir, "iter_tensors", recording)
+    for state in _states(True):
+        read.clear()
+        loaded = load_models(checkpoints["native"], parallel=state)
+        first, stop = state.expert_range(loaded.config.n_routed_experts)
+        experts = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
+        assert experts == set(range(first, stop)), f"rank {state.rank}"
