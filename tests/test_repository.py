@@ -12,9 +12,14 @@ OUTSIDE_REFERENCES = ("../shared", "/work/shared", "shared/DESIGN.md", "developm
 TEXT_SUFFIXES = (".py", ".md", ".toml", ".cfg", ".txt", ".json", ".c", ".sh")
 
 
-def test_make_test_runs_ruff_on_every_python_folder_before_pytest():
-    dry_run = subprocess.run(["make", "-n", "test", "STAMP=Makefile"], capture_output=True, text=True, cwd=REPO,
+def test_make_test_runs_ruff_on_every_python_folder_before_pytest(tmp_path):
+    # A stamp newer than pyproject.toml stands in for the installed venv. It must not be the Makefile itself:
+    # make remakes its own makefiles even under -n, so `STAMP=Makefile` ran the pip installs for real.
+    stamp = tmp_path / "installed"
+    stamp.touch()
+    dry_run = subprocess.run(["make", "-n", "test", f"STAMP={stamp}"], capture_output=True, text=True, cwd=REPO,
                              check=True, timeout=60).stdout.splitlines()
+    assert not any("pip install" in line for line in dry_run)
     ruff = next(i for i, line in enumerate(dry_run) if "ruff check" in line)
     pytest = next(i for i, line in enumerate(dry_run) if "pytest" in line)
     assert ruff < pytest
