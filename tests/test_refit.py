@@ -419,8 +419,10 @@ def test_resident_format_update_makes_no_extra_copy(ckpts, monkeypatch, atomic):
     source = _llm(ckpts.new)
     tensors = [(name, t.clone()) for name, t in source.iter_weights()]
     llm = _llm(ckpts.old)
+    from dsv4.weights.writer import WeightWriter
+
     clones = _count_calls(monkeypatch, torch.Tensor, "clone")
-    buffers = _count_calls(monkeypatch, torch, "empty_like")
+    buffers = _count_calls(monkeypatch, WeightWriter, "_staging_buffer")
     with llm.begin_weight_update(atomic=atomic) as session:
         session.load(tensors)
         loading = (len(clones), len(buffers))

@@ -10,6 +10,7 @@ load streams tensors from the mapped files straight into resident storage, and s
 terminal when it takes more than a second.
 """
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from dsv4.config import DENSE, EXPERT_FORMATS, ModelConfig
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.derived import TopLevelModel
+from dsv4.model.lazy_memory import ArenaAllocation, WeightArena
 from dsv4.weights.checkpoint import CheckpointDir
 from dsv4.weights.convert import QuantLayout
 from dsv4.weights.dummy import dummy_tensors
@@ -92,8 +94,13 @@ def quant_layout(cfg: ModelConfig) -> QuantLayout:
 def build_models(
     cfg: ModelConfig, expert_format: str, dtype: torch.dtype, device: str, draft: str | None
 ) -> dict[str, TopLevelModel]:
-    """Allocate the target (and the drafter) in runtime layout; nothing is READY yet."""
-    with torch.device(device):
+    """Allocate the target (and the drafter) in runtime layout; nothing is READY yet.
+
+    On CPU the tensors the build allocates come from a `WeightArena`: zero without being written, and faulted
+    in by huge pages when the load writes them (a zero-filled build would write the whole model once more and
+    take a fault per 4 KiB page, which cost several times the load's own copy)."""
+    memory = ArenaAllocation(WeightArena()) if torch.device(device).type == "cpu" else contextlib.nullcontext()
+    with memory, torch.device(device):
         models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype)}
         if draft is not None:
             from dsv4.model.drafters import build_drafter

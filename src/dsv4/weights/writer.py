@@ -25,6 +25,7 @@ import torch
 
 from dsv4.config import DENSE, FP4, FP8
 from dsv4.errors import CheckpointError
+from dsv4.model.lazy_memory import WeightArena
 from dsv4.quant import fp8_scale_grid_shape
 from dsv4.weights.convert import (
     E4M3,
@@ -102,6 +103,9 @@ class WeightWriter:
         self._awaiting_scale: dict[Slot, str] = {}  # quantized bytes written, scale not yet
         self._pending: dict[Slot, _Pending] = {}
         self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []  # (resident destination, staged value)
+        # Staged copies land in fresh huge-page memory (a 4 KiB fault per page would cost more than the copy);
+        # the arena's mappings go with the last staged value, at commit or discard.
+        self._staging_memory = WeightArena() if staged else None
 
     # ---- loading ----
     def load(self, name: str, tensor: torch.Tensor, origin: str) -> int:
@@ -265,7 +269,8 @@ class WeightWriter:
         del self._pending[slot]
         if not self.dry_run:
             if slot.kind in (FLOAT, DENSE):
-                self._put(slot.dest, dequantize(weight, scale, self.layout, slot.logical, slot.dest.dtype), owned=True)
+                # Straight into the destination (or its staging buffer): every check passes before the first write.
+                self._fill(slot.dest, lambda out: dequantize(weight, scale, self.layout, slot.logical, out.dtype, out))
             else:
                 values = dequantize(weight, scale, self.layout, slot.logical, torch.float32)
                 q, q_scale = quantize_expert(values, slot.kind, self.layout)
@@ -281,30 +286,54 @@ class WeightWriter:
             return
         if self.staged:
             if not owned:
-                buffer = torch.empty_like(dest)  # dest's strides: the commit copy is then a straight copy
+                buffer = self._staging_buffer(dest)
                 copy_into(buffer, value)
                 value = buffer
             self._staging.append((dest, value))
             return
         self._write(dest, value)
 
-    def _write(self, dest: torch.Tensor, value: torch.Tensor) -> None:
+    def _fill(self, dest: torch.Tensor, produce: Callable[[torch.Tensor], object]) -> None:
+        """Like `_put`, for a value that `produce(out)` validates and then writes into `out` itself."""
+        if self.dry_run:
+            return
+        if self.staged:
+            buffer = self._staging_buffer(dest)
+            produce(buffer)
+            self._staging.append((dest, buffer))
+            return
+        self._before_writing()
+        produce(dest)
+
+    def _staging_buffer(self, dest: torch.Tensor) -> torch.Tensor:
+        """A fresh buffer with dest's strides (the commit copy is then a straight copy)."""
+        return self._staging_memory.zeros_like(dest) if dest.device.type == "cpu" else torch.empty_like(dest)
+
+    def _before_writing(self) -> None:
         if not self.wrote:
             self.wrote = True
             if self._before_first_write is not None:
                 self._before_first_write()
+
+    def _write(self, dest: torch.Tensor, value: torch.Tensor) -> None:
+        self._before_writing()
         copy_into(dest, value)
 
     def commit(self) -> None:
         """Apply the staged values (atomic refits): one copy per tensor into its resident storage."""
         for dest, value in self._staging:
             self._write(dest, value)
-        self._staging.clear()
+        self._release_staging()
 
     def discard(self) -> None:
         """Drop the staged values and anything waiting for a partner."""
-        self._staging.clear()
+        self._release_staging()
         self._pending.clear()
+
+    def _release_staging(self) -> None:
+        self._staging.clear()
+        if self._staging_memory is not None:
+            self._staging_memory.release()
 
     def own_pending(self) -> None:
         """Copy the halves still waiting for their partner out of the caller's buffers (a trainer reuses
