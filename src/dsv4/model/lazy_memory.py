@@ -102,18 +102,18 @@ class WeightArena:
                 None: contiguous.
         """
         shape = tuple(shape)
-        nbytes = math.prod(shape) * dtype.itemsize
-        tensor = torch.empty(0, dtype=dtype)
-        if stride is None:
-            return tensor.set_(self._storage(nbytes), 0, shape)
-        return tensor.set_(self._storage(nbytes), 0, shape, tuple(stride))
+        numel = math.prod(shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        buffer, start = self._place(numel * dtype.itemsize)
+        flat = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=start)  # a storage of its own
+        return flat.view(shape) if stride is None else flat.as_strided(shape, tuple(stride))
 
     def zeros_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A zero tensor of `tensor`'s shape, dtype and (when dense) strides: copying between the two then
-        streams both in the same order."""
-        # Dense: some order of its dims is contiguous (a permuted contiguous tensor, e.g. a transposed matrix).
-        dense = tensor.permute(sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))).is_contiguous()
-        return self.zeros(tensor.shape, tensor.dtype, tensor.stride() if dense else None)
+        """A zero tensor of `tensor`'s shape, dtype and (when contiguous or a transposed contiguous matrix)
+        strides: copying between the two then streams both in the same order."""
+        transposed = tensor.dim() == 2 and tensor.stride() == (1, tensor.shape[0])
+        return self.zeros(tensor.shape, tensor.dtype, tensor.stride() if transposed else None)
 
     def release(self) -> None:
         """Stop carving from the current chunk, so that its memory goes with the last tensor carved from it
@@ -121,19 +121,18 @@ class WeightArena:
         self._chunk = None
         self._next = 0
 
-    def _storage(self, nbytes: int) -> torch.UntypedStorage:
-        if nbytes == 0:
-            return torch.UntypedStorage(0)
+    def _place(self, nbytes: int) -> tuple[mmap.mmap, int]:
+        """(mapping, offset) of `nbytes` never handed out before."""
         if nbytes > self.chunk_bytes // 4:
             mapping, start = _fresh_mapping(nbytes)
             self.mapped_bytes += len(mapping)
-            return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start).untyped_storage()
+            return mapping, start
         start = -(-self._next // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
         if self._chunk is None or start + nbytes > len(self._chunk):
             self._chunk, start = _fresh_mapping(self.chunk_bytes)
             self.mapped_bytes += len(self._chunk)
         self._next = start + nbytes
-        return torch.frombuffer(self._chunk, dtype=torch.uint8, count=nbytes, offset=start).untyped_storage()
+        return self._chunk, start
 
 
 # Factory function -> how its fill value is found (None: the memory's own zeros serve).
