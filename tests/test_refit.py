@@ -430,6 +430,24 @@ def test_resident_format_update_makes_no_extra_copy(ckpts, monkeypatch, atomic):
     assert _checksums(llm) == _checksums(source)
 
 
+def test_atomic_updates_reuse_their_staging_buffers(ckpts):
+    """The second atomic update of the same tensors stages into the buffers the first allocated (no new
+    memory mapped), and still ends bit for bit as a fresh load; clear() gives the buffers back."""
+    old = [(name, t.clone()) for name, t in _llm(ckpts.old).iter_weights()]
+    new = [(name, t.clone()) for name, t in _llm(ckpts.new).iter_weights()]
+    llm = _llm(ckpts.old)
+    staging = llm.loaded.staging
+    llm.update_weights(new)
+    kept, mapped = staging.nbytes, staging._memory.mapped_bytes
+    assert kept >= sum(t.nbytes for _, t in new)
+    llm.update_weights(old)
+    llm.update_weights(new)
+    assert (staging.nbytes, staging._memory.mapped_bytes) == (kept, mapped)
+    assert _checksums(llm) == _checksums(_llm(ckpts.new))
+    staging.clear()
+    assert staging.nbytes == 0
+
+
 def test_trainer_parameters_that_require_grad(ckpts):
     """A trainer hands over its live parameters: their values go in, no autograd graph comes along."""
     llm = _llm(ckpts.old)

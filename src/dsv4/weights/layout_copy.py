@@ -20,9 +20,12 @@ from pathlib import Path
 
 import torch
 
+import dsv4.kernels
 from dsv4.kernels.c_library import compile_library
 
 SOURCE = Path(__file__).with_name("layout_copy_cpu.c")
+# The kernels' shared header (bf16 conversions), in the kernels package.
+HEADER = Path(dsv4.kernels.__file__).with_name("rows.h")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 # (source dtype, destination dtype) -> kernel; same-size pairs copy the raw elements.
@@ -40,7 +43,8 @@ _DEQUANT_FP8 = {torch.float32: "dequant_fp8_f32", torch.bfloat16: "dequant_fp8_b
 def _library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where no C compiler works (compiled once per process)."""
     try:
-        lib = compile_library(SOURCE)
+        # The header's text joins the cache key: compile_library only keys headers beside the source.
+        lib = compile_library(SOURCE, (f"-I{HEADER.parent}",), HEADER.read_text())
     except (RuntimeError, OSError):
         return None
     for name in _TRANSPOSES.values():

@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rows.h" /* bf16_to_f32, f32_to_bf16 (torch's rounding): the kernels' shared helpers */
+
 /* A tile of TILE_ROWS source rows x TILE_COLS columns (two cache lines of fp32) is read run by run into a
  * local buffer, transposed there, and written out as TILE_COLS contiguous runs of TILE_ROWS destination
  * elements. Each source run is used whole the one time it is read, so rows a power of two apart (the same
@@ -16,37 +18,30 @@
 #define TILE_ROWS 128
 #define TILE_COLS 32
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN: torch's canonical quiet NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 #define IDENTITY(x) (x)
 
-#define TRANSPOSE(NAME, SRC_T, DST_T, CONVERT)                                                          \
-    void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld, int64_t dst_ld) { \
-        DST_T buf[TILE_COLS * TILE_ROWS];                                                               \
-        for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {                                              \
-            int64_t nr = r0 + TILE_ROWS < rows ? TILE_ROWS : rows - r0;                                 \
-            for (int64_t c0 = 0; c0 < cols; c0 += TILE_COLS) {                                          \
-                int64_t nc = c0 + TILE_COLS < cols ? TILE_COLS : cols - c0;                             \
-                for (int64_t r = 0; r < nr; r++) {                                                      \
-                    const SRC_T *s = src + (r0 + r) * src_ld + c0;                                      \
-                    for (int64_t c = 0; c < nc; c++) buf[c * TILE_ROWS + r] = CONVERT(s[c]);            \
-                }                                                                                       \
-                for (int64_t c = 0; c < nc; c++)                                                        \
-                    memcpy(dst + (c0 + c) * dst_ld + r0, buf + c * TILE_ROWS, nr * sizeof(DST_T));      \
-            }                                                                                           \
-        }                                                                                               \
+/* The tile walk every kernel shares: for each source row r of a tile (rows r0 + r, columns c0 .. c0 + nc),
+ * FILL_RUN stores the run's converted values at col[c * TILE_ROWS]; then the tile's columns are written
+ * out as contiguous runs of the destination. */
+#define TILED(DST_T, ...)                                                                                 \
+    DST_T buf[TILE_COLS * TILE_ROWS];                                                                     \
+    for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {                                                    \
+        int64_t nr = r0 + TILE_ROWS < rows ? TILE_ROWS : rows - r0;                                       \
+        for (int64_t c0 = 0; c0 < cols; c0 += TILE_COLS) {                                                \
+            int64_t nc = c0 + TILE_COLS < cols ? TILE_COLS : cols - c0;                                   \
+            for (int64_t r = 0; r < nr; r++) {                                                            \
+                DST_T *col = buf + r;                                                                     \
+                __VA_ARGS__                                                                               \
+            }                                                                                             \
+            for (int64_t c = 0; c < nc; c++)                                                              \
+                memcpy(dst + (c0 + c) * dst_ld + r0, buf + c * TILE_ROWS, nr * sizeof(DST_T));            \
+        }                                                                                                 \
+    }
+
+#define TRANSPOSE(NAME, SRC_T, DST_T, CONVERT)                                                            \
+    void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld, int64_t dst_ld) {   \
+        TILED(DST_T, const SRC_T *s = src + (r0 + r) * src_ld + c0;                                       \
+              for (int64_t c = 0; c < nc; c++) col[c * TILE_ROWS] = CONVERT(s[c]);)                       \
     }
 
 TRANSPOSE(transpose_b32, uint32_t, uint32_t, IDENTITY)
@@ -55,30 +50,19 @@ TRANSPOSE(transpose_bf16_f32, uint16_t, float, bf16_to_f32)
 TRANSPOSE(transpose_f32_bf16, float, uint16_t, f32_to_bf16)
 
 /* value = lut[code] * scale[r / b0][c / b1], formed in fp32 (one rounding, as torch's product); q is
- * contiguous [rows, cols], scale contiguous [ceil(rows / b0), scale_cols]. */
+ * contiguous [rows, cols], scale contiguous [ceil(rows / b0), scale_cols]. When b1 is a multiple of
+ * TILE_COLS a run has one scale. */
 #define DEQUANT_FP8(NAME, DST_T, STORE)                                                                   \
     void NAME(const uint8_t *q, const float *scale, const float *lut, DST_T *dst, int64_t rows,           \
               int64_t cols, int64_t b0, int64_t b1, int64_t scale_cols, int64_t dst_ld) {                 \
-        DST_T buf[TILE_COLS * TILE_ROWS];                                                                 \
-        for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {                                                \
-            int64_t nr = r0 + TILE_ROWS < rows ? TILE_ROWS : rows - r0;                                   \
-            for (int64_t c0 = 0; c0 < cols; c0 += TILE_COLS) {                                            \
-                int64_t nc = c0 + TILE_COLS < cols ? TILE_COLS : cols - c0;                               \
-                for (int64_t r = 0; r < nr; r++) {                                                        \
-                    const uint8_t *qr = q + (r0 + r) * cols + c0;                                         \
-                    const float *sr = scale + ((r0 + r) / b0) * scale_cols;                               \
-                    if (b1 % TILE_COLS == 0) { /* one scale for the whole run */                          \
-                        float sv = sr[c0 / b1];                                                           \
-                        for (int64_t c = 0; c < nc; c++) buf[c * TILE_ROWS + r] = STORE(lut[qr[c]] * sv); \
-                    } else {                                                                              \
-                        for (int64_t c = 0; c < nc; c++)                                                  \
-                            buf[c * TILE_ROWS + r] = STORE(lut[qr[c]] * sr[(c0 + c) / b1]);               \
-                    }                                                                                     \
-                }                                                                                         \
-                for (int64_t c = 0; c < nc; c++)                                                          \
-                    memcpy(dst + (c0 + c) * dst_ld + r0, buf + c * TILE_ROWS, nr * sizeof(DST_T));        \
-            }                                                                                             \
-        }                                                                                                 \
+        TILED(DST_T, const uint8_t *qr = q + (r0 + r) * cols + c0;                                        \
+              const float *sr = scale + ((r0 + r) / b0) * scale_cols;                                     \
+              if (b1 % TILE_COLS == 0) {                                                                  \
+                  float sv = sr[c0 / b1];                                                                 \
+                  for (int64_t c = 0; c < nc; c++) col[c * TILE_ROWS] = STORE(lut[qr[c]] * sv);           \
+              } else {                                                                                    \
+                  for (int64_t c = 0; c < nc; c++) col[c * TILE_ROWS] = STORE(lut[qr[c]] * sr[(c0 + c) / b1]); \
+              })                                                                                          \
     }
 
 DEQUANT_FP8(dequant_fp8_f32, float, IDENTITY)

@@ -27,7 +27,7 @@ from dsv4.weights.convert import QuantLayout
 from dsv4.weights.dummy import dummy_tensors
 from dsv4.weights.routes import RouteTable
 from dsv4.weights.slots import SlotTable, parameter_addresses
-from dsv4.weights.writer import WeightWriter
+from dsv4.weights.writer import StagingBuffers, WeightWriter
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DRAFTERS = ("mtp", "dspark")
@@ -47,6 +47,8 @@ class LoadedModels:
     load_format: str
     ignored: set[str] = field(default_factory=set)
     _routes: RouteTable | None = field(default=None, init=False, repr=False, compare=False)
+    # Atomic updates' staging buffers, kept from one update to the next (see `StagingBuffers`).
+    staging: StagingBuffers = field(default_factory=StagingBuffers, init=False, repr=False, compare=False)
 
     @property
     def target(self) -> DeepseekV4:
@@ -64,6 +66,7 @@ class LoadedModels:
             addresses = parameter_addresses(self.models)
         if self._routes is None or not self._routes.table.addresses.items() <= addresses.items():
             self._routes = RouteTable(SlotTable(self.models))
+            self.staging.clear()  # buffers shaped after destinations the new plan no longer holds
         return self._routes
 
     def slot_table(self) -> SlotTable:
