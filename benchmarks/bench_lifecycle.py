@@ -20,6 +20,8 @@ layout, FP8 dense linears + FP4 experts, and in transformers' HF layout, bf16 wi
                 trainer  the same values row-major and contiguous, as a trainer holds them, vs the same memcpy
                 bf16     the HF bf16 tensors, experts quantized to FP4 on the fly, vs the quantizer alone on the
                          same experts
+              Atomic refits stage into the buffers the untimed warm-up allocated (`LoadedModels.staging`
+              keeps them from one update to the next): the steady state of an RL loop that updates every step.
 
 Every figure is a ratio dsv4 / baseline: the median of back-to-back (baseline, dsv4) pairs, so that a neighbour
 slowing the machine slows both halves of a pair (`ratio_min` / `ratio_max`: the pairs' spread). Targets (issue

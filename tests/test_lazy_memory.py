@@ -131,3 +131,77 @@ def test_engine_caches_are_untouched_at_start_up_and_a_short_request_touches_its
             assert len(pages) <= -(-min(20, tensor.shape[1]) * row_bytes // mmap.PAGESIZE) + 1, tuple(tensor.shape)
             touched += len(pages) * mmap.PAGESIZE
         assert touched < nominal / SLOTS  # less than one slot's full size
+
+
+# ---- weight memory ----
+ARENA_PROBE = textwrap.dedent(
+    """
+    import json, sys, torch
+    from dsv4.config import ModelConfig
+    from dsv4.weights.loader import build_models
+
+    def anon():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig.from_file(sys.argv[1])
+    build_models(cfg, "dense", torch.float32, "cpu", None)  # warm-up (lazily imported modules); dropped
+    start = anon()
+    models = build_models(cfg, "dense", torch.float32, "cpu", None)
+    built = anon()
+    params = [p for m in models.values() for p in m.parameters()]
+    zero = all(not bool(p.any()) for p in params if p.nbytes >= 1 << 20)
+    for p in params:
+        p.data.fill_(1)
+    print(json.dumps({"params": sum(p.nbytes for p in params), "built": built - start,
+                      "written": anon() - start, "zero": zero}))
+    """
+)
+
+
+def test_a_built_model_takes_no_memory_until_its_weights_are_written(tmp_path):
+    """The build's parameters come from a WeightArena: none of their bytes is written (or resident) until
+    the load writes them, they read as zeros meanwhile, and written they take about their own size. (Reading
+    them may take some memory: how a read fault in a huge-page region is backed is the kernel's choice.)"""
+    import reference
+
+    (tmp_path / "config.json").write_text(json.dumps(reference.small_config()))
+    result = subprocess.run([sys.executable, "-c", ARENA_PROBE, str(tmp_path)], capture_output=True, text=True,
+                            check=True, timeout=120)
+    m = json.loads(result.stdout.strip().splitlines()[-1])
+    assert m["params"] > 200 * MIB and m["zero"]
+    assert m["built"] < 0.05 * m["params"]
+    assert 0.95 * m["params"] < m["written"] < 1.1 * m["params"]
+
+
+def test_arena_factories():
+    """Within ArenaAllocation, large CPU factory calls come from the arena with torch's values, dtypes and
+    flags; small ones, other devices and out= calls are torch's own."""
+    from dsv4.model.lazy_memory import ARENA_MIN_BYTES, HUGE_PAGE_BYTES, ArenaAllocation, WeightArena
+
+    arena = WeightArena()
+    with ArenaAllocation(arena):
+        zeros = torch.zeros(300, 100)
+        ones = torch.ones((64, 64), dtype=torch.bfloat16, requires_grad=True)
+        full = torch.full((128, 64), 2.5, dtype=torch.float32)
+        empty = torch.empty(65536, dtype=torch.int8)
+        small = torch.zeros(4, 4)
+        meta = torch.zeros(300, 100, device="meta")
+        out = torch.empty(300, 100)
+        torch.zeros(300, 100, out=out)
+        inferred = torch.full((128, 64), 7)
+    assert arena.mapped_bytes > 0
+    for tensor, value, dtype in ((zeros, 0, torch.float32), (ones, 1, torch.bfloat16), (full, 2.5, torch.float32),
+                                 (empty, 0, torch.int8)):
+        assert tensor.dtype == dtype and tensor.is_contiguous() and bool((tensor == value).all())
+        assert tensor.untyped_storage().nbytes() == tensor.nbytes  # a storage of its own
+    assert ones.requires_grad and not zeros.requires_grad
+    assert zeros.untyped_storage().data_ptr() % HUGE_PAGE_BYTES == 0  # the first tensor opens a chunk
+    assert small.nbytes < ARENA_MIN_BYTES and meta.device.type == "meta" and not out.any()
+    assert inferred.dtype == torch.int64 and bool((inferred == 7).all())
+    strided = arena.zeros_like(torch.empty(50, 70).t())
+    assert strided.stride() == (1, 70) and not strided.any()
+    arena.release()
+    assert arena.zeros((16, 1024), torch.float32).data_ptr() % HUGE_PAGE_BYTES == 0  # a new chunk

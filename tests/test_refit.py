@@ -419,13 +419,33 @@ def test_resident_format_update_makes_no_extra_copy(ckpts, monkeypatch, atomic):
     source = _llm(ckpts.new)
     tensors = [(name, t.clone()) for name, t in source.iter_weights()]
     llm = _llm(ckpts.old)
+    from dsv4.weights.writer import WeightWriter
+
     clones = _count_calls(monkeypatch, torch.Tensor, "clone")
-    buffers = _count_calls(monkeypatch, torch, "empty_like")
+    buffers = _count_calls(monkeypatch, WeightWriter, "_staging_buffer")
     with llm.begin_weight_update(atomic=atomic) as session:
         session.load(tensors)
         loading = (len(clones), len(buffers))
     assert loading == (0, len(tensors) if atomic else 0)
     assert _checksums(llm) == _checksums(source)
+
+
+def test_atomic_updates_reuse_their_staging_buffers(ckpts):
+    """The second atomic update of the same tensors stages into the buffers the first allocated (no new
+    memory mapped), and still ends bit for bit as a fresh load; clear() gives the buffers back."""
+    old = [(name, t.clone()) for name, t in _llm(ckpts.old).iter_weights()]
+    new = [(name, t.clone()) for name, t in _llm(ckpts.new).iter_weights()]
+    llm = _llm(ckpts.old)
+    staging = llm.loaded.staging
+    llm.update_weights(new)
+    kept, mapped = staging.nbytes, staging._memory.mapped_bytes
+    assert kept >= sum(t.nbytes for _, t in new)
+    llm.update_weights(old)
+    llm.update_weights(new)
+    assert (staging.nbytes, staging._memory.mapped_bytes) == (kept, mapped)
+    assert _checksums(llm) == _checksums(_llm(ckpts.new))
+    staging.clear()
+    assert staging.nbytes == 0
 
 
 def test_trainer_parameters_that_require_grad(ckpts):

@@ -31,9 +31,11 @@ from dsv4.quant import (
     dequantize_fp4,
     dequantize_fp8_blockwise,
     e8m0_to_float32,
+    fp8_scale_grid_shape,
     quantize_fp4,
     quantize_fp8_blockwise,
 )
+from dsv4.weights.layout_copy import dequantize_fp8_into, transpose_into
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -132,9 +134,12 @@ def copy_into(dest: torch.Tensor, value: torch.Tensor) -> None:
     """dest[...] = value in dest's storage, converting dtype; dest's address never changes.
 
     Resident dense weights are stored input-major (dest is the transposed view of a contiguous [in, out]
-    buffer) while trainers and checkpoints send row-major [out, in]: that copy runs tile by tile."""
+    buffer) while trainers and checkpoints send row-major [out, in]: that copy goes through the tiled C
+    kernel (`layout_copy`), or where it does not apply, torch's copy tile by tile."""
     if dest.is_contiguous() or value.dim() != 2 or dest.stride() != (1, dest.shape[0]) or not value.is_contiguous():
         dest.copy_(value)
+        return
+    if transpose_into(dest, value):
         return
     rows, cols = dest.shape
     for r in range(0, rows, _TILE_ROWS):
@@ -144,9 +149,15 @@ def copy_into(dest: torch.Tensor, value: torch.Tensor) -> None:
 
 # ---- conversions ----
 def dequantize(
-    weight: torch.Tensor, scale: torch.Tensor, layout: QuantLayout, logical: tuple[int, int], dtype: torch.dtype
+    weight: torch.Tensor, scale: torch.Tensor, layout: QuantLayout, logical: tuple[int, int], dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """An FP8 (e4m3 + block scale) or FP4 (packed + ue8m0) weight -> validated values [out, in] of `dtype`."""
+    """An FP8 (e4m3 + block scale) or FP4 (packed + ue8m0) weight -> validated values [out, in] of `dtype`.
+
+    Args:
+        out: where to write the values (of `dtype`; returned): every check passes before its first byte is
+            written. An FP8 weight goes into an input-major `out` in one pass (`layout_copy`).
+    """
     if weight.dtype == E4M3:
         check_shape(weight.shape, logical, "fp8 weight")
         check_fp8_codes(weight)
@@ -158,20 +169,32 @@ def dequantize(
             scale_max = 2.0 ** (int(raw.max()) - E8M0_BIAS) if raw.numel() else 0.0
             scale = raw
         _check_products_finite(scale_max, E4M3_MAX, dtype)
+        if out is not None:
+            check_shape(scale.shape, fp8_scale_grid_shape(weight.shape, layout.fp8_block), "fp8 scale")
+            grid = fp8_scale_values(scale).to(torch.float32).contiguous()
+            if dequantize_fp8_into(out, weight, grid, layout.fp8_block):
+                return out
         try:
-            return dequantize_fp8_blockwise(weight, scale, layout.fp8_block, dtype)
+            values = dequantize_fp8_blockwise(weight, scale, layout.fp8_block, dtype)
         except ValueError as exc:
             raise ConversionError(str(exc)) from None
+        return values if out is None else _copied(out, values)
     if weight.dtype in PACKED_DTYPES:
         check_shape(weight.shape, (logical[0], logical[1] // 2), "packed fp4 weight")
         raw = e8m0_bytes(scale)
         scale_max = 2.0 ** (int(raw.max()) - E8M0_BIAS) if raw.numel() else 0.0
         _check_products_finite(scale_max, E2M1_MAX, dtype)
         try:
-            return dequantize_fp4(weight, raw, layout.fp4_group, dtype)
+            values = dequantize_fp4(weight, raw, layout.fp4_group, dtype)
         except ValueError as exc:
             raise ConversionError(str(exc)) from None
+        return values if out is None else _copied(out, values)
     raise ConversionError(f"unsupported weight dtype {weight.dtype}")
+
+
+def _copied(dest: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    copy_into(dest, values)
+    return dest
 
 
 def quantize_expert(values: torch.Tensor, fmt: str, layout: QuantLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ load streams tensors from the mapped files straight into resident storage, and s
 terminal when it takes more than a second.
 """
 
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from dsv4.errors import CheckpointError, ConfigError
 from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.derived import TopLevelModel
+from dsv4.model.lazy_memory import ArenaAllocation, WeightArena
 from dsv4.parallel.state import SINGLE, ParallelState, check_divisible
 from dsv4.weights.checkpoint import CheckpointDir
 from dsv4.weights.convert import QuantLayout
@@ -28,7 +30,7 @@ from dsv4.weights.dummy import dummy_tensors
 from dsv4.weights.routes import RouteTable
 from dsv4.weights.shards import ShardSlicer
 from dsv4.weights.slots import SlotTable, parameter_addresses
-from dsv4.weights.writer import WeightWriter
+from dsv4.weights.writer import StagingBuffers, WeightWriter
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DRAFTERS = ("mtp", "dspark")
@@ -49,6 +51,8 @@ class LoadedModels:
     ignored: set[str] = field(default_factory=set)
     parallel: ParallelState = SINGLE  # this rank's share of a tensor / expert parallel group
     _routes: RouteTable | None = field(default=None, init=False, repr=False, compare=False)
+    # Atomic updates' staging buffers, kept from one update to the next (see `StagingBuffers`).
+    staging: StagingBuffers = field(default_factory=StagingBuffers, init=False, repr=False, compare=False)
 
     @property
     def target(self) -> DeepseekV4:
@@ -66,6 +70,7 @@ class LoadedModels:
             addresses = parameter_addresses(self.models)
         if self._routes is None or not self._routes.table.addresses.items() <= addresses.items():
             self._routes = RouteTable(SlotTable(self.models))
+            self.staging.clear()  # buffers shaped after destinations the new plan no longer holds
         return self._routes
 
     def shard_slicer(self, routes: RouteTable) -> ShardSlicer | None:
@@ -107,6 +112,10 @@ def build_models(
     """Allocate the target (and the drafter) in runtime layout, this rank's shard of them under `parallel`;
     nothing is READY yet.
 
+    On CPU the tensors the build allocates come from a `WeightArena`: zero without being written, and faulted
+    in by huge pages when the load writes them (a zero-filled build would write the whole model once more and
+    take a fault per 4 KiB page, which cost several times the load's own copy).
+
     Args:
         kernels: the registry serving every fast path of the target and its drafter (None: the
             process-wide `default_registry()`; training passes `KernelRegistry(force_reference=True)`,
@@ -114,7 +123,8 @@ def build_models(
         parallel: this rank's share of a tensor / expert parallel group (docs/parallel.md).
     """
     check_divisible(cfg, parallel, expert_format)
-    with torch.device(device):
+    memory = ArenaAllocation(WeightArena()) if torch.device(device).type == "cpu" else contextlib.nullcontext()
+    with memory, torch.device(device):
         models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype, kernels, parallel)}
         if draft is not None:
             from dsv4.model.drafters import build_drafter

@@ -12,7 +12,10 @@ Two failure policies, because a true rollback costs memory:
   atomic (default)   converted values are staged; nothing is written until `finish()`. A failed bucket,
                      an incomplete session or `abort()` leaves the previous weights serving, bit-exact,
                      READY. Costs one extra copy of the updated tensors (in resident layout), and the one
-                     extra pass that writes it back at `finish()`.
+                     extra pass that writes it back at `finish()`. The staging buffers are kept for the
+                     next atomic update (`LoadedModels.staging`: an RL loop updates the same tensors every
+                     step, and fresh memory costs its page faults each time); `staging.clear()` gives
+                     them back.
   fail-stop          each tensor is written into resident storage as soon as it is validated, with no
                      intermediate copy (memory: nothing beyond the caller's bucket). From the first write
                      on, and after any error, the models are not READY (forward raises
@@ -91,7 +94,8 @@ class WeightUpdateSession:
         routes = loaded.routes(self._addresses)
         self._table = routes.table
         self._writer = WeightWriter(routes, loaded.layout, error_type=WeightUpdateError, staged=atomic,
-                                    before_first_write=self._mark_not_ready, shard=loaded.shard_slicer(routes))
+                                    staging=loaded.staging, before_first_write=self._mark_not_ready,
+                                    shard=loaded.shard_slicer(routes))
         # A model that is not READY may hold a half-written update: only a complete one can repair it.
         self.full = full or not all(m.ready for m in loaded.models.values())
         self.state = OPEN

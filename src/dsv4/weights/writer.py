@@ -9,6 +9,11 @@ Cost model (what makes a load or a refit cost what its bytes cost):
   * a tensor already in the resident format is copied straight into its destination: fail-stop refits
     and loads write in place with no intermediate copy, atomic refits copy once into a staging buffer
     (`staged=True`) and once more at `commit()`;
+  * resident tensors (allocated by the build) and staging buffers are `WeightArena` memory: never
+    zero-filled, faulted in by huge pages on the first write (fresh 4 KiB pages cost more than the copy),
+    and staging buffers are kept from one atomic update to the next (`StagingBuffers`);
+  * row-major values into an input-major weight, and FP8 codes into a float weight, take one tiled pass
+    (`layout_copy`'s C kernels; torch's strided copy of a transposed matrix costs 10-20x a memcpy);
   * float values for FP8 / FP4 experts go through the quantizer, whose finiteness check is fused in.
 A weight already in its resident quantized format is written as soon as it arrives; its scale may come
 later (another bucket, another file). Only a half that needs its partner to be converted (e.g. FP8 bytes
@@ -25,6 +30,7 @@ import torch
 
 from dsv4.config import DENSE, FP4, FP8
 from dsv4.errors import CheckpointError
+from dsv4.model.lazy_memory import WeightArena
 from dsv4.quant import fp8_scale_grid_shape
 from dsv4.weights.convert import (
     E4M3,
@@ -55,6 +61,41 @@ __all__ = ["ALIASED_DRAFTER_TENSORS", "WeightWriter"]  # the alias pattern is re
 _NATIVE_BYTES = {FP4: PACKED_DTYPES, FP8: (E4M3,)}
 
 
+class StagingBuffers:
+    """An atomic update's staging buffer per destination, kept for the next update.
+
+    A buffer in fresh memory costs its page faults on every update (on a VM several times the copy into
+    it); an RL loop updates the same tensors every step, so the second and later updates of a tensor reuse
+    the buffer the first allocated. The price is that memory (one copy of the tensors atomic updates
+    carry, the same peak each update needs anyway) held between updates; `clear()` gives it back, and the
+    next atomic update allocates again. One update at a time uses them (the engine opens one session at
+    a time).
+    """
+
+    def __init__(self):
+        self._memory = WeightArena()
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(dest) -> (dest, buffer)
+
+    def buffer(self, dest: torch.Tensor) -> torch.Tensor:
+        """The staging buffer of `dest` (a resident destination view the route table holds), with its
+        shape, dtype and strides: the commit copy is then a straight copy."""
+        kept = self._buffers.get(id(dest))
+        if kept is not None:
+            return kept[1]
+        buffer = self._memory.zeros_like(dest) if dest.device.type == "cpu" else torch.empty_like(dest)
+        self._buffers[id(dest)] = (dest, buffer)  # dest kept alive: its id cannot be reused meanwhile
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for _, buffer in self._buffers.values())
+
+    def clear(self) -> None:
+        """Give the buffers back (their memory goes once no staged value refers to it)."""
+        self._buffers.clear()
+        self._memory.release()
+
+
 @dataclass
 class _Pending:
     """Half of a weight/scale pair that waits for the other half."""
@@ -73,6 +114,7 @@ class WeightWriter:
         layout: quantization layout (block sizes, scale rounding rule) of on-the-fly conversions.
         error_type: raised for bad input (CheckpointError for loads, WeightUpdateError for refits).
         staged: write into staging buffers that `commit()` applies (atomic refits); otherwise in place.
+        staging: where staged values are copied (kept across updates); a fresh set when None.
         dry_run: check names, shapes, dtypes and pairing only: read no value, write nothing (works on meta
             tensors built from safetensors headers). A failed `load()` leaves the writer as it was, so a
             caller can collect every problem of a checkpoint.
@@ -88,6 +130,7 @@ class WeightWriter:
         error_type: type[Exception] = CheckpointError,
         *,
         staged: bool = False,
+        staging: StagingBuffers | None = None,
         dry_run: bool = False,
         before_first_write: Callable[[], None] | None = None,
         shard: ShardSlicer | None = None,
@@ -107,6 +150,7 @@ class WeightWriter:
         self._awaiting_scale: dict[Slot, str] = {}  # quantized bytes written, scale not yet
         self._pending: dict[Slot, _Pending] = {}
         self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []  # (resident destination, staged value)
+        self._staging_buffers = (StagingBuffers() if staging is None else staging) if staged else None
 
     # ---- loading ----
     def load(self, name: str, tensor: torch.Tensor, origin: str) -> int:
@@ -280,7 +324,8 @@ class WeightWriter:
         del self._pending[slot]
         if not self.dry_run:
             if slot.kind in (FLOAT, DENSE):
-                self._put(slot.dest, dequantize(weight, scale, self.layout, slot.logical, slot.dest.dtype), owned=True)
+                # Straight into the destination (or its staging buffer): every check passes before the first write.
+                self._fill(slot.dest, lambda out: dequantize(weight, scale, self.layout, slot.logical, out.dtype, out))
             else:
                 values = dequantize(weight, scale, self.layout, slot.logical, torch.float32)
                 q, q_scale = quantize_expert(values, slot.kind, self.layout)
@@ -296,32 +341,53 @@ class WeightWriter:
             return
         if self.staged:
             if not owned:
-                buffer = torch.empty_like(dest)  # dest's strides: the commit copy is then a straight copy
+                buffer = self._staging_buffer(dest)
                 copy_into(buffer, value)
                 value = buffer
             self._staging.append((dest, value))
             return
         self._write(dest, value)
 
-    def _write(self, dest: torch.Tensor, value: torch.Tensor) -> None:
+    def _fill(self, dest: torch.Tensor, produce: Callable[[torch.Tensor], object]) -> None:
+        """Like `_put`, for a value that `produce(out)` validates and then writes into `out` itself."""
+        if self.dry_run:
+            return
+        if self.staged:
+            buffer = self._staging_buffer(dest)
+            produce(buffer)
+            self._staging.append((dest, buffer))
+            return
+        self._before_writing()
+        produce(dest)
+
+    def _staging_buffer(self, dest: torch.Tensor) -> torch.Tensor:
+        return self._staging_buffers.buffer(dest)
+
+    def _before_writing(self) -> None:
         if not self.wrote:
             self.wrote = True
             if self._before_first_write is not None:
                 self._before_first_write()
+
+    def _write(self, dest: torch.Tensor, value: torch.Tensor) -> None:
+        self._before_writing()
         copy_into(dest, value)
 
     def commit(self) -> None:
         """Apply the staged values (atomic refits): one copy per tensor into its resident storage."""
         for dest, value in self._staging:
             self._write(dest, value)
-        self._staging.clear()
+        self._release_staging()
 
     def discard(self) -> None:
         """Drop the staged values and anything waiting for a partner."""
-        self._staging.clear()
+        self._release_staging()
         self._pending.clear()
         if self.shard is not None:
             self.shard.discard()
+
+    def _release_staging(self) -> None:
+        self._staging.clear()
 
     def own_pending(self) -> None:
         """Copy the halves still waiting for their partner out of the caller's buffers (a trainer reuses

@@ -1,0 +1,108 @@
+"""Row-major [out, in] values -> an input-major resident weight, at about the cost of a copy.
+
+Resident dense weights are stored input-major: the parameter is the transposed view of a contiguous
+[in, out] buffer. Checkpoints and trainers hold them row-major, so every load and refit of such a weight is
+a transposing copy, and torch's strided copy of a whole transposed matrix runs ~10-20x a memcpy on CPU (its
+inner loop strides through the source a row apart). The C kernels here (`layout_copy_cpu.c`) copy tile by
+tile with both tiles in L1, converting bf16 <-> fp32 (torch's round-to-nearest-even) or dequantizing FP8
+e4m3 codes times their block scales (torch's fp32 product, one rounding) in the same pass, so a load of an
+FP8 linear into an fp32 or bf16 weight reads each code once and writes each value once.
+
+Each function returns False when it does not apply (another device, layout or dtype pair, or no C
+compiler on this machine): the caller then takes torch's path, which gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+import dsv4.kernels
+from dsv4.kernels.c_library import compile_library
+
+SOURCE = Path(__file__).with_name("layout_copy_cpu.c")
+# The kernels' shared header (bf16 conversions), in the kernels package.
+HEADER = Path(dsv4.kernels.__file__).with_name("rows.h")
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+# (source dtype, destination dtype) -> kernel; same-size pairs copy the raw elements.
+_TRANSPOSES = {
+    (torch.float32, torch.float32): "transpose_b32",
+    (torch.bfloat16, torch.bfloat16): "transpose_b16",
+    (torch.float16, torch.float16): "transpose_b16",
+    (torch.bfloat16, torch.float32): "transpose_bf16_f32",
+    (torch.float32, torch.bfloat16): "transpose_f32_bf16",
+}
+_DEQUANT_FP8 = {torch.float32: "dequant_fp8_f32", torch.bfloat16: "dequant_fp8_bf16"}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where no C compiler works (compiled once per process)."""
+    try:
+        # The header's text joins the cache key: compile_library only keys headers beside the source.
+        lib = compile_library(SOURCE, (f"-I{HEADER.parent}",), HEADER.read_text())
+    except (RuntimeError, OSError):
+        return None
+    for name in _TRANSPOSES.values():
+        getattr(lib, name).argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64]
+    for name in _DEQUANT_FP8.values():
+        getattr(lib, name).argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
+    return lib
+
+
+def input_major(dest: torch.Tensor) -> bool:
+    """Whether `dest` is a CPU matrix stored input-major: the transpose of a contiguous buffer."""
+    return (dest.device.type == "cpu" and dest.dim() == 2 and dest.stride(0) == 1
+            and dest.stride(1) == max(1, dest.shape[0]) and dest.shape[0] > 1 and dest.shape[1] > 1)
+
+
+def transpose_into(dest: torch.Tensor, value: torch.Tensor) -> bool:
+    """dest[...] = value for an input-major `dest` and a row-major contiguous `value` of the same shape.
+
+    Returns:
+        Whether it was done (False: not this layout or dtype pair, or no compiler; nothing written).
+    """
+    kernel = _TRANSPOSES.get((value.dtype, dest.dtype))
+    if kernel is None or not input_major(dest) or value.device.type != "cpu" or not value.is_contiguous():
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    rows, cols = value.shape
+    getattr(lib, kernel)(value.data_ptr(), dest.data_ptr(), rows, cols, cols, dest.stride(1))
+    return True
+
+
+@functools.cache
+def _e4m3_values() -> torch.Tensor:
+    """The float32 value of each of the 256 e4m3fn codes (torch's own decoding of each)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def dequantize_fp8_into(dest: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> bool:
+    """dest[i, j] = table[codes[i, j]] * scale[i // block[0], j // block[1]] for an input-major `dest`.
+
+    Args:
+        dest: the input-major fp32 / bf16 weight [out, in].
+        codes: float8_e4m3fn [out, in], contiguous, already checked for NaN codes.
+        scale: float32 block scales [ceil(out / b0), ceil(in / b1)], contiguous.
+        block: (b0, b1).
+
+    Returns:
+        Whether it was done (nothing is written otherwise).
+    """
+    kernel = _DEQUANT_FP8.get(dest.dtype)
+    if (kernel is None or not input_major(dest) or codes.device.type != "cpu" or not codes.is_contiguous()
+            or scale.dtype != torch.float32 or not scale.is_contiguous()):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    rows, cols = codes.shape
+    getattr(lib, kernel)(codes.data_ptr(), scale.data_ptr(), _e4m3_values().data_ptr(), dest.data_ptr(), rows, cols,
+                         block[0], block[1], scale.shape[1], dest.stride(1))
+    return True
