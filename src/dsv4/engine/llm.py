@@ -425,6 +425,25 @@ class LLM:
             self._weight_update = PausingWeightUpdate(self.loaded, self.engine, pause, atomic=atomic, full=full)
             return self._weight_update
 
+    def release_weight_staging(self) -> int:
+        """Give back the staging memory atomic updates keep between updates (one copy of the tensors they
+        carried: an RL loop that refits every step reuses it instead of faulting in fresh memory each time).
+        The next atomic update allocates again.
+
+        Returns:
+            The bytes released.
+
+        Raises:
+            WeightUpdateError: a weight update session is open (it may be staging into them).
+        """
+        with self._weight_update_lock:
+            if self._weight_update is not None and self._weight_update.active:
+                raise WeightUpdateError("release_weight_staging: a weight update session is open; finish() or "
+                                        "abort() it first")
+            released = self.loaded.staging.nbytes
+            self.loaded.staging.clear()
+            return released
+
     def update_weights(self, weights: Bucket, full: bool = False, pause: str = PAUSE_ABORT) -> int:
         """Atomically replace weights with (name, tensor) pairs (one bucket).
 
