@@ -77,7 +77,7 @@ class DeepseekV4(TopLevelModel):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.kernels)
-        self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.kernels)
         add_hyper_head(self, cfg)
         register_first_layer_broadcast(self, cfg)
         self.requires_grad_(False)

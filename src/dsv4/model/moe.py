@@ -10,7 +10,7 @@ from torch import nn
 
 from dsv4.config import DENSE, EXPERT_FORMATS, FP8, HASH_MOE, ModelConfig, QuantConfig
 from dsv4.kernels.gathered_experts import loop_experts, swiglu
-from dsv4.kernels.registry import MOE_EXPERTS, KernelRegistry, default_registry
+from dsv4.kernels.registry import FEW_ROW_EXPERTS, MOE_EXPERTS, QUANT_EXPERTS, KernelRegistry, default_registry
 from dsv4.model.linear import Linear, input_major
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
 
@@ -111,14 +111,30 @@ class RoutedExperts(nn.Module):
             return dequantize_fp8_blockwise(weight, scale, self.block, out_dtype=self.dtype)
         return dequantize_fp4(weight, scale, self.group, out_dtype=self.dtype)
 
+    @property
+    def quant_block(self) -> tuple[int, int]:
+        """The scale block of FP8 / FP4 stacks: (output rows, inputs) per scale; FP4 scales one row's group."""
+        return self.block if self.format == FP8 else (1, self.group)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]; the registry's gathered path
-        for small batches of dense experts, else the reference loop."""
+        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]. The registry's fused C kernels
+        serve the few-token calls (dense: FEW_ROW_EXPERTS; FP8/FP4: QUANT_EXPERTS, decoded in registers), its
+        grouped/gathered GEMMs larger dense batches; otherwise the reference loop."""
         if self.format == DENSE:
-            args = (x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
+            few = (x, ids, weights, self.w1, self.w3, self.w2, self.limit)
+            fused = self.kernels.kernel(FEW_ROW_EXPERTS, *few)
+            if fused is not None:
+                return fused(*few)
+            args = (*few, swiglu)
             fast = self.kernels.kernel(MOE_EXPERTS, *args)
             if fast is not None:
                 return fast(*args)
+        else:
+            args = (x, ids, weights, self.w1, self.w1_scale, self.w3, self.w3_scale, self.w2, self.w2_scale,
+                    self.quant_block, self.limit)
+            fused = self.kernels.kernel(QUANT_EXPERTS, *args)
+            if fused is not None:
+                return fused(*args)
         return self.forward_reference(x, ids, weights)
 
     def forward_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -127,12 +143,12 @@ class RoutedExperts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelRegistry | None = None):
         super().__init__()
         self.limit = cfg.swiglu_limit
-        self.w1 = Linear(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
-        self.w3 = Linear(cfg.hidden_size, cfg.moe_intermediate_size, dtype)
-        self.w2 = Linear(cfg.moe_intermediate_size, cfg.hidden_size, dtype)
+        self.w1 = Linear(cfg.hidden_size, cfg.moe_intermediate_size, dtype, kernels)
+        self.w3 = Linear(cfg.hidden_size, cfg.moe_intermediate_size, dtype, kernels)
+        self.w2 = Linear(cfg.moe_intermediate_size, cfg.hidden_size, dtype, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
@@ -144,7 +160,7 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(cfg, hashed=mlp_type == HASH_MOE, dtype=dtype)
         self.experts = RoutedExperts(cfg, expert_format, cfg.quant, dtype, kernels)
-        self.shared_experts = SharedExpert(cfg, dtype)
+        self.shared_experts = SharedExpert(cfg, dtype, kernels)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], token_ids [T] (hash routing needs them) -> [T, D]."""
