@@ -41,9 +41,19 @@ LIMIT = 10.0
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-# This CPU's instruction set, and a baseline x86-64 one: without AVX-512 the FP8/FP4 rows take the per-byte
-# table paths, which this machine would otherwise never run.
-MARCHES = ["native", "x86-64-v2"] if platform.machine() in ("x86_64", "AMD64") else ["native"]
+def _cpu_flags() -> set[str]:
+    try:
+        return set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return set()
+
+
+CPU_FLAGS = _cpu_flags()
+X86 = platform.machine() in ("x86_64", "AMD64")
+# This CPU's instruction set, a baseline x86-64 one (no AVX: the FP8/FP4 rows take the per-byte table paths,
+# which this machine would otherwise never run) and, where this CPU runs it, x86-64-v3 (AVX2 + FMA: the
+# 8-wide decode paths, which an AVX-512 machine would otherwise never run).
+MARCHES = ["native", *(["x86-64-v2"] if X86 else []), *(["x86-64-v3"] if X86 and {"avx2", "fma"} <= CPU_FLAGS else [])]
 
 
 @pytest.fixture(scope="module", params=MARCHES)
@@ -52,14 +62,16 @@ def lib(request):
 
 
 def test_builds_pick_the_decode_path_of_their_instruction_set(pool):
-    """A native build on an AVX-512 CPU decodes with vector permutes, a baseline x86-64 build with tables,
-    and the description (`dsv4 env`) says which."""
+    """A native build decodes with AVX-512 permutes on an AVX-512 CPU, with AVX2 ones on an AVX2 + FMA CPU, a
+    baseline x86-64 build with tables, and the description (`dsv4 env`) says which."""
     native = build_library()
-    has_avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
-    assert (native.vector_isa() == 512) == has_avx512
-    assert ("AVX-512" in describe(native, pool)) == has_avx512
+    want = 512 if "avx512f" in CPU_FLAGS else 256 if {"avx2", "fma"} <= CPU_FLAGS else 0
+    assert native.vector_isa() == want
+    assert {512: "AVX-512", 256: "AVX2", 0: "per-byte tables"}[want] in describe(native, pool)
     if "x86-64-v2" in MARCHES:
         assert "per-byte tables" in describe(build_library(march="x86-64-v2"), pool)
+    if "x86-64-v3" in MARCHES:
+        assert build_library(march="x86-64-v3").vector_isa() == 256
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +193,7 @@ def test_fp4_gemv_matches_dequantized_product(lib, pool, two_threads, rows, out_
         _assert_bf16_close(got, want)
 
 
-@pytest.mark.parametrize("pad", [0, 2])  # 254 inputs: the per-byte table path; 256: the vector path (AVX-512)
+@pytest.mark.parametrize("pad", [0, 2])  # 254 inputs: the per-byte table path; 256: the vector path
 def test_fp8_decode_covers_every_code(lib, pool, pad):
     """All 254 finite e4m3 codes (subnormals, both zeros, the largest normal) decode exactly: one-hot rows of x
     read the weight's values back one by one."""

@@ -47,9 +47,9 @@ from dsv4.kernels.c_library import compile_library
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
 _FLAGS = ("-pthread",)  # beyond c_library.BASE_FLAGS
-# The instruction set the library is compiled for: this CPU's. With AVX-512 the FP8/FP4 rows are decoded
-# with vector permutes; without it (or with an older `march`, which the tests use to exercise that path)
-# through per-byte tables.
+# The instruction set the library is compiled for: this CPU's. With AVX-512 (16-wide) or AVX2 + FMA (8-wide)
+# the FP8/FP4 rows are decoded with vector permutes; without them (or with an older `march`, which the tests
+# use to exercise that path) through per-byte tables.
 NATIVE = "native"
 
 # Codes shared with gemv_cpu.c.
@@ -57,7 +57,8 @@ _ACT = {torch.float32: 0, torch.bfloat16: 1}
 _FMT_F32, _FMT_BF16, _FMT_FP8, _FMT_FP4 = 0, 1, 2, 3
 _DENSE_FMT = {torch.float32: _FMT_F32, torch.bfloat16: _FMT_BF16}
 _ERR_ALLOC, _ERR_ARGS = 1, 2
-VECTOR_ISA_AVX512 = 512  # vector_isa() of a library built with the AVX-512 decode paths
+# vector_isa() of a library built with the AVX-512 / AVX2 decode paths (0: per-byte tables)
+VECTOR_ISAS = {512: "AVX-512 permutes", 256: "AVX2 permutes", 0: "per-byte tables"}
 
 # Where DenseGemv beats torch's GEMM on the same input-major weight (benchmarks/bench_gemv.py, small-config
 # shapes, 2 threads, cold weights, shared machine): bf16 one-row products 1.3-3.1x faster (oneDNN's small-row
@@ -346,6 +347,6 @@ def shared_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExpe
 
 def describe(lib: ctypes.CDLL, pool: WorkerPool) -> str:
     """For `dsv4 env`: the instruction set the FP8/FP4 decode was built for and the threads a call uses."""
-    decode = "AVX-512 permutes" if lib.vector_isa() == VECTOR_ISA_AVX512 else "per-byte tables"
+    decode = VECTOR_ISAS[lib.vector_isa()]
     threads = f"{pool.workers + 1} threads" if pool.fixed else "torch.get_num_threads() threads"
     return f"FP8/FP4 decode by {decode}; {threads} (caller-runs pool of {pool.workers} workers)"
