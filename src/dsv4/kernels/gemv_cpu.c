@@ -494,6 +494,14 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
 }
 
+/* 32 inputs of one x row (xr) times 32 decoded weights (v0..v3, 8 each): the first 16 into *first, the
+   last 16 into *second. Inlined, the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void fma_step32(const float *xr, __m256 v0, __m256 v1, __m256 v2,
+                                                             __m256 v3, __m256 *first, __m256 *second) {
+    *first = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xr + 8), _mm256_fmadd_ps(v0, _mm256_loadu_ps(xr), *first));
+    *second = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(v2, _mm256_loadu_ps(xr + 16), *second));
+}
+
 /* AVX2 (no AVX-512): 8-wide vectors. e2m1 codes: the magnitude from an 8-entry table (permutevar8x32 on the
    low 3 bits), the sign bit (bit 3) moved to the float's sign. */
 static inline __m256 e2m1x8(__m256i codes, __m256 table) {
@@ -521,13 +529,7 @@ static inline __attribute__((always_inline)) void fp4_row_block(const float *xp,
             const __m256 lo1 = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c1, nibble), table), s);
             const __m256 hi0 = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c0, 4), table), s);
             const __m256 hi1 = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c1, 4), table), s);
-            for (int r = 0; r < rb; ++r) {
-                const float *xr = xp + r * K + k0;
-                lo_sum[r] = _mm256_fmadd_ps(lo0, _mm256_loadu_ps(xr), lo_sum[r]);
-                lo_sum[r] = _mm256_fmadd_ps(lo1, _mm256_loadu_ps(xr + 8), lo_sum[r]);
-                hi_sum[r] = _mm256_fmadd_ps(hi0, _mm256_loadu_ps(xr + 16), hi_sum[r]);
-                hi_sum[r] = _mm256_fmadd_ps(hi1, _mm256_loadu_ps(xr + 24), hi_sum[r]);
-            }
+            for (int r = 0; r < rb; ++r) fma_step32(xp + r * K + k0, lo0, lo1, hi0, hi1, &lo_sum[r], &hi_sum[r]);
         }
     }
     for (int r = 0; r < rb; ++r) out[r * ldout] = hsum256(_mm256_add_ps(lo_sum[r], hi_sum[r]));
@@ -558,13 +560,7 @@ static inline __attribute__((always_inline)) void fp8_row_block(const float *x, 
         for (const long end = k0 + b1 < K ? k0 + b1 : K; k0 < end; k0 += 2 * FP8_STEP) {
             const __m256 v0 = _mm256_mul_ps(e4m3x8(wr + k0), s), v1 = _mm256_mul_ps(e4m3x8(wr + k0 + 8), s);
             const __m256 v2 = _mm256_mul_ps(e4m3x8(wr + k0 + 16), s), v3 = _mm256_mul_ps(e4m3x8(wr + k0 + 24), s);
-            for (int r = 0; r < rb; ++r) {
-                const float *xr = x + r * K + k0;
-                even[r] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(xr), even[r]);
-                even[r] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xr + 8), even[r]);
-                odd[r] = _mm256_fmadd_ps(v2, _mm256_loadu_ps(xr + 16), odd[r]);
-                odd[r] = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xr + 24), odd[r]);
-            }
+            for (int r = 0; r < rb; ++r) fma_step32(x + r * K + k0, v0, v1, v2, v3, &even[r], &odd[r]);
         }
     }
     for (int r = 0; r < rb; ++r) out[r * ldout] = hsum256(_mm256_add_ps(even[r], odd[r]));
