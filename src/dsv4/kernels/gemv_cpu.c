@@ -414,16 +414,16 @@ static void fp4_order_rows(const float *x, long R, long K, float *xp) {
             }
 }
 
+/* Rows of x one pass over a weight row serves: 2 accumulators per row stay in registers (an accumulator
+   array indexed at run time would live in memory, and each FMA would wait on a store-to-load round trip). */
+#define ROW_BLOCK 4
+
 #if defined(__AVX512F__)
 /* e2m1 magnitudes and signs: the 16 code values as one vector (permutexvar indexes it by code). */
 static inline __m512 e2m1_table(void) {
     return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
                           -4.0f, -6.0f);
 }
-
-/* Rows of x one pass over a weight row serves: 2 accumulators per row stay in registers (an accumulator
-   array indexed at run time would live in memory, and each FMA would wait on a store-to-load round trip). */
-#define ROW_BLOCK 4
 
 /* One FP4 weight row against `rb` (constant after inlining) FP4-ordered x rows: per 32-input step, 16 bytes ->
    2 x 16 values times the group's scale (exact: a power of two), one FMA per vector and x row, low and high
@@ -448,25 +448,6 @@ static inline __attribute__((always_inline)) void fp4_row_block(const float *xp,
         }
     }
     for (int r = 0; r < rb; ++r) out[r * ldout] = _mm512_reduce_add_ps(_mm512_add_ps(lo_sum[r], hi_sum[r]));
-}
-
-/* FP4 rows [n0, n1) against R FP4-ordered x rows (xp), ROW_BLOCK x rows per pass. */
-static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const uint8_t *scale, long group, long n0,
-                     long n1, float *acc, long ldacc) {
-    const long half = K / 2, groups = K / group;
-    for (long n = n0; n < n1; ++n) {
-        const uint8_t *wr = w + n * half, *srow = scale + n * groups;
-        for (long r0 = 0; r0 < R; r0 += ROW_BLOCK) {
-            const float *x = xp + r0 * K;
-            float *out = acc + r0 * ldacc + (n - n0);
-            switch (R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK) {
-            case 1: fp4_row_block(x, 1, K, wr, srow, group, out, ldacc); break;
-            case 2: fp4_row_block(x, 2, K, wr, srow, group, out, ldacc); break;
-            case 3: fp4_row_block(x, 3, K, wr, srow, group, out, ldacc); break;
-            default: fp4_row_block(x, ROW_BLOCK, K, wr, srow, group, out, ldacc); break;
-            }
-        }
-    }
 }
 
 /* 16 e4m3 bytes -> 16 floats: normals get the exponent bias difference (127 - 7 = 120) added under the fp32
@@ -504,6 +485,111 @@ static inline __attribute__((always_inline)) void fp8_row_block(const float *x, 
     for (int r = 0; r < rb; ++r) out[r * ldout] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 }
 
+#define VECTOR_ISA 512
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Sum of a vector's 8 lanes (a fixed order: results do not depend on the thread count or batch). */
+static inline float hsum256(__m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+/* 32 inputs of one x row (xr) times 32 decoded weights (v0..v3, 8 each): the first 16 into *first, the
+   last 16 into *second. Inlined, the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void fma_step32(const float *xr, __m256 v0, __m256 v1, __m256 v2,
+                                                             __m256 v3, __m256 *first, __m256 *second) {
+    *first = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xr + 8), _mm256_fmadd_ps(v0, _mm256_loadu_ps(xr), *first));
+    *second = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(v2, _mm256_loadu_ps(xr + 16), *second));
+}
+
+/* AVX2 (no AVX-512): 8-wide vectors. e2m1 codes: the magnitude from an 8-entry table (permutevar8x32 on the
+   low 3 bits), the sign bit (bit 3) moved to the float's sign. */
+static inline __m256 e2m1x8(__m256i codes, __m256 table) {
+    const __m256 mag = _mm256_permutevar8x32_ps(table, _mm256_and_si256(codes, _mm256_set1_epi32(7)));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
+}
+
+/* One FP4 weight row against `rb` (constant after inlining) FP4-ordered x rows: per 32-input step, 16 bytes ->
+   4 x 8 values (low nibbles of bytes 0-7, 8-15, then high nibbles) times the group's scale (exact: a power of
+   two), one FMA per vector and x row, low and high nibbles in separate accumulators. */
+static inline __attribute__((always_inline)) void fp4_row_block(const float *xp, const int rb, long K,
+                                                                const uint8_t *wr, const uint8_t *srow, long group,
+                                                                float *out, long ldout) {
+    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m256i nibble = _mm256_set1_epi32(0xf);
+    __m256 lo_sum[ROW_BLOCK], hi_sum[ROW_BLOCK];
+    for (int r = 0; r < rb; ++r) lo_sum[r] = hi_sum[r] = _mm256_setzero_ps();
+    for (long g = 0, k0 = 0; k0 < K; ++g) {
+        const __m256 s = _mm256_set1_ps(e8m0_to_f32(srow[g]));
+        for (const long end = k0 + group; k0 < end; k0 += FP4_STEP) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + k0 / 2));
+            const __m256i c0 = _mm256_cvtepu8_epi32(bytes), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+            const __m256 lo0 = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c0, nibble), table), s);
+            const __m256 lo1 = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c1, nibble), table), s);
+            const __m256 hi0 = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c0, 4), table), s);
+            const __m256 hi1 = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c1, 4), table), s);
+            for (int r = 0; r < rb; ++r) fma_step32(xp + r * K + k0, lo0, lo1, hi0, hi1, &lo_sum[r], &hi_sum[r]);
+        }
+    }
+    for (int r = 0; r < rb; ++r) out[r * ldout] = hsum256(_mm256_add_ps(lo_sum[r], hi_sum[r]));
+}
+
+/* 8 e4m3 bytes -> 8 floats, as e4m3x16 does for 16. */
+static inline __m256 e4m3x8(const uint8_t *b) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    const __m256i em = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
+    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20),
+                                                               _mm256_set1_epi32(120 << 23)));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(0x1p-9f));
+    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
+    const __m256 mag = _mm256_blendv_ps(normal, sub, is_sub);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
+}
+
+/* One FP8 weight row against `rb` x rows, as the AVX-512 version: 2 x 16 inputs a step, each 16 as two
+   8-wide halves, even and odd 16-input steps in separate accumulators. */
+static inline __attribute__((always_inline)) void fp8_row_block(const float *x, const int rb, long K,
+                                                                const uint8_t *wr, const float *srow, long b1,
+                                                                float *out, long ldout) {
+    __m256 even[ROW_BLOCK], odd[ROW_BLOCK];
+    for (int r = 0; r < rb; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (long kb = 0, k0 = 0; k0 < K; ++kb) {
+        const __m256 s = _mm256_set1_ps(srow[kb]);
+        for (const long end = k0 + b1 < K ? k0 + b1 : K; k0 < end; k0 += 2 * FP8_STEP) {
+            const __m256 v0 = _mm256_mul_ps(e4m3x8(wr + k0), s), v1 = _mm256_mul_ps(e4m3x8(wr + k0 + 8), s);
+            const __m256 v2 = _mm256_mul_ps(e4m3x8(wr + k0 + 16), s), v3 = _mm256_mul_ps(e4m3x8(wr + k0 + 24), s);
+            for (int r = 0; r < rb; ++r) fma_step32(x + r * K + k0, v0, v1, v2, v3, &even[r], &odd[r]);
+        }
+    }
+    for (int r = 0; r < rb; ++r) out[r * ldout] = hsum256(_mm256_add_ps(even[r], odd[r]));
+}
+#define VECTOR_ISA 256
+#else
+#define VECTOR_ISA 0
+#endif
+
+#if VECTOR_ISA
+/* FP4 rows [n0, n1) against R FP4-ordered x rows (xp), ROW_BLOCK x rows per pass. */
+static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const uint8_t *scale, long group, long n0,
+                     long n1, float *acc, long ldacc) {
+    const long half = K / 2, groups = K / group;
+    for (long n = n0; n < n1; ++n) {
+        const uint8_t *wr = w + n * half, *srow = scale + n * groups;
+        for (long r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+            const float *x = xp + r0 * K;
+            float *out = acc + r0 * ldacc + (n - n0);
+            switch (R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK) {
+            case 1: fp4_row_block(x, 1, K, wr, srow, group, out, ldacc); break;
+            case 2: fp4_row_block(x, 2, K, wr, srow, group, out, ldacc); break;
+            case 3: fp4_row_block(x, 3, K, wr, srow, group, out, ldacc); break;
+            default: fp4_row_block(x, ROW_BLOCK, K, wr, srow, group, out, ldacc); break;
+            }
+        }
+    }
+}
+
 static void fp8_rows_vec(const float *x, long R, long K, const uint8_t *w, const float *scale, long b0, long b1,
                          long n0, long n1, float *acc, long ldacc) {
     const long kb_count = (K + b1 - 1) / b1;
@@ -523,7 +609,6 @@ static void fp8_rows_vec(const float *x, long R, long K, const uint8_t *w, const
     }
 }
 #define HAVE_FP8_VEC 1
-#define VECTOR_ISA 512
 #else
 /* Portable paths: a table per byte (branch-free; the compiler vectorises the products). */
 
@@ -561,7 +646,6 @@ static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const ui
     }
 }
 #define HAVE_FP8_VEC 0
-#define VECTOR_ISA 0
 #endif
 
 /* The decode paths this build has: 512 = AVX-512 permutes, 0 = per-byte tables. */

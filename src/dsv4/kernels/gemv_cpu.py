@@ -36,6 +36,8 @@ a different CPU builds its own copy).
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import platform
 from pathlib import Path
 
@@ -45,9 +47,9 @@ from dsv4.kernels.c_library import compile_library
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
 _FLAGS = ("-pthread",)  # beyond c_library.BASE_FLAGS
-# The instruction set the library is compiled for: this CPU's. With AVX-512 the FP8/FP4 rows are decoded
-# with vector permutes; without it (or with an older `march`, which the tests use to exercise that path)
-# through per-byte tables.
+# The instruction set the library is compiled for: this CPU's. With AVX-512 (16-wide) or AVX2 + FMA (8-wide)
+# the FP8/FP4 rows are decoded with vector permutes; without them (or with an older `march`, which the tests
+# use to exercise that path) through per-byte tables.
 NATIVE = "native"
 
 # Codes shared with gemv_cpu.c.
@@ -55,21 +57,27 @@ _ACT = {torch.float32: 0, torch.bfloat16: 1}
 _FMT_F32, _FMT_BF16, _FMT_FP8, _FMT_FP4 = 0, 1, 2, 3
 _DENSE_FMT = {torch.float32: _FMT_F32, torch.bfloat16: _FMT_BF16}
 _ERR_ALLOC, _ERR_ARGS = 1, 2
-VECTOR_ISA_AVX512 = 512  # vector_isa() of a library built with the AVX-512 decode paths
+# vector_isa() of a library built with the AVX-512 / AVX2 decode paths (0: per-byte tables)
+VECTOR_ISAS = {512: "AVX-512 permutes", 256: "AVX2 permutes", 0: "per-byte tables"}
 
 # Where DenseGemv beats torch's GEMM on the same input-major weight (benchmarks/bench_gemv.py, small-config
 # shapes, 2 threads, cold weights, shared machine): bf16 one-row products 1.3-3.1x faster (oneDNN's small-row
-# bf16 GEMMs are slow); at 4 rows mixed (0.5-1.5x). fp32: MKL's one-row GEMV is as fast or faster (0.5-0.9x,
-# the 16384x512 head 0.8x), so `supports` declines fp32 and the kernel's fp32 path serves the fused dense
-# experts only.
+# bf16 GEMMs are slow); at 4 rows mixed (0.5-1.5x). fp32: MKL's one-row GEMV is as fast (0.9-1.1x on this
+# machine, the 16384x512 head included), so `supports` declines fp32 and the kernel's fp32 path serves the
+# fused dense experts only.
 MAX_BF16_ROWS = 1
 # Input width the quantized kernel decodes a weight row into (its stack buffer, MAX_QUANT_K in the C file).
 MAX_QUANT_K = 16384
 # FP4 inputs one decode step reads (16 bytes): an FP4 scale group must be a multiple of it (FP4_STEP in C).
 FP4_STEP = 32
-# Picks (tokens x k) up to which the fused expert kernel is used: each expert's rows share one decode of
-# its weights, which beats dequantise-then-GEMM while the rows per expert are few.
-MAX_EXPERT_PICKS = 256
+# Picks (tokens x k) per expert of the layer up to which the fused expert kernels are used, by weight format:
+# each used expert's weights are read once for all its rows, which wins while the rows per expert are few;
+# beyond, the GEMM paths (grouped_mm, or dequantise-then-GEMM per expert) win. Measured with
+# benchmarks/bench_gemv.py-style calls on the small config (E=16, k=2, 2 threads, cold weights), fused kernel
+# vs what the model runs without it: fp32 x2.4 at 1 token, x1.24 at 16, x1.03 at 32 (4 picks per expert), x0.76
+# at 64; FP8 (table decode) x1.8 at 16 tokens, x1.41 at 32, x0.96 at 64; FP4 x2.8 at 32, x1.43 at 128 (16 picks
+# per expert); bf16 x4-13 from 1 to 64 tokens (oneDNN's small bf16 GEMMs are slow).
+MAX_PICKS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16, torch.float8_e4m3fn: 4, torch.int8: 16}
 
 
 def _cpu_features() -> str:
@@ -155,7 +163,10 @@ def _check(status: int, kernel: str) -> None:
 
 
 def _cpu_rows(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dim() == 2 and x.dtype in _ACT and x.is_contiguous() and x.numel() > 0
+    """Eager CPU rows [R, K] without autograd history (the kernels have no backward; a graph torch.compile
+    captures cannot call into ctypes: there the torch formulas run)."""
+    return (x.device.type == "cpu" and x.dim() == 2 and x.dtype in _ACT and x.is_contiguous() and x.numel() > 0
+            and not x.requires_grad and not torch.compiler.is_compiling())
 
 
 def _input_major(weight: torch.Tensor) -> bool:
@@ -188,17 +199,30 @@ def _quant_ok(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
             and tuple(scale.shape[-2:]) == (n, in_features // b1))
 
 
-class DenseGemv:
+class _PoolKernel:
+    """A kernel of the library calling through the shared worker pool."""
+
+    _entry = ""  # the C function this kernel calls
+
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
+        self._lib, self._fn, self._pool = lib, getattr(lib, self._entry), pool
+
+    def describe(self) -> str:
+        """For `dsv4 env`: the decode path and threads of this build."""
+        return describe(self._lib, self._pool)
+
+
+class DenseGemv(_PoolKernel):
     """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K]; `supports` accepts the calls where it
     was measured faster than torch (bf16, R <= MAX_BF16_ROWS), the call itself runs any row count and both."""
 
-    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
-        self._fn, self._pool = lib.dense_xw, pool
+    _entry = "dense_xw"
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (_cpu_rows(x) and x.dtype == torch.bfloat16 and x.shape[0] <= MAX_BF16_ROWS and weight.dim() == 2
-                and weight.dtype == x.dtype
+        # dtype first: a Linear's hot path in fp32 declines after one comparison
+        return (x.dtype == torch.bfloat16 and _cpu_rows(x) and x.shape[0] <= MAX_BF16_ROWS and weight.dim() == 2
+                and weight.dtype == x.dtype and not weight.requires_grad
                 and weight.shape[1] == x.shape[1] and weight.device.type == "cpu" and _input_major(weight))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -211,11 +235,10 @@ class DenseGemv:
         return y
 
 
-class QuantGemv:
+class QuantGemv(_PoolKernel):
     """x [R, K] @ W.T for an output-major FP8 or FP4 weight W [N, K] decoded in registers."""
 
-    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
-        self._fn, self._pool = lib.quant_xw, pool
+    _entry = "quant_xw"
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> bool:
@@ -233,10 +256,14 @@ class QuantGemv:
         return y
 
 
-def _routing_ok(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: int) -> bool:
+def _routing_ok(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Routing tensors of x's tokens, and few enough picks per expert for the fused kernel to win
+    (MAX_PICKS_PER_EXPERT of w1's format)."""
+    experts, per_expert = w1.shape[0], MAX_PICKS_PER_EXPERT.get(w1.dtype, 0)
     return (_cpu_rows(x) and ids.dtype == torch.int64 and ids.is_contiguous() and weights.dtype == torch.float32
             and weights.is_contiguous() and ids.dim() == 2 and ids.shape == weights.shape
-            and ids.shape[0] == x.shape[0] and ids.numel() <= MAX_EXPERT_PICKS and experts > 0)
+            and ids.shape[0] == x.shape[0] and experts > 0
+            and ids.numel() <= per_expert * experts)
 
 
 def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, limit) -> torch.Tensor:
@@ -249,15 +276,14 @@ def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, 
     return out
 
 
-class FusedExperts:
+class FusedExperts(_PoolKernel):
     """Routed experts of one MoE layer over dense input-major stacks w1/w3 [E, I, D], w2 [E, D, I]."""
 
-    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
-        self._fn, self._pool = lib.moe_experts, pool
+    _entry = "moe_experts"
 
     @staticmethod
     def supports(x, ids, weights, w1, w3, w2, limit) -> bool:
-        if w1.dim() != 3 or not _routing_ok(x, ids, weights, w1.shape[0]):
+        if w1.dim() != 3 or not _routing_ok(x, ids, weights, w1):
             return False
         E, inter, D = w1.shape
         layouts = all(w.dtype == x.dtype and w.device.type == "cpu" and _input_major(w) for w in (w1, w3, w2))
@@ -268,15 +294,14 @@ class FusedExperts:
                             None, (1, 1), limit)
 
 
-class FusedQuantExperts:
+class FusedQuantExperts(_PoolKernel):
     """Routed experts of one MoE layer over FP8 or FP4 stacks, decoded in registers (no dequantised copy)."""
 
-    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
-        self._fn, self._pool = lib.moe_experts, pool
+    _entry = "moe_experts"
 
     @staticmethod
     def supports(x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> bool:
-        if not _routing_ok(x, ids, weights, w1.shape[0]) or w1.dim() != 3:
+        if w1.dim() != 3 or not _routing_ok(x, ids, weights, w1):
             return False
         D, inter = x.shape[1], w1.shape[1]
         same = _quant_format(w1) == _quant_format(w3) == _quant_format(w2)
@@ -289,23 +314,39 @@ class FusedQuantExperts:
                             w3_scale.data_ptr(), w2, w2_scale.data_ptr(), block, limit)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity masks on this OS
+        return os.cpu_count() or 1
+
+
 def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts]:
     """All four kernels over one build of the library and one worker pool.
 
     Args:
-        threads: threads every call uses (the pool gets threads - 1 workers); None: the pool gets
-            torch.get_num_threads() - 1 workers and each call uses torch.get_num_threads() at that moment.
+        threads: threads every call uses (the pool gets threads - 1 workers); None: the pool gets a worker
+            per usable CPU but one (idle workers sleep) and each call uses torch.get_num_threads() at that
+            moment, so a later torch.set_num_threads is followed.
 
     Raises:
         As `build_library` does; MemoryError if the pool cannot be allocated.
     """
     lib = build_library()
-    pool = WorkerPool(lib, (threads or torch.get_num_threads()) - 1, fixed=threads is not None)
+    pool = WorkerPool(lib, (threads or usable_cpus()) - 1, fixed=threads is not None)
     return DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool)
+
+
+@functools.cache
+def shared_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts]:
+    """The process's one set of kernels (`build_kernels()`): every kernel registry hands these out, so a
+    process runs one worker pool however many models it builds, as torch runs one intra-op pool."""
+    return build_kernels()
 
 
 def describe(lib: ctypes.CDLL, pool: WorkerPool) -> str:
     """For `dsv4 env`: the instruction set the FP8/FP4 decode was built for and the threads a call uses."""
-    decode = "AVX-512 permutes" if lib.vector_isa() == VECTOR_ISA_AVX512 else "per-byte tables"
+    decode = VECTOR_ISAS[lib.vector_isa()]
     threads = f"{pool.workers + 1} threads" if pool.fixed else "torch.get_num_threads() threads"
     return f"FP8/FP4 decode by {decode}; {threads} (caller-runs pool of {pool.workers} workers)"

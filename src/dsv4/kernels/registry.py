@@ -32,6 +32,9 @@ MHC_COEFFICIENTS = "mhc_coefficients"
 MOE_EXPERTS = "moe_experts"
 MHC_FUSED = "mhc_fused"
 NORM_ROPE = "norm_rope"
+LINEAR = "linear"
+FEW_ROW_EXPERTS = "few_row_experts"
+QUANT_EXPERTS = "quant_experts"
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,13 @@ def _build_grouped_experts():
     return build_grouped_experts()
 
 
+def _build_few_row(index: int):
+    """One of gemv_cpu's kernels; the four share one build of the library and one worker pool."""
+    from dsv4.kernels.gemv_cpu import shared_kernels
+
+    return shared_kernels()[index]
+
+
 def _build_gathered_experts():
     from dsv4.kernels.gathered_experts import GatheredExperts
 
@@ -95,6 +105,20 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
     NORM_ROPE: (
         Backend("cpu_c", _build_norm_rope,
                 "RMSNorm and/or interleaved RoPE in place, one C call (fp32 or bf16 CPU, fp32 arithmetic)"),
+    ),
+    LINEAR: (
+        Backend("cpu_c", functools.partial(_build_few_row, 0),
+                "few-row products on input-major weights (gemv_cpu.c DenseGemv): bf16 one-row calls"),
+    ),
+    FEW_ROW_EXPERTS: (
+        Backend("cpu_c", functools.partial(_build_few_row, 2),
+                "dense routed experts of a few tokens in one C call, each used expert's weights read once "
+                "(gemv_cpu.c FusedExperts)"),
+    ),
+    QUANT_EXPERTS: (
+        Backend("cpu_c", functools.partial(_build_few_row, 3),
+                "FP8 / FP4 routed experts decoded in registers, no dequantised copy (gemv_cpu.c "
+                "FusedQuantExperts)"),
     ),
     MOE_EXPERTS: (
         Backend("grouped_mm", _build_grouped_experts,
@@ -141,7 +165,8 @@ class KernelRegistry:
             except Exception as exc:  # any build failure means "fall back", with the reason shown
                 failures.append(f"{backend.name}: {type(exc).__name__}: {exc}")
                 continue
-            return Choice(op, backend.name, impl, backend.summary)
+            detail = getattr(impl, "describe", None)  # a build's own details (instruction set, threads)
+            return Choice(op, backend.name, impl, backend.summary + (f"; {detail()}" if detail else ""))
         return Choice(op, REFERENCE, None, "fallback (" + "; ".join(failures) + ")")
 
     def describe(self) -> list[str]:

@@ -58,8 +58,8 @@ class Compressor(nn.Module):
         self.out_dim = out_dim
         self.overlap = overlap
         width = 2 * out_dim if overlap else out_dim
-        self.wkv = Linear(cfg.hidden_size, width, dtype)
-        self.wgate = Linear(cfg.hidden_size, width, dtype)
+        self.wkv = Linear(cfg.hidden_size, width, dtype, kernels)
+        self.wgate = Linear(cfg.hidden_size, width, dtype, kernels)
         self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNorm(out_dim, cfg.rms_norm_eps, kernels)
 
@@ -114,8 +114,8 @@ class Indexer(nn.Module):
         self.head_dim = cfg.index_head_dim
         self.topk = cfg.index_topk
         self.rate = cfg.compress_rate_csa
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
-        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, kernels)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype, kernels)
         self.compressor = Compressor(cfg, self.rate, self.head_dim, overlap=True, dtype=dtype, kernels=kernels)
 
     def select(
@@ -167,14 +167,14 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
         self.o_groups = parallel.local(cfg.o_groups)
         self.o_lora_rank = cfg.o_lora_rank
-        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype, kernels)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, kernels)
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype)
-        self.wkv = Linear(cfg.hidden_size, self.head_dim, dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, kernels)
+        self.wkv = Linear(cfg.hidden_size, self.head_dim, dtype, kernels)
         self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels)
         group_in = self.n_heads * self.head_dim // self.o_groups
-        self.wo_a = Linear(group_in, self.o_groups * self.o_lora_rank, dtype)
-        self.wo_b = Linear(self.o_groups * self.o_lora_rank, cfg.hidden_size, dtype)
+        self.wo_a = Linear(group_in, self.o_groups * self.o_lora_rank, dtype, kernels)
+        self.wo_b = Linear(self.o_groups * self.o_lora_rank, cfg.hidden_size, dtype, kernels)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32), requires_grad=False)
         self.eps = cfg.rms_norm_eps
         # Sliding layers rotate with the main table; CSA/HCA layers use the compress table for everything.

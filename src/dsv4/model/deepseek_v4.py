@@ -87,7 +87,7 @@ class DeepseekV4(TopLevelModel):
         if parallel.is_parallel:
             self.head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, dtype, parallel)
         else:
-            self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+            self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.kernels)
         add_hyper_head(self, cfg)
         register_first_layer_broadcast(self, cfg)
         self.requires_grad_(False)

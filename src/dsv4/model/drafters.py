@@ -38,8 +38,8 @@ class MTPLayer(Block):
         super().__init__(cfg, SLIDING, MOE, expert_format, dtype, kernels, parallel)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.e_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype)
-        self.h_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype)
+        self.e_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype, kernels)
+        self.h_proj = Linear(cfg.hidden_size, cfg.hidden_size, dtype, kernels)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         add_hyper_head(self, cfg)
 

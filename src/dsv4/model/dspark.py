@@ -117,14 +117,14 @@ class DSparkStage(Block):
         D = cfg.hidden_size
         self.attn = DSparkAttention(stage_cfg, dtype, kernels)
         if first:
-            self.main_proj = Linear(D * len(spec.target_layer_ids), D, dtype)
+            self.main_proj = Linear(D * len(spec.target_layer_ids), D, dtype, kernels)
             self.main_norm = RMSNorm(D, cfg.rms_norm_eps, kernels)
         if last:
             self.norm = RMSNorm(D, cfg.rms_norm_eps, kernels)
             if spec.variant == DSPARK_V4:
                 add_hyper_head(self, cfg)
-            self.markov_head = MarkovHead(cfg.vocab_size, spec.markov_rank, dtype)
-            self.confidence_head = ConfidenceHead(D, spec.markov_rank)
+            self.markov_head = MarkovHead(cfg.vocab_size, spec.markov_rank, dtype, kernels)
+            self.confidence_head = ConfidenceHead(D, spec.markov_rank, kernels)
 
     # ---- V4.1: the mHC `pre` mix of each sublayer is applied one sublayer later ----
     def forward_carried(

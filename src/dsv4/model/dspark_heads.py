@@ -13,6 +13,7 @@ where head hidden_i is the last stage's collapse before its final norm.
 import torch
 from torch import nn
 
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.linear import Linear
 
 
@@ -20,10 +21,10 @@ class MarkovHead(nn.Module):
     """markov_w1 embeds the previous token (model dtype, like the token embedding); markov_w2 maps that
     embedding to a logit bias over the vocabulary, kept in fp32 as the release computes it."""
 
-    def __init__(self, vocab_size: int, rank: int, dtype: torch.dtype):
+    def __init__(self, vocab_size: int, rank: int, dtype: torch.dtype, kernels: KernelRegistry | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank, dtype=dtype)
-        self.markov_w2 = Linear(rank, vocab_size, torch.float32)  # weight [V, r]: bias = W2 @ e
+        self.markov_w2 = Linear(rank, vocab_size, torch.float32, kernels)  # weight [V, r]: bias = W2 @ e
 
     def embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """markov_w1[prev].
@@ -51,9 +52,9 @@ class MarkovHead(nn.Module):
 class ConfidenceHead(nn.Module):
     """proj [1, D + r] (fp32, no bias) over [head hidden ; markov_w1[prev]]."""
 
-    def __init__(self, hidden_size: int, rank: int):
+    def __init__(self, hidden_size: int, rank: int, kernels: KernelRegistry | None = None):
         super().__init__()
-        self.proj = Linear(hidden_size + rank, 1, torch.float32)
+        self.proj = Linear(hidden_size + rank, 1, torch.float32, kernels)
 
     def forward(self, head_hidden: torch.Tensor, markov_embedding: torch.Tensor) -> torch.Tensor:
         """The confidence logits (before the sigmoid).

@@ -6,11 +6,16 @@ a contiguous [in, out] matrix, which CPU GEMMs run without a transposed operand:
 config in fp32 (both layouts alternated in one process), decode steps 17-27% faster at 16-64 rows, equal
 at one row and in bf16. Loading and refits copy into the view (`copy_` handles any strides), so
 addresses stay put; export clones to the contiguous checkpoint layout.
+
+A product the registry's few-row kernel supports (`LINEAR`: bf16 one-row decode calls, where it reads the
+weight once at several times oneDNN's speed) runs there; every other call runs `F.linear`, the reference.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dsv4.kernels.registry import LINEAR, KernelRegistry, default_registry
 
 
 def input_major(out_features: int, in_features: int, dtype: torch.dtype, stack: tuple[int, ...] = ()) -> nn.Parameter:
@@ -20,11 +25,16 @@ def input_major(out_features: int, in_features: int, dtype: torch.dtype, stack: 
 
 
 class Linear(nn.Module):
-    """y = x W^T, no bias; W [out, in] stored input-major."""
+    """y = x W^T, no bias; W [out, in] stored input-major. `kernels`: the model's registry (default: the
+    process-wide one)."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, kernels: KernelRegistry | None = None):
         super().__init__()
+        self.kernels = kernels or default_registry()
         self.weight = input_major(out_features, in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernels.kernel(LINEAR, x, self.weight)
+        if kernel is not None:
+            return kernel(x, self.weight)
         return F.linear(x, self.weight)

@@ -10,7 +10,7 @@ from torch import nn
 
 from dsv4.config import DENSE, EXPERT_FORMATS, FP8, HASH_MOE, ModelConfig, QuantConfig
 from dsv4.kernels.gathered_experts import loop_experts, swiglu
-from dsv4.kernels.registry import MOE_EXPERTS, KernelRegistry, default_registry
+from dsv4.kernels.registry import FEW_ROW_EXPERTS, MOE_EXPERTS, QUANT_EXPERTS, KernelRegistry, default_registry
 from dsv4.model.linear import Linear, input_major
 from dsv4.parallel.collectives import all_reduce
 from dsv4.parallel.state import SINGLE, ParallelState
@@ -118,10 +118,16 @@ class RoutedExperts(nn.Module):
             return dequantize_fp8_blockwise(weight, scale, self.block, out_dtype=self.dtype)
         return dequantize_fp4(weight, scale, self.group, out_dtype=self.dtype)
 
+    @property
+    def quant_block(self) -> tuple[int, int]:
+        """The scale block of FP8 / FP4 stacks: (output rows, inputs) per scale; FP4 scales one row's group."""
+        return self.block if self.format == FP8 else (1, self.group)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]; the registry's gathered path
-        for small batches of dense experts, else the reference loop. Expert parallel: the sum over the
-        experts this rank holds (ids are global)."""
+        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]. The registry's fused C kernels
+        serve the few-token calls (dense: FEW_ROW_EXPERTS; FP8/FP4: QUANT_EXPERTS, decoded in registers), its
+        grouped/gathered GEMMs larger dense batches; otherwise the reference loop. Expert parallel: the sum
+        over the experts this rank holds (ids are global)."""
         if self.parallel.expert_parallel:
             return self._forward_held(x, ids, weights)
         return self._forward_local(x, ids, weights)
@@ -141,10 +147,20 @@ class RoutedExperts(nn.Module):
     def _forward_local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`forward` with ids indexing this rank's experts."""
         if self.format == DENSE:
-            args = (x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
+            few = (x, ids, weights, self.w1, self.w3, self.w2, self.limit)
+            fused = self.kernels.kernel(FEW_ROW_EXPERTS, *few)
+            if fused is not None:
+                return fused(*few)
+            args = (*few, swiglu)
             fast = self.kernels.kernel(MOE_EXPERTS, *args)
             if fast is not None:
                 return fast(*args)
+        else:
+            args = (x, ids, weights, self.w1, self.w1_scale, self.w3, self.w3_scale, self.w2, self.w2_scale,
+                    self.quant_block, self.limit)
+            fused = self.kernels.kernel(QUANT_EXPERTS, *args)
+            if fused is not None:
+                return fused(*args)
         return self.forward_reference(x, ids, weights)
 
     def forward_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -155,13 +171,14 @@ class RoutedExperts(nn.Module):
 class SharedExpert(nn.Module):
     """Always-on SwiGLU MLP; under tensor parallelism each rank holds 1/N of its width (a partial sum)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, parallel: ParallelState = SINGLE):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, kernels: KernelRegistry | None = None,
+                 parallel: ParallelState = SINGLE):
         super().__init__()
         self.limit = cfg.swiglu_limit
         width = parallel.local(cfg.moe_intermediate_size)
-        self.w1 = Linear(cfg.hidden_size, width, dtype)
-        self.w3 = Linear(cfg.hidden_size, width, dtype)
-        self.w2 = Linear(width, cfg.hidden_size, dtype)
+        self.w1 = Linear(cfg.hidden_size, width, dtype, kernels)
+        self.w3 = Linear(cfg.hidden_size, width, dtype, kernels)
+        self.w2 = Linear(width, cfg.hidden_size, dtype, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
@@ -177,7 +194,7 @@ class MoE(nn.Module):
         self.parallel = parallel
         self.gate = Router(cfg, hashed=mlp_type == HASH_MOE, dtype=dtype)
         self.experts = RoutedExperts(cfg, expert_format, cfg.quant, dtype, kernels, parallel)
-        self.shared_experts = SharedExpert(cfg, dtype, parallel)
+        self.shared_experts = SharedExpert(cfg, dtype, kernels, parallel)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], token_ids [T] (hash routing needs them) -> [T, D]."""
