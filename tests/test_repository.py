@@ -19,7 +19,6 @@ def test_make_test_runs_ruff_on_every_python_folder_before_pytest(tmp_path):
     stamp.touch()
     dry_run = subprocess.run(["make", "-n", "test", f"STAMP={stamp}"], capture_output=True, text=True, cwd=REPO,
                              check=True, timeout=60).stdout.splitlines()
-    assert not any("pip install" in line for line in dry_run)
     ruff = next(i for i, line in enumerate(dry_run) if "ruff check" in line)
     pytest = next(i for i, line in enumerate(dry_run) if "pytest" in line)
     assert ruff < pytest
