@@ -12,12 +12,19 @@ program, SPMD as under torchrun; each writes what it generated to a file the tes
   differs between ranks and the full shapes;
 * the model each rank builds matches the sharding plan, and a refit per rank (full tensors in: native,
   HF stacked, FP8/FP4) ends bit-equal to a fresh load of the rank's shard, with no address moved;
-* a group that cannot form, a wrong world size, and a rank that dies give a clear error, not a hang.
+* a group that cannot form, a wrong world size, and a rank that dies give a clear error, not a hang;
+* weight sync from a trainer process (`weight_trainer.Trainer`, rank 0 of a transfer group of 1 + 2) to
+  both ranks, drafter included, TP and EP: every rank receives the full tensors and keeps its shard, ends
+  bit-equal to a fresh load of the new checkpoint's shard with no address moved and its version bumped,
+  and generates what one process loaded from the new checkpoint does; a trainer dying mid-transfer fails
+  every rank clearly and the weights of the last update keep serving.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import time
 from pathlib import Path
 
 import pytest
@@ -36,11 +43,17 @@ from dsv4.weights.refit import WeightUpdateSession
 from dsv4.weights.report import weight_report
 from dsv4.weights.slots import SlotTable
 from parallel_ranks import ENGINE, WORLD, free_port, results
+from weight_trainer import DIE_EXIT_CODE, QUEUE_WAIT_S, Trainer
 
 TIMEOUT_S = 20.0  # any collective of the spawned ranks; generous for 2 shared cores, far below a hang
 SHORT_TIMEOUT_S = 2.0  # the group that cannot form, and the group that loses a rank
 LOGPROB_TOL = 1e-5
 SEED = 4242
+NEW_SEED, NEW_MTP_SEED = 4343, 4344  # the weights a trainer sends
+SYNC_TIMEOUT_S = 10.0  # any single wait of the weight sync (transfer group, hand-over queues)
+SYNC_BUCKET_BYTES = 64 << 10  # many buckets for the tiny model
+DIE_AT_BUCKET = 3
+MTP = {"draft": "mtp", "num_speculative_tokens": 2}
 # Scenario -> (checkpoint fixture key, LLM options).
 SCENARIOS = {
     "native_tp": ("native", {}),
@@ -257,3 +270,117 @@ def test_a_rank_reads_no_byte_of_other_ranks_experts(checkpoints, monkeypatch):
         first, stop = state.expert_range(loaded.config.n_routed_experts)
         experts = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
         assert experts == set(range(first, stop)), f"rank {state.rank}"
+
+
+# ---- weight sync from a trainer process to every rank ----
+@pytest.fixture(scope="module")
+def new_weights(tmp_path_factory) -> tuple[Path, Path]:
+    """A checkpoint with other weights (drafter included), and exactly its stored tensors for the trainer."""
+    root = tmp_path_factory.mktemp("new_weights")
+    config = ref.tiny_config()
+    new = ref.native_state_dict(ref.build_reference_model(config, NEW_SEED))
+    new |= ref.random_mtp_tensors(config, NEW_MTP_SEED)
+    stored = ref.write_native_checkpoint(root / "new", config, new)
+    save_file({n: t.contiguous() for n, t in stored.items()}, str(root / "new.safetensors"))
+    return root / "new", root / "new.safetensors"
+
+
+@pytest.fixture(scope="module")
+def new_one_process(new_weights) -> dict:
+    return results(LLM(new_weights[0], **ENGINE))
+
+
+def _next_from_ranks(outbox, launched) -> object:
+    """The ranks' next message; a rank that failed raises here instead of being waited for."""
+    deadline = time.monotonic() + QUEUE_WAIT_S
+    while time.monotonic() < deadline:
+        launched.join(timeout=0)
+        try:
+            return outbox.get(timeout=1.0)
+        except queue.Empty:
+            continue
+    raise AssertionError(f"the ranks sent nothing within {QUEUE_WAIT_S} s")
+
+
+def _sync(old: Path, new_tensors: Path, options: dict, trainers: list[dict], out: Path) -> tuple[list[dict], list]:
+    """Two engine ranks loaded from `old` join one trainer process after another, each sending `new_tensors`
+    in one update (its step in `trainers`); returns each rank's record (`parallel_ranks.weight_sync_rank`)
+    and what each trainer said of its update ("sent", or its exit code when it died)."""
+    context = mp.get_context("spawn")
+    inboxes, outbox = [context.Queue() for _ in range(WORLD)], context.Queue()
+    launched = mp.start_processes(
+        ranks.weight_sync_rank, nprocs=WORLD, join=False, start_method="spawn",
+        args=(free_port(), str(out), str(old), {**options, **MTP}, SYNC_TIMEOUT_S, inboxes, outbox),
+    )
+
+    def to_ranks(kind: str, payload: object) -> None:
+        for box in inboxes:
+            box.put((kind, payload))
+
+    said = []
+    try:
+        for _ in range(WORLD):  # loaded: a trainer's join timeout starts only now
+            assert _next_from_ranks(outbox, launched)[0] == "ready"
+        for step in trainers:
+            with Trainer(new_tensors, [step], world_size=1 + WORLD, timeout=SYNC_TIMEOUT_S) as trainer:
+                to_ranks("join", trainer.port)
+                trainer.next("joined")
+                to_ranks("update", trainer.next("meta"))
+                if step.get("die_at_bucket") is None:
+                    said.append(trainer.next("sent"))
+                else:
+                    trainer.process.join(timeout=QUEUE_WAIT_S)
+                    said.append(trainer.process.exitcode)
+        to_ranks("end", None)
+        deadline = time.monotonic() + QUEUE_WAIT_S
+        while not launched.join(timeout=1.0):
+            assert time.monotonic() < deadline, "the ranks did not finish"
+    except AssertionError:
+        launched.join(timeout=5.0)  # a rank that raised is the cause: its error, rather than our waiting's
+        raise
+    finally:
+        for process in launched.processes:
+            if process.is_alive():
+                process.kill()
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)], said
+
+
+def _assert_generates(found: dict, expected: dict, rank: int) -> None:
+    assert found["ids"] == expected["ids"], f"rank {rank}"
+    for lp, want in zip(found["logprobs"], expected["logprobs"], strict=True):
+        assert (lp - want).abs().max().item() <= LOGPROB_TOL, f"rank {rank}"
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_weight_sync_from_a_trainer_reaches_every_rank_drafter_included(
+    checkpoints, new_weights, one_process, new_one_process, tmp_path, expert_parallel
+):
+    new, new_tensors = new_weights
+    trainers = [{"base_version": 0, "bucket_bytes": SYNC_BUCKET_BYTES}]
+    if not expert_parallel:  # first a trainer that dies mid-transfer (one launch for both: ranks start slowly)
+        trainers.insert(0, {**trainers[0], "die_at_bucket": DIE_AT_BUCKET})
+    found, said = _sync(checkpoints["mtp"], new_tensors, {"expert_parallel": expert_parallel}, trainers, tmp_path)
+    assert said[-1]["versions"] == {1 + r: 1 for r in range(WORLD)} and said[-1]["buckets"] > DIE_AT_BUCKET + 1
+    for state, rank_found in zip(_states(expert_parallel), found, strict=True):
+        rank, before = state.rank, rank_found["before"]
+        if not expert_parallel:
+            # The trainer died mid-transfer: a clear error on the rank, fast; the old weights still serve.
+            assert said[0] == DIE_EXIT_CODE
+            died = rank_found["updates"][0]
+            assert died["outcome"].startswith("WeightTransferError") and "receiving bucket" in died["outcome"], died
+            assert died["seconds"] < SYNC_TIMEOUT_S, f"rank {rank} waited the timeout out"
+            assert died["version"] == 0 and died["ready"], f"rank {rank}"
+            assert died["checksums"] == before["checksums"] and died["pointers"] == before["pointers"]
+            _assert_generates(died["results"], one_process["mtp"], rank)
+        # The update from a trainer (after the dead one: from a new group) lands on every rank.
+        fresh = {k: c for k, (c, _) in _checksums(load_models(new, parallel=state, draft="mtp")).items()}
+        synced = rank_found["updates"][-1]
+        assert synced["outcome"] == 1 == synced["version"] and synced["ready"], f"rank {rank}"
+        assert synced["checksums"] == fresh, f"rank {rank}"
+        changed = {k for k in fresh if fresh[k] != before["checksums"][k]}
+        assert any(k.startswith("mtp:") for k in changed) and any(not k.startswith("mtp:") for k in changed)
+        assert synced["pointers"] == before["pointers"], f"rank {rank}"
+        _assert_generates(synced["results"], new_one_process, rank)
+    # Every rank sampled from the same gathered logits, after each update or failed one.
+    for first, second in zip(found[0]["updates"], found[1]["updates"], strict=True):
+        assert first["results"]["sampled"] == second["results"]["sampled"]
