@@ -14,7 +14,8 @@ program, SPMD as under torchrun; each writes what it generated to a file the tes
   HF stacked, FP8/FP4) ends bit-equal to a fresh load of the rank's shard, with no address moved;
 * a group that cannot form, a wrong world size, and a rank that dies give a clear error, not a hang;
 * weight sync from a trainer process (`weight_trainer.Trainer`, rank 0 of a transfer group of 1 + 2) to
-  both ranks, drafter included, TP and EP: every rank receives the full tensors and keeps its shard, ends
+  both ranks, drafter included (TP from fp32 tensors; EP from release-format FP8 / FP4 bytes and scales):
+  every rank receives the full tensors and keeps its shard, ends
   bit-equal to a fresh load of the new checkpoint's shard with no address moved and its version bumped,
   and generates what one process loaded from the new checkpoint does; a trainer dying mid-transfer fails
   every rank clearly and the weights of the last update keep serving.
@@ -273,21 +274,37 @@ def test_a_rank_reads_no_byte_of_other_ranks_experts(checkpoints, monkeypatch):
 
 
 # ---- weight sync from a trainer process to every rank ----
+# Case -> (stored format: write_native_checkpoint options, LLM options, whether a trainer dies first).
+SYNC_CASES = {
+    "tp_fp32": ({}, {}, True),
+    "ep_release": ({"dense": "fp8", "expert_dtype": "fp4"}, {"expert_parallel": True}, False),
+}
+
+
 @pytest.fixture(scope="module")
-def new_weights(tmp_path_factory) -> tuple[Path, Path]:
-    """A checkpoint with other weights (drafter included), and exactly its stored tensors for the trainer."""
-    root = tmp_path_factory.mktemp("new_weights")
+def sync_checkpoints(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Per case: the engines' "old" checkpoint, the "new" one a trainer sends, and exactly its stored tensors
+    ("new_tensors", native names: FP8 / FP4 bytes with their scales in the release format), drafter included."""
+    root = tmp_path_factory.mktemp("sync")
     config = ref.tiny_config()
+    old = ref.native_state_dict(ref.build_reference_model(config, SEED)) | ref.random_mtp_tensors(config, SEED)
     new = ref.native_state_dict(ref.build_reference_model(config, NEW_SEED))
     new |= ref.random_mtp_tensors(config, NEW_MTP_SEED)
-    stored = ref.write_native_checkpoint(root / "new", config, new)
-    save_file({n: t.contiguous() for n, t in stored.items()}, str(root / "new.safetensors"))
-    return root / "new", root / "new.safetensors"
+    paths = {}
+    for case, (stored_as, _, _) in SYNC_CASES.items():
+        paths[case] = {"old": root / case / "old", "new": root / case / "new",
+                       "new_tensors": root / case / "new.safetensors"}
+        ref.write_native_checkpoint(paths[case]["old"], config, old, **stored_as)
+        stored = ref.write_native_checkpoint(paths[case]["new"], config, new, **stored_as)
+        save_file({n: t.contiguous() for n, t in stored.items()}, str(paths[case]["new_tensors"]))
+    return paths
 
 
 @pytest.fixture(scope="module")
-def new_one_process(new_weights) -> dict:
-    return results(LLM(new_weights[0], **ENGINE))
+def sync_one_process(sync_checkpoints) -> dict[str, dict[str, dict]]:
+    """One process's results on each case's old and new checkpoint (plain decoding)."""
+    return {case: {key: results(LLM(paths[key], **ENGINE)) for key in ("old", "new")}
+            for case, paths in sync_checkpoints.items()}
 
 
 def _next_from_ranks(outbox, launched) -> object:
@@ -351,19 +368,20 @@ def _assert_generates(found: dict, expected: dict, rank: int) -> None:
         assert (lp - want).abs().max().item() <= LOGPROB_TOL, f"rank {rank}"
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+@pytest.mark.parametrize("case", sorted(SYNC_CASES))
 def test_weight_sync_from_a_trainer_reaches_every_rank_drafter_included(
-    checkpoints, new_weights, one_process, new_one_process, tmp_path, expert_parallel
+    sync_checkpoints, sync_one_process, tmp_path, case
 ):
-    new, new_tensors = new_weights
+    paths, expected = sync_checkpoints[case], sync_one_process[case]
+    _, options, dies_first = SYNC_CASES[case]
     trainers = [{"base_version": 0, "bucket_bytes": SYNC_BUCKET_BYTES}]
-    if not expert_parallel:  # first a trainer that dies mid-transfer (one launch for both: ranks start slowly)
+    if dies_first:  # one launch for both: ranks start slowly
         trainers.insert(0, {**trainers[0], "die_at_bucket": DIE_AT_BUCKET})
-    found, said = _sync(checkpoints["mtp"], new_tensors, {"expert_parallel": expert_parallel}, trainers, tmp_path)
+    found, said = _sync(paths["old"], paths["new_tensors"], options, trainers, tmp_path)
     assert said[-1]["versions"] == {1 + r: 1 for r in range(WORLD)} and said[-1]["buckets"] > DIE_AT_BUCKET + 1
-    for state, rank_found in zip(_states(expert_parallel), found, strict=True):
+    for state, rank_found in zip(_states(options.get("expert_parallel", False)), found, strict=True):
         rank, before = state.rank, rank_found["before"]
-        if not expert_parallel:
+        if dies_first:
             # The trainer died mid-transfer: a clear error on the rank, fast; the old weights still serve.
             assert said[0] == DIE_EXIT_CODE
             died = rank_found["updates"][0]
@@ -371,16 +389,16 @@ def test_weight_sync_from_a_trainer_reaches_every_rank_drafter_included(
             assert died["seconds"] < SYNC_TIMEOUT_S, f"rank {rank} waited the timeout out"
             assert died["version"] == 0 and died["ready"], f"rank {rank}"
             assert died["checksums"] == before["checksums"] and died["pointers"] == before["pointers"]
-            _assert_generates(died["results"], one_process["mtp"], rank)
+            _assert_generates(died["results"], expected["old"], rank)
         # The update from a trainer (after the dead one: from a new group) lands on every rank.
-        fresh = {k: c for k, (c, _) in _checksums(load_models(new, parallel=state, draft="mtp")).items()}
+        fresh = {k: c for k, (c, _) in _checksums(load_models(paths["new"], parallel=state, draft="mtp")).items()}
         synced = rank_found["updates"][-1]
         assert synced["outcome"] == 1 == synced["version"] and synced["ready"], f"rank {rank}"
         assert synced["checksums"] == fresh, f"rank {rank}"
         changed = {k for k in fresh if fresh[k] != before["checksums"][k]}
         assert any(k.startswith("mtp:") for k in changed) and any(not k.startswith("mtp:") for k in changed)
         assert synced["pointers"] == before["pointers"], f"rank {rank}"
-        _assert_generates(synced["results"], new_one_process, rank)
+        _assert_generates(synced["results"], expected["new"], rank)
     # Every rank sampled from the same gathered logits, after each update or failed one.
     for first, second in zip(found[0]["updates"], found[1]["updates"], strict=True):
         assert first["results"]["sampled"] == second["results"]["sampled"]
