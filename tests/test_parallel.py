@@ -15,10 +15,10 @@ program, SPMD as under torchrun; each writes what it generated to a file the tes
 * a group that cannot form, a wrong world size, and a rank that dies give a clear error, not a hang;
 * weight sync from a trainer process (`weight_trainer.Trainer`, rank 0 of a transfer group of 1 + 2) to
   both ranks, drafter included (TP from fp32 tensors; EP from release-format FP8 / FP4 bytes and scales):
-  every rank receives the full tensors and keeps its shard, ends
-  bit-equal to a fresh load of the new checkpoint's shard with no address moved and its version bumped,
-  and generates what one process loaded from the new checkpoint does; a trainer dying mid-transfer fails
-  every rank clearly and the weights of the last update keep serving.
+  every rank receives the full tensors and keeps its shard, ends bit-equal to a fresh load of the new
+  checkpoint's shard with no address moved and its version bumped, and generates what one process loaded
+  from the new checkpoint does; a trainer dying mid-transfer fails every rank fast and clearly, the old
+  weights keep serving (atomic), and a new group then carries the update.
 """
 
 from __future__ import annotations
@@ -274,13 +274,13 @@ def test_a_rank_reads_no_byte_of_other_ranks_experts(checkpoints, monkeypatch):
 
 
 # ---- weight sync from a trainer process to every rank ----
-# Case -> (stored format: write_native_checkpoint options, LLM options, whether a trainer dies first).
+# Case -> (stored format: write_native_checkpoint options, LLM options, what goes wrong before the good update:
+# "dies": a trainer dies mid-transfer; "one_rank_rejects": a tensor only one rank holds is malformed).
 SYNC_CASES = {
-    "tp_fp32": ({}, {}, True),
-    "ep_release": ({"dense": "fp8", "expert_dtype": "fp4"}, {"expert_parallel": True}, False),
+    "tp_fp32": ({}, {}, "dies"),
+    "ep_release": ({"dense": "fp8", "expert_dtype": "fp4"}, {"expert_parallel": True}, "one_rank_rejects"),
 }
-
-
+ONE_RANKS_EXPERT = "layers.0.ffn.experts.0.w1.weight"  # expert parallel: only rank 0 holds expert 0
 @pytest.fixture(scope="module")
 def sync_checkpoints(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """Per case: the engines' "old" checkpoint, the "new" one a trainer sends, and exactly its stored tensors
@@ -319,10 +319,10 @@ def _next_from_ranks(outbox, launched) -> object:
     raise AssertionError(f"the ranks sent nothing within {QUEUE_WAIT_S} s")
 
 
-def _sync(old: Path, new_tensors: Path, options: dict, trainers: list[dict], out: Path) -> tuple[list[dict], list]:
+def _sync(old: Path, new_tensors: Path, options: dict, trainers: list[list[dict]], out: Path) -> tuple[list, list]:
     """Two engine ranks loaded from `old` join one trainer process after another, each sending `new_tensors`
-    in one update (its step in `trainers`); returns each rank's record (`parallel_ranks.weight_sync_rank`)
-    and what each trainer said of its update ("sent", or its exit code when it died)."""
+    in its steps (`trainers`); returns each rank's record (`parallel_ranks.weight_sync_rank`) and what the
+    trainers said of each step ("sent", their "error", or the exit code of one that died)."""
     context = mp.get_context("spawn")
     inboxes, outbox = [context.Queue() for _ in range(WORLD)], context.Queue()
     launched = mp.start_processes(
@@ -338,16 +338,17 @@ def _sync(old: Path, new_tensors: Path, options: dict, trainers: list[dict], out
     try:
         for _ in range(WORLD):  # loaded: a trainer's join timeout starts only now
             assert _next_from_ranks(outbox, launched)[0] == "ready"
-        for step in trainers:
-            with Trainer(new_tensors, [step], world_size=1 + WORLD, timeout=SYNC_TIMEOUT_S) as trainer:
+        for steps in trainers:
+            with Trainer(new_tensors, steps, world_size=1 + WORLD, timeout=SYNC_TIMEOUT_S) as trainer:
                 to_ranks("join", trainer.port)
                 trainer.next("joined")
-                to_ranks("update", trainer.next("meta"))
-                if step.get("die_at_bucket") is None:
-                    said.append(trainer.next("sent"))
-                else:
-                    trainer.process.join(timeout=QUEUE_WAIT_S)
-                    said.append(trainer.process.exitcode)
+                for step in steps:
+                    to_ranks("update", trainer.next("meta"))
+                    if step.get("die_at_bucket") is not None:
+                        trainer.process.join(timeout=QUEUE_WAIT_S)
+                        said.append(trainer.process.exitcode)
+                    else:
+                        said.append(trainer.next("error" if step.get("unknown_tensor") else "sent"))
         to_ranks("end", None)
         deadline = time.monotonic() + QUEUE_WAIT_S
         while not launched.join(timeout=1.0):
@@ -373,24 +374,35 @@ def test_weight_sync_from_a_trainer_reaches_every_rank_drafter_included(
     sync_checkpoints, sync_one_process, tmp_path, case
 ):
     paths, expected = sync_checkpoints[case], sync_one_process[case]
-    _, options, dies_first = SYNC_CASES[case]
-    trainers = [{"base_version": 0, "bucket_bytes": SYNC_BUCKET_BYTES}]
-    if dies_first:  # one launch for both: ranks start slowly
-        trainers.insert(0, {**trainers[0], "die_at_bucket": DIE_AT_BUCKET})
+    _, options, first = SYNC_CASES[case]
+    good = {"base_version": 0, "bucket_bytes": SYNC_BUCKET_BYTES}
+    if first == "dies":  # then a new trainer, a new group (one launch of the ranks for both: they start slowly)
+        trainers = [[{**good, "die_at_bucket": DIE_AT_BUCKET}], [good]]
+    else:  # then the same group carries the good update
+        trainers = [[{**good, "unknown_tensor": ONE_RANKS_EXPERT}, good]]
     found, said = _sync(paths["old"], paths["new_tensors"], options, trainers, tmp_path)
     assert said[-1]["versions"] == {1 + r: 1 for r in range(WORLD)} and said[-1]["buckets"] > DIE_AT_BUCKET + 1
+    if first == "dies":
+        assert said[0] == DIE_EXIT_CODE
+    else:  # the trainer hears both engine ranks' reasons
+        kind, message = said[0]
+        assert kind == "WeightUpdateError" and ONE_RANKS_EXPERT in message
+        assert "engine rank 2: " in message and "engine rank 1 failed to stage it" in message, message
     for state, rank_found in zip(_states(options.get("expert_parallel", False)), found, strict=True):
         rank, before = state.rank, rank_found["before"]
-        if dies_first:
-            # The trainer died mid-transfer: a clear error on the rank, fast; the old weights still serve.
-            assert said[0] == DIE_EXIT_CODE
-            died = rank_found["updates"][0]
-            assert died["outcome"].startswith("WeightTransferError") and "receiving bucket" in died["outcome"], died
-            assert died["seconds"] < SYNC_TIMEOUT_S, f"rank {rank} waited the timeout out"
-            assert died["version"] == 0 and died["ready"], f"rank {rank}"
-            assert died["checksums"] == before["checksums"] and died["pointers"] == before["pointers"]
-            _assert_generates(died["results"], expected["old"], rank)
-        # The update from a trainer (after the dead one: from a new group) lands on every rank.
+        # What went wrong: a clear error on every rank, fast, and the old weights still serve everywhere.
+        failed = rank_found["updates"][0]
+        if first == "dies":
+            assert failed["outcome"].startswith("WeightTransferError"), failed["outcome"]
+            assert "receiving bucket" in failed["outcome"], failed["outcome"]
+        else:  # rank 0 rejected the tensor; rank 1, which drops expert 0, did not commit either
+            assert failed["outcome"].startswith("WeightUpdateError"), failed["outcome"]
+            assert ONE_RANKS_EXPERT in failed["outcome"] and ("failed to stage it" in failed["outcome"]) == (rank == 1)
+        assert failed["seconds"] < SYNC_TIMEOUT_S, f"rank {rank} waited the timeout out"
+        assert failed["version"] == 0 and failed["ready"], f"rank {rank}"
+        assert failed["checksums"] == before["checksums"] and failed["pointers"] == before["pointers"]
+        _assert_generates(failed["results"], expected["old"], rank)
+        # The good update lands on every rank.
         fresh = {k: c for k, (c, _) in _checksums(load_models(paths["new"], parallel=state, draft="mtp")).items()}
         synced = rank_found["updates"][-1]
         assert synced["outcome"] == 1 == synced["version"] and synced["ready"], f"rank {rank}"
@@ -400,5 +412,5 @@ def test_weight_sync_from_a_trainer_reaches_every_rank_drafter_included(
         assert synced["pointers"] == before["pointers"], f"rank {rank}"
         _assert_generates(synced["results"], expected["new"], rank)
     # Every rank sampled from the same gathered logits, after each update or failed one.
-    for first, second in zip(found[0]["updates"], found[1]["updates"], strict=True):
-        assert first["results"]["sampled"] == second["results"]["sampled"]
+    for first_rank, second_rank in zip(found[0]["updates"], found[1]["updates"], strict=True):
+        assert first_rank["results"]["sampled"] == second_rank["results"]["sampled"]
