@@ -17,8 +17,9 @@ program, SPMD as under torchrun; each writes what it generated to a file the tes
   both ranks, drafter included (TP from fp32 tensors; EP from release-format FP8 / FP4 bytes and scales):
   every rank receives the full tensors and keeps its shard, ends bit-equal to a fresh load of the new
   checkpoint's shard with no address moved and its version bumped, and generates what one process loaded
-  from the new checkpoint does; a trainer dying mid-transfer fails every rank fast and clearly, the old
-  weights keep serving (atomic), and a new group then carries the update.
+  from the new checkpoint does; a trainer dying mid-transfer (TP), and a malformed tensor of an expert only
+  one rank holds (EP), fail every rank fast and clearly with the old weights serving on all of them (atomic,
+  across ranks), and then a new group (TP) or the same group (EP) carries the update.
 """
 
 from __future__ import annotations
