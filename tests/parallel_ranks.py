@@ -86,7 +86,8 @@ def weight_sync_rank(rank: int, port: int, out_dir: str, path: str, options: dic
                      inboxes: list, outbox) -> None:
     """An engine rank of weight syncs from trainer processes: load `path`, tell the test it is ready
     (`outbox`), then do what the test hands over (`inboxes[rank]`), in order: ("join", port): join that
-    trainer's transfer group as rank 1 + `rank` of 1 + WORLD; ("update", metadata): run that update and
+    trainer's transfer group as rank 1 + `rank` of 1 + WORLD; ("update", (metadata, options)): run
+    `update_weights_from_distributed(metadata, **options)` and
     record its outcome (new version, or the dsv4 error), the weight report's checksums and addresses, and
     what the engine generates then; ("end", None): write the records. Every wait is bounded by `timeout_s`."""
     _join_env(rank, port)
@@ -110,7 +111,8 @@ def weight_sync_rank(rank: int, port: int, out_dir: str, path: str, options: dic
             continue
         start = time.monotonic()
         try:
-            outcome = llm.update_weights_from_distributed(payload)["version"]
+            metadata, update_options = payload
+            outcome = llm.update_weights_from_distributed(metadata, **update_options)["version"]
         except Dsv4Error as exc:
             outcome = f"{type(exc).__name__}: {exc}"
         found["updates"].append({"outcome": outcome, "seconds": time.monotonic() - start, **snapshot(),

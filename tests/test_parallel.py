@@ -282,6 +282,8 @@ SYNC_CASES = {
     "ep_release": ({"dense": "fp8", "expert_dtype": "fp4"}, {"expert_parallel": True}, "one_rank_rejects"),
 }
 ONE_RANKS_EXPERT = "layers.0.ffn.experts.0.w1.weight"  # expert parallel: only rank 0 holds expert 0
+
+
 @pytest.fixture(scope="module")
 def sync_checkpoints(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """Per case: the engines' "old" checkpoint, the "new" one a trainer sends, and exactly its stored tensors
@@ -322,8 +324,9 @@ def _next_from_ranks(outbox, launched) -> object:
 
 def _sync(old: Path, new_tensors: Path, options: dict, trainers: list[list[dict]], out: Path) -> tuple[list, list]:
     """Two engine ranks loaded from `old` join one trainer process after another, each sending `new_tensors`
-    in its steps (`trainers`); returns each rank's record (`parallel_ranks.weight_sync_rank`) and what the
-    trainers said of each step ("sent", their "error", or the exit code of one that died)."""
+    in its steps (`trainers`; a step's "full" goes to the engines' update); returns each rank's record
+    (`parallel_ranks.weight_sync_rank`) and what the trainers said of each step ("sent", their "error", or
+    the exit code of one that died)."""
     context = mp.get_context("spawn")
     inboxes, outbox = [context.Queue() for _ in range(WORLD)], context.Queue()
     launched = mp.start_processes(
@@ -344,12 +347,13 @@ def _sync(old: Path, new_tensors: Path, options: dict, trainers: list[list[dict]
                 to_ranks("join", trainer.port)
                 trainer.next("joined")
                 for step in steps:
-                    to_ranks("update", trainer.next("meta"))
+                    to_ranks("update", (trainer.next("meta"), {"full": step.get("full", False)}))
                     if step.get("die_at_bucket") is not None:
                         trainer.process.join(timeout=QUEUE_WAIT_S)
                         said.append(trainer.process.exitcode)
                     else:
-                        said.append(trainer.next("error" if step.get("unknown_tensor") else "sent"))
+                        fails = step.get("unknown_tensor") or step.get("omit_prefix")
+                        said.append(trainer.next("error" if fails else "sent"))
         to_ranks("end", None)
         deadline = time.monotonic() + QUEUE_WAIT_S
         while not launched.join(timeout=1.0):
@@ -380,29 +384,30 @@ def test_weight_sync_from_a_trainer_reaches_every_rank_drafter_included(
     if first == "dies":  # then a new trainer, a new group (one launch of the ranks for both: they start slowly)
         trainers = [[{**good, "die_at_bucket": DIE_AT_BUCKET}], [good]]
     else:  # then the same group carries the good update
-        trainers = [[{**good, "unknown_tensor": ONE_RANKS_EXPERT}, good]]
+        trainers = [[{**good, "unknown_tensor": ONE_RANKS_EXPERT},
+                     {**good, "omit_prefix": ONE_RANKS_EXPERT.removesuffix("weight"), "full": True}, good]]
+    # Per failed update: the error type, and the text every rank's message holds.
+    failures = {"dies": [("WeightTransferError", "receiving bucket")],
+                "one_rank_rejects": [("WeightUpdateError", ONE_RANKS_EXPERT), ("WeightUpdateError", "missing tensor")]}
     found, said = _sync(paths["old"], paths["new_tensors"], options, trainers, tmp_path)
     assert said[-1]["versions"] == {1 + r: 1 for r in range(WORLD)} and said[-1]["buckets"] > DIE_AT_BUCKET + 1
     if first == "dies":
         assert said[0] == DIE_EXIT_CODE
     else:  # the trainer hears both engine ranks' reasons
-        kind, message = said[0]
-        assert kind == "WeightUpdateError" and ONE_RANKS_EXPERT in message
-        assert "engine rank 2: " in message and "engine rank 1 failed to stage it" in message, message
+        for (kind, message), (_, text) in zip(said[:-1], failures[first], strict=True):
+            assert kind == "WeightUpdateError" and text in message
+            assert "engine rank 2: " in message and "engine rank 1 failed to stage it" in message, message
     for state, rank_found in zip(_states(options.get("expert_parallel", False)), found, strict=True):
         rank, before = state.rank, rank_found["before"]
         # What went wrong: a clear error on every rank, fast, and the old weights still serve everywhere.
-        failed = rank_found["updates"][0]
-        if first == "dies":
-            assert failed["outcome"].startswith("WeightTransferError"), failed["outcome"]
-            assert "receiving bucket" in failed["outcome"], failed["outcome"]
-        else:  # rank 0 rejected the tensor; rank 1, which drops expert 0, did not commit either
-            assert failed["outcome"].startswith("WeightUpdateError"), failed["outcome"]
-            assert ONE_RANKS_EXPERT in failed["outcome"] and ("failed to stage it" in failed["outcome"]) == (rank == 1)
-        assert failed["seconds"] < SYNC_TIMEOUT_S, f"rank {rank} waited the timeout out"
-        assert failed["version"] == 0 and failed["ready"], f"rank {rank}"
-        assert failed["checksums"] == before["checksums"] and failed["pointers"] == before["pointers"]
-        _assert_generates(failed["results"], expected["old"], rank)
+        for failed, (kind, text) in zip(rank_found["updates"][:-1], failures[first], strict=True):
+            assert failed["outcome"].startswith(kind) and text in failed["outcome"], failed["outcome"]
+            if first == "one_rank_rejects":  # rank 0 failed; rank 1, which drops expert 0, did not commit either
+                assert ("failed to stage it" in failed["outcome"]) == (rank == 1), failed["outcome"]
+            assert failed["seconds"] < SYNC_TIMEOUT_S, f"rank {rank} waited the timeout out"
+            assert failed["version"] == 0 and failed["ready"], f"rank {rank}"
+            assert failed["checksums"] == before["checksums"] and failed["pointers"] == before["pointers"]
+            _assert_generates(failed["results"], expected["old"], rank)
         # The good update lands on every rank.
         fresh = {k: c for k, (c, _) in _checksums(load_models(paths["new"], parallel=state, draft="mtp")).items()}
         synced = rank_found["updates"][-1]

@@ -143,9 +143,14 @@ class WeightReceiver:
                 raise WeightUpdateError(f"update {update_id} refused before any byte was received: {problem}")
             stats = self._receive(plan, session)
             failure = stats.pop("failure")
-            # A bucket can fail on one engine rank only (an expert tensor of the ranks that hold it, under
-            # expert parallelism): then no engine rank commits, or tensor parallel ranks would serve a mix
-            # of old and new shards.
+            if failure is None:
+                try:
+                    session.check_complete()
+                except WeightUpdateError as exc:
+                    failure = exc
+            # A bucket, or completeness, can fail on one engine rank only (an expert tensor of the ranks that
+            # hold it, under expert parallelism): then no engine rank commits, or tensor parallel ranks
+            # would serve a mix of old and new shards.
             elsewhere = self.group.staged(update_id, None if failure is None else str(failure))
             if failure is None and elsewhere is not None:
                 failure = WeightUpdateError(f"update {update_id}: {elsewhere}; not applied on engine rank "
