@@ -17,9 +17,10 @@ program, SPMD as under torchrun; each writes what it generated to a file the tes
   both ranks, drafter included (TP from fp32 tensors; EP from release-format FP8 / FP4 bytes and scales):
   every rank receives the full tensors and keeps its shard, ends bit-equal to a fresh load of the new
   checkpoint's shard with no address moved and its version bumped, and generates what one process loaded
-  from the new checkpoint does; a trainer dying mid-transfer (TP), and a malformed tensor of an expert only
-  one rank holds (EP), fail every rank fast and clearly with the old weights serving on all of them (atomic,
-  across ranks), and then a new group (TP) or the same group (EP) carries the update.
+  from the new checkpoint does; a trainer dying mid-transfer (TP), a malformed tensor of an expert only one
+  rank holds and a full update without that expert (EP) fail every rank fast and clearly, with the old
+  weights serving on all of them (atomic, across ranks); then a new group (TP) or the same group (EP)
+  carries the update.
 """
 
 from __future__ import annotations
@@ -276,7 +277,8 @@ def test_a_rank_reads_no_byte_of_other_ranks_experts(checkpoints, monkeypatch):
 
 # ---- weight sync from a trainer process to every rank ----
 # Case -> (stored format: write_native_checkpoint options, LLM options, what goes wrong before the good update:
-# "dies": a trainer dies mid-transfer; "one_rank_rejects": a tensor only one rank holds is malformed).
+# "dies": a trainer dies mid-transfer; "one_rank_rejects": a tensor only one rank holds is malformed, then
+# missing from a full update).
 SYNC_CASES = {
     "tp_fp32": ({}, {}, "dies"),
     "ep_release": ({"dense": "fp8", "expert_dtype": "fp4"}, {"expert_parallel": True}, "one_rank_rejects"),

@@ -11,8 +11,9 @@ finalize once, addresses audited, the version bumped. What this module adds:
   - a checksum per bucket, verified before the bucket is staged: an update that reports success has
     provably moved the bytes the trainer planned;
   - two receive buffers, so bucket i+1 arrives while bucket i is verified and staged;
-  - every engine rank staged every bucket, or none commits (the engine ranks agree before committing: a
-    bucket may fail on one rank only, and tensor parallel ranks must not serve a mix of old and new shards);
+  - every engine rank staged every bucket (and holds every tensor a full update needs), or none commits:
+    the engine ranks agree before committing, since a bucket may fail on one rank only, and tensor
+    parallel ranks must not serve a mix of old and new shards;
   - a transport failure (dead trainer, timeout) or a failed bucket aborts the session: in atomic mode the
     previous weights keep serving, in fail-stop mode the models refuse requests until a complete update.
     After a checksum or staging failure the remaining buckets are still received (and dropped), so the
