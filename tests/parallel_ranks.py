@@ -80,3 +80,42 @@ def lonely_rank(rank: int, port: int, out_dir: str, path: str, timeout_s: float)
     """Rank 0 of a launch of WORLD ranks whose other ranks never start."""
     _join_env(rank, port)
     _attempt(out_dir, lambda: LLM(path, **ENGINE, tensor_parallel_size=WORLD, distributed_timeout_s=timeout_s))
+
+
+def weight_sync_rank(rank: int, port: int, out_dir: str, path: str, options: dict, timeout_s: float,
+                     inboxes: list, outbox) -> None:
+    """An engine rank of weight syncs from trainer processes: load `path`, tell the test it is ready
+    (`outbox`), then do what the test hands over (`inboxes[rank]`), in order: ("join", port): join that
+    trainer's transfer group as rank 1 + `rank` of 1 + WORLD; ("update", (metadata, options)): run
+    `update_weights_from_distributed(metadata, **options)` and
+    record its outcome (new version, or the dsv4 error), the weight report's checksums and addresses, and
+    what the engine generates then; ("end", None): write the records. Every wait is bounded by `timeout_s`."""
+    _join_env(rank, port)
+    llm = LLM(path, **ENGINE, tensor_parallel_size=WORLD, distributed_timeout_s=timeout_s, **options)
+
+    def snapshot() -> dict:
+        report = llm.weight_report()
+        return {"version": llm.weights_version, "ready": report["ready"],
+                "checksums": {n: t["checksum"] for n, t in report["tensors"].items()},
+                "pointers": {n: t["data_ptr"] for n, t in report["tensors"].items()}}
+
+    found = {"before": snapshot(), "updates": []}
+    outbox.put(("ready", rank))
+    while True:
+        kind, payload = inboxes[rank].get(timeout=timeout_s)
+        if kind == "end":
+            break
+        if kind == "join":
+            llm.init_weight_transfer("127.0.0.1", payload, rank_offset=1 + rank, world_size=1 + WORLD,
+                                     timeout=timeout_s)
+            continue
+        start = time.monotonic()
+        try:
+            metadata, update_options = payload
+            outcome = llm.update_weights_from_distributed(metadata, **update_options)["version"]
+        except Dsv4Error as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        found["updates"].append({"outcome": outcome, "seconds": time.monotonic() - start, **snapshot(),
+                                 "results": results(llm)})
+    torch.save(found, Path(out_dir) / f"rank{rank}.pt")
+    os._exit(0)  # a transfer group may have lost its trainer: nothing to tear down cleanly

@@ -12,12 +12,22 @@ program, SPMD as under torchrun; each writes what it generated to a file the tes
   differs between ranks and the full shapes;
 * the model each rank builds matches the sharding plan, and a refit per rank (full tensors in: native,
   HF stacked, FP8/FP4) ends bit-equal to a fresh load of the rank's shard, with no address moved;
-* a group that cannot form, a wrong world size, and a rank that dies give a clear error, not a hang.
+* a group that cannot form, a wrong world size, and a rank that dies give a clear error, not a hang;
+* weight sync from a trainer process (`weight_trainer.Trainer`, rank 0 of a transfer group of 1 + 2) to
+  both ranks, drafter included (TP from fp32 tensors; EP from release-format FP8 / FP4 bytes and scales):
+  every rank receives the full tensors and keeps its shard, ends bit-equal to a fresh load of the new
+  checkpoint's shard with no address moved and its version bumped, and generates what one process loaded
+  from the new checkpoint does; a trainer dying mid-transfer (TP), a malformed tensor of an expert only one
+  rank holds and a full update without that expert (EP) fail every rank fast and clearly, with the old
+  weights serving on all of them (atomic, across ranks); then a new group (TP) or the same group (EP)
+  carries the update.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import time
 from pathlib import Path
 
 import pytest
@@ -36,11 +46,17 @@ from dsv4.weights.refit import WeightUpdateSession
 from dsv4.weights.report import weight_report
 from dsv4.weights.slots import SlotTable
 from parallel_ranks import ENGINE, WORLD, free_port, results
+from weight_trainer import DIE_EXIT_CODE, QUEUE_WAIT_S, Trainer
 
 TIMEOUT_S = 20.0  # any collective of the spawned ranks; generous for 2 shared cores, far below a hang
 SHORT_TIMEOUT_S = 2.0  # the group that cannot form, and the group that loses a rank
 LOGPROB_TOL = 1e-5
 SEED = 4242
+NEW_SEED, NEW_MTP_SEED = 4343, 4344  # the weights a trainer sends
+SYNC_TIMEOUT_S = 10.0  # any single wait of the weight sync (transfer group, hand-over queues)
+SYNC_BUCKET_BYTES = 64 << 10  # many buckets for the tiny model
+DIE_AT_BUCKET = 3
+MTP = {"draft": "mtp", "num_speculative_tokens": 2}
 # Scenario -> (checkpoint fixture key, LLM options).
 SCENARIOS = {
     "native_tp": ("native", {}),
@@ -257,3 +273,152 @@ def test_a_rank_reads_no_byte_of_other_ranks_experts(checkpoints, monkeypatch):
         first, stop = state.expert_range(loaded.config.n_routed_experts)
         experts = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
         assert experts == set(range(first, stop)), f"rank {state.rank}"
+
+
+# ---- weight sync from a trainer process to every rank ----
+# Case -> (stored format: write_native_checkpoint options, LLM options, what goes wrong before the good update:
+# "dies": a trainer dies mid-transfer; "one_rank_rejects": a tensor only one rank holds is malformed, then
+# missing from a full update).
+SYNC_CASES = {
+    "tp_fp32": ({}, {}, "dies"),
+    "ep_release": ({"dense": "fp8", "expert_dtype": "fp4"}, {"expert_parallel": True}, "one_rank_rejects"),
+}
+ONE_RANKS_EXPERT = "layers.0.ffn.experts.0.w1.weight"  # expert parallel: only rank 0 holds expert 0
+
+
+@pytest.fixture(scope="module")
+def sync_checkpoints(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Per case: the engines' "old" checkpoint, the "new" one a trainer sends, and exactly its stored tensors
+    ("new_tensors", native names: FP8 / FP4 bytes with their scales in the release format), drafter included."""
+    root = tmp_path_factory.mktemp("sync")
+    config = ref.tiny_config()
+    old = ref.native_state_dict(ref.build_reference_model(config, SEED)) | ref.random_mtp_tensors(config, SEED)
+    new = ref.native_state_dict(ref.build_reference_model(config, NEW_SEED))
+    new |= ref.random_mtp_tensors(config, NEW_MTP_SEED)
+    paths = {}
+    for case, (stored_as, _, _) in SYNC_CASES.items():
+        paths[case] = {"old": root / case / "old", "new": root / case / "new",
+                       "new_tensors": root / case / "new.safetensors"}
+        ref.write_native_checkpoint(paths[case]["old"], config, old, **stored_as)
+        stored = ref.write_native_checkpoint(paths[case]["new"], config, new, **stored_as)
+        save_file({n: t.contiguous() for n, t in stored.items()}, str(paths[case]["new_tensors"]))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def sync_one_process(sync_checkpoints) -> dict[str, dict[str, dict]]:
+    """One process's results on each case's old and new checkpoint (plain decoding)."""
+    return {case: {key: results(LLM(paths[key], **ENGINE)) for key in ("old", "new")}
+            for case, paths in sync_checkpoints.items()}
+
+
+def _next_from_ranks(outbox, launched) -> object:
+    """The ranks' next message; a rank that failed raises here instead of being waited for."""
+    deadline = time.monotonic() + QUEUE_WAIT_S
+    while time.monotonic() < deadline:
+        launched.join(timeout=0)
+        try:
+            return outbox.get(timeout=1.0)
+        except queue.Empty:
+            continue
+    raise AssertionError(f"the ranks sent nothing within {QUEUE_WAIT_S} s")
+
+
+def _sync(old: Path, new_tensors: Path, options: dict, trainers: list[list[dict]], out: Path) -> tuple[list, list]:
+    """Two engine ranks loaded from `old` join one trainer process after another, each sending `new_tensors`
+    in its steps (`trainers`; a step's "full" goes to the engines' update); returns each rank's record
+    (`parallel_ranks.weight_sync_rank`) and what the trainers said of each step ("sent", their "error", or
+    the exit code of one that died)."""
+    context = mp.get_context("spawn")
+    inboxes, outbox = [context.Queue() for _ in range(WORLD)], context.Queue()
+    launched = mp.start_processes(
+        ranks.weight_sync_rank, nprocs=WORLD, join=False, start_method="spawn",
+        args=(free_port(), str(out), str(old), {**options, **MTP}, SYNC_TIMEOUT_S, inboxes, outbox),
+    )
+
+    def to_ranks(kind: str, payload: object) -> None:
+        for box in inboxes:
+            box.put((kind, payload))
+
+    said = []
+    try:
+        for _ in range(WORLD):  # loaded: a trainer's join timeout starts only now
+            assert _next_from_ranks(outbox, launched)[0] == "ready"
+        for steps in trainers:
+            with Trainer(new_tensors, steps, world_size=1 + WORLD, timeout=SYNC_TIMEOUT_S) as trainer:
+                to_ranks("join", trainer.port)
+                trainer.next("joined")
+                for step in steps:
+                    to_ranks("update", (trainer.next("meta"), {"full": step.get("full", False)}))
+                    if step.get("die_at_bucket") is not None:
+                        trainer.process.join(timeout=QUEUE_WAIT_S)
+                        said.append(trainer.process.exitcode)
+                    else:
+                        fails = step.get("unknown_tensor") or step.get("omit_prefix")
+                        said.append(trainer.next("error" if fails else "sent"))
+        to_ranks("end", None)
+        deadline = time.monotonic() + QUEUE_WAIT_S
+        while not launched.join(timeout=1.0):
+            assert time.monotonic() < deadline, "the ranks did not finish"
+    except AssertionError:
+        launched.join(timeout=5.0)  # a rank that raised is the cause: its error, rather than our waiting's
+        raise
+    finally:
+        for process in launched.processes:
+            if process.is_alive():
+                process.kill()
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)], said
+
+
+def _assert_generates(found: dict, expected: dict, rank: int) -> None:
+    assert found["ids"] == expected["ids"], f"rank {rank}"
+    for lp, want in zip(found["logprobs"], expected["logprobs"], strict=True):
+        assert (lp - want).abs().max().item() <= LOGPROB_TOL, f"rank {rank}"
+
+
+@pytest.mark.parametrize("case", sorted(SYNC_CASES))
+def test_weight_sync_from_a_trainer_reaches_every_rank_drafter_included(
+    sync_checkpoints, sync_one_process, tmp_path, case
+):
+    paths, expected = sync_checkpoints[case], sync_one_process[case]
+    _, options, first = SYNC_CASES[case]
+    good = {"base_version": 0, "bucket_bytes": SYNC_BUCKET_BYTES}
+    if first == "dies":  # then a new trainer, a new group (one launch of the ranks for both: they start slowly)
+        trainers = [[{**good, "die_at_bucket": DIE_AT_BUCKET}], [good]]
+    else:  # then the same group carries the good update
+        trainers = [[{**good, "unknown_tensor": ONE_RANKS_EXPERT},
+                     {**good, "omit_prefix": ONE_RANKS_EXPERT.removesuffix("weight"), "full": True}, good]]
+    # Per failed update: the error type, and the text every rank's message holds.
+    failures = {"dies": [("WeightTransferError", "receiving bucket")],
+                "one_rank_rejects": [("WeightUpdateError", ONE_RANKS_EXPERT), ("WeightUpdateError", "missing tensor")]}
+    found, said = _sync(paths["old"], paths["new_tensors"], options, trainers, tmp_path)
+    assert said[-1]["versions"] == {1 + r: 1 for r in range(WORLD)} and said[-1]["buckets"] > DIE_AT_BUCKET + 1
+    if first == "dies":
+        assert said[0] == DIE_EXIT_CODE
+    else:  # the trainer hears both engine ranks' reasons
+        for (kind, message), (_, text) in zip(said[:-1], failures[first], strict=True):
+            assert kind == "WeightUpdateError" and text in message
+            assert "engine rank 2: " in message and "engine rank 1 failed to stage it" in message, message
+    for state, rank_found in zip(_states(options.get("expert_parallel", False)), found, strict=True):
+        rank, before = state.rank, rank_found["before"]
+        # What went wrong: a clear error on every rank, fast, and the old weights still serve everywhere.
+        for failed, (kind, text) in zip(rank_found["updates"][:-1], failures[first], strict=True):
+            assert failed["outcome"].startswith(kind) and text in failed["outcome"], failed["outcome"]
+            if first == "one_rank_rejects":  # rank 0 failed; rank 1, which drops expert 0, did not commit either
+                assert ("failed to stage it" in failed["outcome"]) == (rank == 1), failed["outcome"]
+            assert failed["seconds"] < SYNC_TIMEOUT_S, f"rank {rank} waited the timeout out"
+            assert failed["version"] == 0 and failed["ready"], f"rank {rank}"
+            assert failed["checksums"] == before["checksums"] and failed["pointers"] == before["pointers"]
+            _assert_generates(failed["results"], expected["old"], rank)
+        # The good update lands on every rank.
+        fresh = {k: c for k, (c, _) in _checksums(load_models(paths["new"], parallel=state, draft="mtp")).items()}
+        synced = rank_found["updates"][-1]
+        assert synced["outcome"] == 1 == synced["version"] and synced["ready"], f"rank {rank}"
+        assert synced["checksums"] == fresh, f"rank {rank}"
+        changed = {k for k in fresh if fresh[k] != before["checksums"][k]}
+        assert any(k.startswith("mtp:") for k in changed) and any(not k.startswith("mtp:") for k in changed)
+        assert synced["pointers"] == before["pointers"], f"rank {rank}"
+        _assert_generates(synced["results"], expected["new"], rank)
+    # Every rank sampled from the same gathered logits, after each update or failed one.
+    for first_rank, second_rank in zip(found[0]["updates"], found[1]["updates"], strict=True):
+        assert first_rank["results"]["sampled"] == second_rank["results"]["sampled"]

@@ -57,8 +57,10 @@ def wait_listening(port: int, deadline_s: float) -> None:
 
 def run_trainer(world_size: int, tensors_path: str, steps: list[dict], out, timeout: float) -> None:
     """Each step: {"base_version": int | None, "bucket_bytes": int, "change_after_plan": bool (a tensor
-    changes between plan and send), "unknown_tensor": bool (the update also carries a name the model does
-    not have), "die_at_bucket": int | None (the process exits while packing that bucket), "skip_send": bool (the
+    changes between plan and send), "unknown_tensor": bool or a name (the update also carries 4 values no
+    tensor of the model has room for, named UNKNOWN_TENSOR or the name given, in place of that tensor),
+    "omit_prefix": str (the tensors whose names start with it are left out of the update),
+    "die_at_bucket": int | None (the process exits while packing that bucket), "skip_send": bool (the
     metadata goes out, the bytes never do)}."""
     torch.set_num_threads(1)
     try:
@@ -68,7 +70,11 @@ def run_trainer(world_size: int, tensors_path: str, steps: list[dict], out, time
         sender = WeightSender("127.0.0.1", port, world_size, timeout=timeout)
         out.put(("joined", None))
         for step in steps:
-            sent = {**tensors, UNKNOWN_TENSOR: torch.zeros(4)} if step.get("unknown_tensor") else tensors
+            unknown = step.get("unknown_tensor")
+            name = unknown if isinstance(unknown, str) else UNKNOWN_TENSOR
+            sent = {**tensors, name: torch.zeros(4)} if unknown else tensors
+            if step.get("omit_prefix"):
+                sent = {n: t for n, t in sent.items() if not n.startswith(step["omit_prefix"])}
             meta = sender.plan(sent, bucket_bytes=step["bucket_bytes"], base_version=step["base_version"])
             out.put(("meta", meta))
             if step.get("change_after_plan"):

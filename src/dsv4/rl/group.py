@@ -14,8 +14,9 @@ stateless groups do. Every wait is bounded by the group's timeout, and every fai
   - a peer that dies mid-transfer: gloo reports the closed connection at once, NCCL within the timeout.
 
 Besides collectives, members `publish` small JSON records under a key and `gather` every member's record
-for that key: the update protocol uses them to agree on a plan before any byte moves and to report each
-engine's outcome (with its error text) back to the trainer.
+for that key: the update protocol uses them to agree on a plan before any byte moves, for the engine ranks
+to agree that every one of them staged the update before any commits it, and to report each engine's
+outcome (with its error text) back to the trainer.
 """
 
 from __future__ import annotations
@@ -139,6 +140,19 @@ class TransferGroup:
                 return f"{role} rank {rank} refused it: {record.get('error')}"
             if record.get("digest") != digest:
                 return f"{role} rank {rank} holds different metadata for it ({record.get('digest')} != {digest})"
+        return None
+
+    def staged(self, update_id: str, error: str | None) -> str | None:
+        """Publish whether this engine rank staged every bucket of update `update_id` (None: it did), then read
+        every engine rank's answer. Returns the first failing engine rank's reason, the same on every engine
+        rank, or None: an update commits on every engine rank or on none."""
+        self.publish(f"staged/{update_id}", {"ok": error is None, "error": error})
+        for rank in range(self.world_size):
+            if rank == TRAINER_RANK:
+                continue
+            record = self._read(f"staged/{update_id}/{rank}", f"engine rank {rank}'s staging of the update")
+            if not record.get("ok"):
+                return f"engine rank {rank} failed to stage it: {record.get('error')}"
         return None
 
     def report(self, update_id: str, outcome: dict[str, Any]) -> None:

@@ -15,7 +15,9 @@ The update protocol, on top of the transfer group (`dsv4.rl.group`):
      a byte moves, with the refusing member's reason in every error.
   2. buckets: the trainer packs bucket i+1 into one of two buffers while bucket i is on the wire, and the
      engine verifies and stages bucket i while receiving bucket i+1.
-  3. done: every engine rank publishes its outcome (new weights version, or the error: a checksum
+  3. staged: every engine rank publishes whether it staged every bucket (and, in a full update, has every
+     tensor); none commits unless all did.
+  4. done: every engine rank publishes its outcome (new weights version, or the error: a checksum
      mismatch, a rejected tensor); `send` returns the versions or raises with the engine's reason.
 """
 

@@ -156,6 +156,13 @@ class WeightUpdateSession:
         return completed
 
     # ---- end ----
+    def check_complete(self) -> None:
+        """Raise WeightUpdateError if `finish()` would refuse the session as incomplete (a weight without its
+        scale; in a full update, a missing tensor); the session stays open (abort it). For a caller that
+        must agree with other ranks before any of them commits."""
+        self._require_open("check completeness")
+        self._check_complete()
+
     def finish(self) -> int:
         """Check, apply (atomic), finalize every model once (target first) and bump the version.
         Returns the weights version now in effect; an empty session changes nothing, not even that."""

@@ -11,6 +11,9 @@ finalize once, addresses audited, the version bumped. What this module adds:
   - a checksum per bucket, verified before the bucket is staged: an update that reports success has
     provably moved the bytes the trainer planned;
   - two receive buffers, so bucket i+1 arrives while bucket i is verified and staged;
+  - every engine rank staged every bucket (and holds every tensor a full update needs), or none commits:
+    the engine ranks agree before committing, since a bucket may fail on one rank only, and tensor
+    parallel ranks must not serve a mix of old and new shards;
   - a transport failure (dead trainer, timeout) or a failed bucket aborts the session: in atomic mode the
     previous weights keep serving, in fail-stop mode the models refuse requests until a complete update.
     After a checksum or staging failure the remaining buckets are still received (and dropped), so the
@@ -141,6 +144,18 @@ class WeightReceiver:
                 raise WeightUpdateError(f"update {update_id} refused before any byte was received: {problem}")
             stats = self._receive(plan, session)
             failure = stats.pop("failure")
+            if failure is None:
+                try:
+                    session.check_complete()
+                except WeightUpdateError as exc:
+                    failure = exc
+            # A bucket, or completeness, can fail on one engine rank only (an expert tensor of the ranks that
+            # hold it, under expert parallelism): then no engine rank commits, or tensor parallel ranks
+            # would serve a mix of old and new shards.
+            elsewhere = self.group.staged(update_id, None if failure is None else str(failure))
+            if failure is None and elsewhere is not None:
+                failure = WeightUpdateError(f"update {update_id}: {elsewhere}; not applied on engine rank "
+                                            f"{self.group.rank} either")
             commit_start = time.perf_counter()
             if failure is None:
                 try:
