@@ -119,3 +119,29 @@ def weight_sync_rank(rank: int, port: int, out_dir: str, path: str, options: dic
                                  "results": results(llm)})
     torch.save(found, Path(out_dir) / f"rank{rank}.pt")
     os._exit(0)  # a transfer group may have lost its trainer: nothing to tear down cleanly
+
+
+def in_process_update_rank(rank: int, port: int, out_dir: str, path: str, new: dict, bad_name: str,
+                           timeout_s: float) -> None:
+    """In-process updates on an expert parallel engine, every rank handed the same full tensors (SPMD):
+    a malformed tensor of an expert only rank 0 holds (refused), the update without it, then the tensors of
+    that one expert alone (only rank 0 completes anything). Records each outcome and the weights after it."""
+    _join_env(rank, port)
+    llm = LLM(path, **ENGINE, tensor_parallel_size=WORLD, expert_parallel=True, distributed_timeout_s=timeout_s)
+
+    def outcome(tensors: dict) -> dict:
+        try:
+            error = None
+            llm.update_weights(list(tensors.items()))
+        except Dsv4Error as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        report = llm.weight_report()
+        return {"error": error, "version": llm.weights_version,
+                "checksums": {n: t["checksum"] for n, t in report["tensors"].items()}}
+
+    bad = dict(new)
+    bad[bad_name] = bad[bad_name][:-1]
+    expert = bad_name.rsplit(".", 2)[0] + "."
+    found = {"before": outcome({}), "bad": outcome(bad), "good": outcome(new),
+             "one_expert": outcome({n: t for n, t in new.items() if n.startswith(expert)})}
+    torch.save(found, Path(out_dir) / f"rank{rank}.pt")

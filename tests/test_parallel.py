@@ -193,7 +193,8 @@ def test_a_refit_per_rank_equals_a_fresh_load_of_its_shard(checkpoints, ckpt, ex
         assert {k: c for k, (c, _) in _checksums(dummy).items()} != {k: c for k, (c, _) in fresh.items()}
         # Two buckets, the scales first where there are any: the slicer pairs halves across buckets.
         names = sorted(tensors, key=lambda n: not n.endswith(".scale"))
-        with WeightUpdateSession(dummy, 0, lambda: 1, atomic=True, full=True) as session:
+        # ranks simulated in one process: no group to agree with (the spawned tests cover agreement)
+        with WeightUpdateSession(dummy, 0, lambda: 1, atomic=True, full=True, rank_agreement=False) as session:
             for bucket in (names[: len(names) // 2], names[len(names) // 2 :]):
                 session.load([(n, tensors[n]) for n in bucket])
         after = _checksums(dummy)
@@ -422,3 +423,28 @@ def test_weight_sync_from_a_trainer_reaches_every_rank_drafter_included(
     # Every rank sampled from the same gathered logits, after each update or failed one.
     for first_rank, second_rank in zip(found[0]["updates"], found[1]["updates"], strict=True):
         assert first_rank["results"]["sampled"] == second_rank["results"]["sampled"]
+
+
+# ---- in-process updates: the ranks agree before any commits ----
+def test_in_process_updates_commit_on_every_rank_or_on_none(checkpoints, tmp_path):
+    """SPMD in-process updates under expert parallelism: a malformed tensor of an expert only rank 0 holds
+    (rank 1 drops it unread) fails on both ranks with the old weights serving on both; the good update lands
+    on both; an update of that one expert (nothing for rank 1) bumps both ranks' version."""
+    new_path = tmp_path / "new"
+    config = ref.tiny_config()
+    ref.write_native_checkpoint(new_path, config, ref.native_state_dict(ref.build_reference_model(config, NEW_SEED)))
+    new = ref.read_safetensors_dir(new_path)
+    _spawn(ranks.in_process_update_rank, (free_port(), str(tmp_path), str(checkpoints["native"]), new,
+                                          ONE_RANKS_EXPERT, TIMEOUT_S))
+    found = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    fresh = [{k: c for k, (c, _) in _checksums(load_models(new_path, parallel=s)).items()}
+             for s in _states(True)]
+    for rank, f in enumerate(found):
+        assert f["before"]["version"] == 0
+        assert f["bad"]["error"] is not None and f["bad"]["version"] == 0, f"rank {rank}"
+        assert f["bad"]["checksums"] == f["before"]["checksums"], f"rank {rank}: a half-applied update serves"
+        assert "tensor parallel rank 0 failed the update" in f["bad"]["error"] if rank == 1 else \
+            ONE_RANKS_EXPERT in f["bad"]["error"]
+        assert f["good"]["error"] is None and f["good"]["version"] == 1
+        assert f["good"]["checksums"] == fresh[rank], f"rank {rank}"
+        assert f["one_expert"]["error"] is None and f["one_expert"]["version"] == 2, f"rank {rank}"

@@ -416,13 +416,17 @@ class LLM:
         require_bool("begin_weight_update: atomic", atomic)
         require_bool("begin_weight_update: full", full)
         check_pause_mode(pause)
+        return self._open_weight_update(atomic, full, pause, rank_agreement=True)
+
+    def _open_weight_update(self, atomic: bool, full: bool, pause: str, *, rank_agreement: bool):
         with self._weight_update_lock:
             if self._weight_update is not None and self._weight_update.active:
                 raise WeightUpdateError(
                     f"a weight update session is already open ({self._weight_update.buckets} bucket(s) loaded); "
                     f"finish() or abort() it first"
                 )
-            self._weight_update = PausingWeightUpdate(self.loaded, self.engine, pause, atomic=atomic, full=full)
+            self._weight_update = PausingWeightUpdate(self.loaded, self.engine, pause, atomic=atomic, full=full,
+                                                      rank_agreement=rank_agreement)
             return self._weight_update
 
     def release_weight_staging(self) -> int:
@@ -521,7 +525,8 @@ class LLM:
 
         if self._weight_receiver is None:
             raise WeightTransferError("no weight transfer group: call init_weight_transfer(...) first")
-        begin = self._session_opener("update_weights_from_distributed", atomic, full, pause)
+        # The transfer agrees across the engine's ranks over its group's store before any commits.
+        begin = self._session_opener("update_weights_from_distributed", atomic, full, pause, rank_agreement=False)
         return self._weight_receiver.update(metadata, self.weights_version, begin, self._max_update_bytes())
 
     def update_weights_from_shared(
@@ -545,14 +550,15 @@ class LLM:
         begin = self._session_opener("update_weights_from_shared", atomic, full, pause)
         return update_from_shared(metadata, handle, self.weights_version, begin, self._max_update_bytes())
 
-    def _session_opener(self, caller: str, atomic: bool, full: bool, pause: str):
+    def _session_opener(self, caller: str, atomic: bool, full: bool, pause: str, *, rank_agreement: bool = True):
         """`begin_weight_update(atomic, full, pause)` for a transfer to call once it accepted the plan. The
         arguments are checked now, before any exchange with the trainer: a bad one found only when the
-        session opens would leave the trainer waiting for this engine's answer until its timeout."""
+        session opens would leave the trainer waiting for this engine's answer until its timeout.
+        `rank_agreement=False` for a transfer that agrees across tensor parallel ranks by its own means."""
         require_bool(f"{caller}: atomic", atomic)
         require_bool(f"{caller}: full", full)
         check_pause_mode(pause)
-        return lambda: self.begin_weight_update(atomic=atomic, full=full, pause=pause)
+        return lambda: self._open_weight_update(atomic, full, pause, rank_agreement=rank_agreement)
 
     def _max_update_bytes(self) -> int:
         """The largest update accepted; a tensor parallel rank receives full tensors, N times its shard."""
@@ -656,8 +662,10 @@ class PausingWeightUpdate(WeightUpdateSession):
     version. Generation resumes when the session ends, however it ends.
     """
 
-    def __init__(self, loaded: LoadedModels, engine: Engine, pause: str, *, atomic: bool, full: bool):
-        super().__init__(loaded, engine.weights_version, engine.weights_updated, atomic=atomic, full=full)
+    def __init__(self, loaded: LoadedModels, engine: Engine, pause: str, *, atomic: bool, full: bool,
+                 rank_agreement: bool = True):
+        super().__init__(loaded, engine.weights_version, engine.weights_updated, atomic=atomic, full=full,
+                         rank_agreement=rank_agreement)
         self._engine = engine
         self._pause = pause
         self._holding = False

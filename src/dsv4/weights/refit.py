@@ -33,11 +33,14 @@ models were not READY at `begin`) that every expected tensor arrived, finalizes 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from dsv4.errors import WeightUpdateError
+from dsv4.errors import ParallelError, WeightUpdateError
+from dsv4.parallel.collectives import all_gather_objects
+from dsv4.parallel.state import ParallelState
 from dsv4.weights.loader import LoadedModels
 from dsv4.weights.report import model_tensors
 from dsv4.weights.writer import WeightWriter
@@ -75,6 +78,15 @@ class WeightUpdateSession:
         on_commit: called once after a successful finish; returns the new weights version.
         atomic: stage everything and apply at `finish()` (True), or write as buckets arrive (False).
         full: `finish()` requires every tensor of every model.
+        rank_agreement: on a tensor / expert parallel rank, the ranks agree before any commits (below);
+            False for a caller that agrees by its own means first (the distributed transfer does).
+
+    Tensor parallel ranks (SPMD: every rank runs the same update on the same full tensors) can still see
+    different outcomes, since each validates only its shard: a bad routed-expert tensor fails on the rank
+    that holds that expert, and the others drop it unread. So each rank's session ends with one agreement
+    over the group: a rank whose bucket failed joins it with its error when the bucket fails, the others at
+    `finish()`; none commits unless all can, and a session that completed nothing on this rank still bumps
+    the version when another rank's did. Otherwise the ranks would serve a mix of old and new shards.
     """
 
     def __init__(
@@ -85,8 +97,11 @@ class WeightUpdateSession:
         *,
         atomic: bool = True,
         full: bool = False,
+        rank_agreement: bool = True,
     ):
         self.loaded = loaded
+        self._agreement: ParallelState | None = loaded.parallel if rank_agreement and loaded.parallel.is_parallel \
+            else None  # the group this session still has to agree with (once)
         self.atomic = atomic
         self.version = version  # the weights version in effect; the new one after a successful finish
         self._on_commit = on_commit
@@ -151,7 +166,9 @@ class WeightUpdateSession:
                 completed += self._writer.load(name, tensor, origin)
             self._writer.own_pending()
         except Exception as exc:
-            raise self._fail(exc) from exc
+            failure = self._fail(exc)
+            self._agree_failed(str(failure))
+            raise failure from exc
         self._completed += completed
         return completed
 
@@ -168,17 +185,47 @@ class WeightUpdateSession:
         Returns the weights version now in effect; an empty session changes nothing, not even that."""
         self._require_open("finish")
         try:
-            self._check_complete()
-            if self._completed:
+            try:
+                self._check_complete()
+            except Exception as exc:
+                self._agree_failed(str(exc))
+                raise
+            changed = self._agree_to_commit()
+            if changed:
                 self._writer.commit()  # atomic: the staged values; fail-stop: already written
                 self.loaded.finalize()
                 self._check_addresses()
         except Exception as exc:
             raise self._fail(exc) from exc
         self.state = FINISHED
-        if self._completed:
+        if changed:
             self.version = self._on_commit()
         return self.version
+
+    # ---- agreement of tensor parallel ranks (class docstring) ----
+    def _agree(self, error: str | None) -> list:
+        """This rank's (error, completed anything) against every rank's, once per session."""
+        state, self._agreement = self._agreement, None
+        return all_gather_objects((error, self._completed > 0), state)
+
+    def _agree_failed(self, error: str) -> None:
+        """Join the agreement with this rank's failure (the error raised here is the caller's already)."""
+        if self._agreement is not None:
+            with contextlib.suppress(ParallelError):  # a dead peer: this rank fails regardless
+                self._agree(error)
+
+    def _agree_to_commit(self) -> bool:
+        """Raise unless every rank can commit. Returns whether the update changes anything: on a tensor
+        parallel rank, whether any rank's session completed a tensor (the update is the group's)."""
+        if self._agreement is None:
+            return self._completed > 0
+        rank = self._agreement.rank
+        answers = self._agree(None)
+        for other, (error, _) in enumerate(answers):
+            if error is not None:
+                raise WeightUpdateError(f"tensor parallel rank {other} failed the update: {error}; not applied "
+                                        f"on rank {rank} either")
+        return any(completed for _, completed in answers)
 
     def _check_complete(self) -> None:
         problems = self._writer.unpaired()
