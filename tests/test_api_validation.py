@@ -161,6 +161,15 @@ CONSTRUCTOR = {
     "load_format='pickle'": ({"load_format": "pickle"}, ConfigError, ValueError, ["load_format", "'pickle'"]),
     "draft='eagle'": ({"draft": "eagle"}, ConfigError, ValueError, ["draft", "'eagle'"]),
     "expert_dtype='int4'": ({"expert_dtype": "int4"}, ConfigError, ValueError, ["expert_dtype", "'int4'"]),
+    "tensor_parallel_size=0": ({"tensor_parallel_size": 0}, ConfigError, ValueError,
+                               ["LLM: tensor_parallel_size", ">= 1"]),
+    "tensor_parallel_size='2'": ({"tensor_parallel_size": "2"}, TYPE, TypeError, ["LLM: tensor_parallel_size", "str"]),
+    "expert_parallel='yes'": ({"expert_parallel": "yes"}, TYPE, TypeError, ["LLM: expert_parallel", "str 'yes'"]),
+    "distributed_timeout_s=0": ({"distributed_timeout_s": 0}, ConfigError, ValueError,
+                                ["LLM: distributed_timeout_s", "positive"]),
+    "distributed_timeout_s='5'": ({"distributed_timeout_s": "5"}, TYPE, TypeError, ["LLM: distributed_timeout_s"]),
+    "tp with compile": ({"tensor_parallel_size": 2, "compile": True}, ConfigError, ValueError,
+                        ["compile=True", "tensor_parallel_size must be 1"]),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -148,13 +149,13 @@ class LLM:
         distributed_timeout_s: float | None = None,
         outputs_on_all_ranks: bool = True,
     ):
-        check_parallel_arguments(tensor_parallel_size, expert_parallel, distributed_timeout_s, outputs_on_all_ranks,
-                                 compile)
         check_llm_arguments(
             model=model, load_format=load_format, dtype=dtype, device=device, seed=seed, draft=draft,
             expert_dtype=expert_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, compile=compile, num_speculative_tokens=num_speculative_tokens,
-            speculation_max_batch=speculation_max_batch,
+            speculation_max_batch=speculation_max_batch, tensor_parallel_size=tensor_parallel_size,
+            expert_parallel=expert_parallel, distributed_timeout_s=distributed_timeout_s,
+            outputs_on_all_ranks=outputs_on_all_ranks,
         )
         if num_speculative_tokens is not None and draft not in PROPOSER_BUILDERS:
             raise ConfigError(f"LLM: num_speculative_tokens: draft={draft!r} has no proposer; speculative decoding "
@@ -609,33 +610,9 @@ class LLM:
         return save_checkpoint(self.loaded, out_dir, layout, dense, experts, copy_from=self.path)
 
 
-def check_parallel_arguments(tensor_parallel_size, expert_parallel, distributed_timeout_s, outputs_on_all_ranks,
-                             compile) -> None:
-    """The type and range checks of `LLM(...)`'s parallel arguments.
-
-    Raises:
-        ArgumentTypeError, ConfigError: naming the argument.
-    """
-    from dsv4.engine.validation import require_int
-
-    require_int("LLM: tensor_parallel_size", tensor_parallel_size, minimum=1)
-    require_bool("LLM: expert_parallel", expert_parallel)
-    require_bool("LLM: outputs_on_all_ranks", outputs_on_all_ranks)
-    if distributed_timeout_s is not None and (isinstance(distributed_timeout_s, bool)
-                                              or not isinstance(distributed_timeout_s, (int, float))
-                                              or not distributed_timeout_s > 0):
-        raise ConfigError(f"LLM: distributed_timeout_s must be a positive number of seconds, "
-                          f"got {distributed_timeout_s!r}")
-    if tensor_parallel_size > 1 and compile is True:
-        raise ConfigError("LLM: compile=True runs in one process only; the compiled decode step has no "
-                          "collectives (tensor_parallel_size must be 1)")
-
-
 def rank_device(device: str, parallel: ParallelState) -> str:
     """A rank's own GPU under tensor parallelism ("cuda" -> "cuda:LOCAL_RANK"); any other device as given."""
     if parallel.is_parallel and device == "cuda":
-        import os
-
         return f"cuda:{int(os.environ.get('LOCAL_RANK', parallel.rank))}"
     return device
 

@@ -143,7 +143,8 @@ def require_str(where: str, value: Any, *, optional: bool = False) -> str | None
 def check_llm_arguments(
     *, model: Any, load_format: Any, dtype: Any, device: Any, seed: Any, draft: Any, expert_dtype: Any,
     max_num_seqs: Any, max_num_batched_tokens: Any, max_model_len: Any, compile: Any,
-    num_speculative_tokens: Any = None, speculation_max_batch: Any = None,
+    num_speculative_tokens: Any = None, speculation_max_batch: Any = None, tensor_parallel_size: Any = 1,
+    expert_parallel: Any = False, distributed_timeout_s: Any = None, outputs_on_all_ranks: Any = True,
 ) -> None:
     """The type and range checks of `LLM(...)`'s arguments that need no checkpoint. The choices of
     `load_format`, `dtype`, `draft` and `expert_dtype` are checked by the code that owns each table, still
@@ -176,6 +177,15 @@ def check_llm_arguments(
             raise ConfigError("LLM: num_speculative_tokens needs a drafter (draft='mtp')")
     if speculation_max_batch is not None:
         require_int("LLM: speculation_max_batch", speculation_max_batch, minimum=0)
+    require_int("LLM: tensor_parallel_size", tensor_parallel_size, minimum=1)
+    require_bool("LLM: expert_parallel", expert_parallel)
+    require_bool("LLM: outputs_on_all_ranks", outputs_on_all_ranks)
+    if distributed_timeout_s is not None and require_number("LLM: distributed_timeout_s", distributed_timeout_s) <= 0:
+        raise ConfigError(f"LLM: distributed_timeout_s must be a positive number of seconds, "
+                          f"got {distributed_timeout_s}")
+    if tensor_parallel_size > 1 and compile:
+        raise ConfigError("LLM: compile=True runs in one process only; the compiled decode step has no "
+                          "collectives (tensor_parallel_size must be 1)")
     check_device(device)
 
 
