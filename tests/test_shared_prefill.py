@@ -17,10 +17,12 @@ import torch
 
 import reference as ref
 from dsv4 import LLM, SamplingParams
+from dsv4.embedded import DSPARK_MODEL
 from dsv4.engine.limits import EngineLimits
 from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.sequence import Sequence, SequenceStatus
 from dsv4.model.cache import cache_tensors
+from dsv4.tasks import sort_digits as task
 
 TARGET_SEED, MTP_SEED, PROMPT_SEED = 31, 32, 33
 PROMPT_LEN = 40  # > sliding_window 32; 10 CSA (rate 4) and 2 HCA (rate 16) entries
@@ -350,3 +352,29 @@ def test_a_prompt_at_max_model_len_forks_one_token_each(checkpoint):
         assert llm.engine.shared_prefills == (2 if share else 0)
     _assert_same(results[True], results[False])
     assert all(len(c.token_ids) == 1 and c.finish_reason == "length" for c in results[True][0].outputs)
+
+
+def test_dspark_followers_take_the_leaders_context_rings(tmp_path):
+    """On the shipped DSpark variant (window 32, rates 4 and 8): after the fork a follower's context rings equal
+    a separate prefill's bit for bit, and greedy output with sharing equals it without."""
+    prompt = [task.BOS_ID, *task.encode(task.make_prompt("3141592653589793238462643383279502884197"))]
+    assert len(prompt) > 32  # past the window and the ring's first wrap
+
+    def build(share: bool) -> LLM:
+        return LLM(DSPARK_MODEL, draft="dspark", dtype="float32", max_num_seqs=4, max_num_batched_tokens=BUDGET,
+                   max_model_len=64, share_prompt_prefill=share)
+
+    shared, alone = build(True), build(False)
+    seqs = _prefill(shared, prompt, 3)
+    (single,) = _prefill(alone, prompt, 1)
+    assert shared.engine.shared_prefills == 2
+    mine, theirs = shared.engine.proposer, alone.engine.proposer
+    mine.flush()
+    theirs.flush()
+    for seq in seqs:
+        assert mine.cache.lengths[seq.slot] == theirs.cache.lengths[single.slot] == len(prompt)
+        for got, want in zip(mine.cache.rows, theirs.cache.rows, strict=True):
+            assert torch.equal(got[seq.slot], want[single.slot])
+    params = SamplingParams(n=3, max_tokens=16, ignore_eos=True)
+    results = [build(share).generate([prompt], params, use_tqdm=False) for share in (True, False)]
+    _assert_same(*results)
