@@ -120,15 +120,21 @@ def test_sharing_off_one_token_prompts_and_recomputing_sequences_do_not_group():
     assert {c.seq for c in plan.chunks} == {done, fresh} and plan.forks == ()
 
 
-def test_a_prompt_scoring_sequence_never_follows_and_its_siblings_follow_it():
-    scheduler = Scheduler(_limits(seqs=4, budget=64))
+def test_a_prompt_scoring_sequence_follows_only_a_leader_that_computed_nothing():
+    scheduler = Scheduler(_limits(seqs=6, budget=16))
     plain = _seqs("plain", PROMPT, 1)
-    scored = _seqs("scored", PROMPT, 3, prompt_logprobs=1)
+    scored = _seqs("scored", PROMPT, 2, prompt_logprobs=1)
     for seq in plain + scored:
         scheduler.add(seq)
-    plan = _step(scheduler)
-    assert {c.seq for c in plan.chunks} == {plain[0], scored[0]}
-    assert set(plan.forks) == {(scored[0], tuple(scored[1:]))}  # the newest leader takes later sequences
+    _step(scheduler)  # admitted together: the scoring one follows too (its scores come from the first chunk)
+    assert scheduler.followers(plain[0]) == tuple(scored)
+    late = _seqs("late", PROMPT, 2, prompt_logprobs=1)
+    for seq in late:
+        scheduler.add(seq)
+    plan = _step(scheduler)  # too late to score the first chunk: it leads a group of its own, its sibling follows
+    assert plan.forks == ((plain[0], tuple(scored)),)
+    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(plain[0], 14), (late[0], 2)]
+    assert scheduler.followers(late[0]) == (late[1],)
 
 
 def test_a_follower_admitted_before_the_last_chunk_joins_and_one_after_it_leads():
@@ -266,8 +272,8 @@ def test_repeated_prompts_across_requests_with_prompt_logprobs(checkpoint):
     for share in (True, False):
         llm = _llm(checkpoint, share, seqs=6)
         results[share] = llm.generate(prompts, params, use_tqdm=False)
-        # Request 3's scoring completion leads a group of its own, its sibling follows it.
-        assert llm.engine.shared_prefills == (3 if share else 0)
+        # All but the first request's completion follow it, the scoring ones included (admitted together).
+        assert llm.engine.shared_prefills == (4 if share else 0)
     _assert_same(results[True], results[False])
 
 
@@ -308,7 +314,8 @@ def test_a_followers_slot_equals_a_separate_prefill_bit_for_bit(checkpoint):
 
 def test_a_leader_aborted_mid_prefill_hands_the_prompt_to_a_follower(checkpoint):
     prompt = _prompt()
-    params = SamplingParams(n=3, max_tokens=8, temperature=0.8, seed=4, logprobs=1, ignore_eos=True)
+    params = SamplingParams(n=3, max_tokens=8, temperature=0.8, seed=4, logprobs=1, prompt_logprobs=2,
+                            ignore_eos=True)
     llm = _llm(checkpoint, True)
     engine = llm.engine
     engine.add_request("lead", prompt, SamplingParams(max_tokens=8))
@@ -316,6 +323,7 @@ def test_a_leader_aborted_mid_prefill_hands_the_prompt_to_a_follower(checkpoint)
     engine.step()  # the leader's first chunk
     lead = engine.requests["lead"].seqs[0]
     assert lead.computed == BUDGET and all(s.computed == 0 for s in follower_request.seqs)
+    assert len(follower_request.prompt_logprobs_parts) == 1 + BUDGET  # scored from the leader's chunk (None first)
     engine.abort("lead")
     while engine.has_work():
         engine.step()

@@ -283,8 +283,9 @@ class Engine:
                 verify = [i for i, w in enumerate(work) if w.draft.token_ids]
                 result = self.runner.execute([w.chunk for w in work], self._logit_rows(work), verify,
                                              capture_layers(self.proposer))
-                self._score_prompts(work, result)
-                self._commit(work, result, reported, dict(plan.forks))
+                forks = dict(plan.forks)
+                self._score_prompts(work, result, forks)
+                self._commit(work, result, reported, forks)
                 if self.proposer is not None:
                     end_step(self.proposer)
             outputs = []
@@ -352,16 +353,19 @@ class Engine:
                     rows.append(last)
         return rows
 
-    def _score_prompts(self, work: list[_Work], result: StepResult) -> None:
+    def _score_prompts(self, work: list[_Work], result: StepResult,
+                       forks: dict[Sequence, tuple[Sequence, ...]]) -> None:
         """Prompt logprobs of the prompt chunks of requests that asked for them (first completion only:
-        the n sequences share the prompt)."""
+        the n sequences share the prompt), for the chunk's sequence and for the followers of its shared
+        prompt prefill (the same streams; each with its own request's settings)."""
         for w in work:
-            seq = w.seq
-            request = self.requests[seq.request_id]
-            if (not scores_prompt(seq) or request.prompt_logprobs is not None
-                    or w.chunk.start >= len(seq.prompt_ids)):
+            if w.chunk.start >= len(w.seq.prompt_ids):
                 continue
-            self._score_prompt_chunk(request, seq, w.chunk.start, result.streams[w.begin : w.begin + w.known])
+            streams = result.streams[w.begin : w.begin + w.known]
+            for seq in (w.seq, *self.scheduler.followers(w.seq), *forks.get(w.seq, ())):
+                request = self.requests[seq.request_id]
+                if scores_prompt(seq) and request.prompt_logprobs is None:
+                    self._score_prompt_chunk(request, seq, w.chunk.start, streams)
 
     def _score_prompt_chunk(self, request: Request, seq: Sequence, start: int, streams: torch.Tensor) -> None:
         """Prompt logprobs for the chunk starting at `start`: row t predicts prompt token t+1."""
@@ -511,14 +515,24 @@ class Engine:
         """Free what an ended sequence held: its slot (emptied), its sampling row, the proposer's state."""
         if seq.slot is not None:
             self._vacate(seq)
+        self._rescore_followers(seq)
         self.scheduler.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._vacate(seq)
+        self._rescore_followers(seq)
         self.scheduler.preempt(seq)
         request = self.requests[seq.request_id]
         if seq.index == 0 and request.prompt_logprobs is None:
             request.prompt_logprobs_parts.clear()  # scored again, whole, when it is recomputed
+
+    def _rescore_followers(self, seq: Sequence) -> None:
+        """`seq` leaves before its shared prompt forked: its heir prefills the prompt from position 0, so the
+        prompt logprobs its chunks scored for the followers are scored again (scheduler.py)."""
+        for follower in self.scheduler.followers(seq):
+            request = self.requests.get(follower.request_id)
+            if scores_prompt(follower) and request is not None and request.prompt_logprobs is None:
+                request.prompt_logprobs_parts.clear()
 
     def _vacate(self, seq: Sequence) -> None:
         """`seq` leaves its slot: the slot holds no position any more (its next sequence starts at 0)."""

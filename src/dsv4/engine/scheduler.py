@@ -27,11 +27,12 @@ leader prefills. The step whose chunk completes the leader's prompt lists the gr
 follower's slot (`ModelCache.fork`), each follower samples its first token from the leader's last
 logits, and from then on they are ordinary, independent sequences. Only fresh sequences group (no
 generated tokens, nothing computed: a preempted sequence recomputing its output prefills on its own), and
-a sequence that scores its request's prompt (`prompt_logprobs`, completion 0) never follows: scoring reads
-the streams of its own chunks. A leader that leaves before the fork (aborted, finished, preempted) hands
-the group to its first follower, which prefills from position 0; a follower that leaves just leaves.
-Followers join only before the leader's last chunk is planned: the slot state is forked at that step and
-no later (decoding overwrites the prompt's rows of the rings).
+a sequence that scores its request's prompt (`prompt_logprobs`, completion 0) follows only a leader that
+has computed nothing yet (the engine scores the leader's chunks for it, from the first). A leader that
+leaves before the fork (aborted, preempted) hands the group to its first follower, which prefills from
+position 0; a follower that leaves just leaves. Followers join only before the leader's last chunk is
+planned: the slot state is forked at that step and no later (decoding overwrites the prompt's rows of
+the rings).
 """
 
 from __future__ import annotations
@@ -201,10 +202,10 @@ class Scheduler:
             return
         key = tuple(seq.prompt_ids)
         leader = self._leaders.get(key)
-        if leader is not None and not scores_prompt(seq):
+        if leader is not None and (leader.computed == 0 or not scores_prompt(seq)):
             self._followers[leader].append(seq)
             self._leader_of[seq] = leader
-        else:  # a scoring sequence leads a group of its own; later sequences follow the newest leader
+        else:  # a scoring one, too late to be scored from the first chunk: the newest leader takes later ones
             self._leaders[key] = seq
             self._followers[seq] = []
 
