@@ -82,6 +82,17 @@ def test_the_n_completions_of_a_prompt_prefill_once_and_fork_at_the_last_chunk()
     assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(s, 1) for s in group]
 
 
+def test_a_prompt_whose_last_chunk_is_one_token_forks_with_it():
+    scheduler = Scheduler(_limits(seqs=4, budget=16))
+    group = _seqs("r", list(range(100, 117)), 3)  # 17 tokens: 16, then 1 (planned with the decodes)
+    for seq in group:
+        scheduler.add(seq)
+    _step(scheduler)
+    plan = _step(scheduler)
+    assert [(c.seq, c.num_tokens) for c in plan.chunks] == [(group[0], 1)]
+    assert plan.forks == ((group[0], tuple(group[1:])),)
+
+
 def test_repeated_prompts_of_separate_requests_group_and_other_prompts_do_not():
     scheduler = Scheduler(_limits(seqs=4, budget=64))
     a, b = _seqs("a", PROMPT, 1), _seqs("b", list(PROMPT), 2)  # an equal prompt in another list
@@ -351,11 +362,11 @@ def test_a_weight_update_between_the_leaders_chunks_recomputes_the_group(checkpo
 
 
 def test_a_prompt_at_max_model_len_forks_one_token_each(checkpoint):
-    prompt = _prompt(length=63)
+    prompt = _prompt(length=3 * BUDGET + 1)  # its last chunk is one token
     params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=2, ignore_eos=True)
     results = {}
     for share in (True, False):
-        llm = _llm(checkpoint, share, model_len=64)
+        llm = _llm(checkpoint, share, model_len=len(prompt) + 1)
         results[share] = llm.generate([prompt], params, use_tqdm=False)
         assert llm.engine.shared_prefills == (2 if share else 0)
     _assert_same(results[True], results[False])

@@ -447,7 +447,7 @@ class Engine:
                     self._report_commit(seq, start, result, w.begin, w.begin + w.known + kept)
             self._note_progress(seq, reported)
             for follower in followers:  # as if it had computed the leader's chunks itself
-                follower.computed = seq.computed
+                follower.computed = start + w.known
                 self._append(follower, tokens[row], logprobs[row])
                 row += 1
                 if not follower.finished and self.proposer is not None:

@@ -172,13 +172,15 @@ class Scheduler:
         if off:
             num_speculative_tokens = 0
         chunks = []
+        completing = []  # leaders whose prompt this step completes
         for seq in decodes:
             drafts = 0
             if num_speculative_tokens > 0 and seq.decoding:
                 drafts = min(num_speculative_tokens, budget, self._max_drafts(seq))
                 budget -= drafts
             chunks.append(ScheduledChunk(seq, 1, drafts))
-        completing = []  # leaders whose prompt this step completes
+            if seq in self._followers:  # the last token of a chunked prompt
+                completing.append(seq)
         for seq, n in pending:
             if budget <= 0:
                 break
