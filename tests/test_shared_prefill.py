@@ -343,6 +343,21 @@ def test_a_leader_aborted_mid_prefill_hands_the_prompt_to_a_follower(checkpoint)
     _assert_same([follower_request.output(delta=False)], reference)
 
 
+def test_a_request_arriving_mid_prefill_follows_and_both_match_separate_runs(checkpoint):
+    prompt = _prompt()
+    first = SamplingParams(max_tokens=8, temperature=0.6, seed=1, logprobs=1, ignore_eos=True)
+    late = SamplingParams(n=2, max_tokens=8, temperature=1.1, top_p=0.9, seed=8, logprobs=1, ignore_eos=True)
+    engine = _llm(checkpoint, True).engine
+    a = engine.add_request("a", prompt, first)
+    engine.step()
+    b = engine.add_request("b", list(prompt), late)  # the leader has computed its first chunk
+    while engine.has_work():
+        engine.step()
+    assert engine.shared_prefills == 2
+    for request, params in ((a, first), (b, late)):
+        _assert_same([request.output(delta=False)], _llm(checkpoint, False).generate([prompt], params, use_tqdm=False))
+
+
 def test_a_weight_update_between_the_leaders_chunks_recomputes_the_group(checkpoint):
     prompt = _prompt()
     llm = _llm(checkpoint, True)
