@@ -1,15 +1,19 @@
 """Shared prompt prefill: sequences with one prompt (a request's n completions, repeated prompts) prefill it
 once and fork the slot state.
 
-The scheduler's grouping on its own (no model): who leads, who follows, that followers take no budget,
-when a group forks, and what a leader leaving before the fork does. Then the engine on the tiny model (window
-32, compress rates 4 and 16) with a 40-token prompt (past the window, across both rates) prefilled in
-chunks of 16: outputs with sharing on equal sharing off (tokens exactly, logprobs within the batching
-tolerance of test_batching.py: a shared prefill batches fewer rows), with and without MTP speculation;
-after the fork every cache tensor of a follower's slot, compressor and indexer rings and entries and the
-MTP drafter's cache included, equals bit for bit what a prefill of that prompt on its own leaves; the
-model computes the prompt once per group; a leader aborted mid-prefill hands its group on; a weight
-update between the leader's chunks makes the group recompute under the new version.
+The scheduler's grouping on its own (no model): who leads and who follows (prompt-scoring sequences only
+behind a leader that computed nothing), that followers take no budget, that a group forks at the step of
+the leader's last chunk (a one-token one included) and no later, and what a leader or follower leaving
+before the fork does. Then the engine on the tiny model (window 32, compress rates 4 and 16) with a
+40-token prompt (past the window, across both rates) prefilled in chunks of 16: outputs with sharing on
+equal sharing off (tokens exactly, logprobs and prompt logprobs within the batching tolerance of
+test_batching.py: a shared prefill batches fewer rows), for n completions and repeated prompts across
+requests, greedy and seeded, with MTP and DSpark speculation; after the fork every cache tensor of a
+follower's slot (window, compressor and indexer rings and entries) and the drafters' caches equal bit for
+bit what a prefill of that prompt on its own leaves; the model computes the prompt once per group; a
+request arriving mid-prefill follows; a leader aborted mid-prefill hands its group on (scores start
+over); a weight update between the leader's chunks makes the group recompute under the new version; a
+prompt at max_model_len forks one token each.
 """
 
 import pytest
