@@ -207,7 +207,7 @@ class Scheduler:
         if leader is not None and (leader.computed == 0 or not scores_prompt(seq)):
             self._followers[leader].append(seq)
             self._leader_of[seq] = leader
-        else:  # a scoring one, too late to be scored from the first chunk: the newest leader takes later ones
+        else:  # no leader, or a scoring one too late for the first chunk's scores: lead (later ones follow it)
             self._leaders[key] = seq
             self._followers[seq] = []
 
