@@ -4,6 +4,7 @@ processes, the engine refit over torch.distributed (gloo) after every optimizer 
 
     python examples/grpo_sort.py                                  # fp32 engine, experts dense (the trainer's)
     python examples/grpo_sort.py --engine-dtype bfloat16          # bf16 engine
+    python examples/grpo_sort.py --engine-dtype bfloat16 --activation-dtype float32  # bf16 weights, fp32 math
     python examples/grpo_sort.py --expert-dtype fp4               # FP4 experts, quantized at every refit
     python examples/grpo_sort.py --steps 3 --prompts 4 --group 4  # a quick look
 
@@ -73,6 +74,7 @@ class GRPOConfig:
     weaken: float = 0.5  # noise std, relative to each matrix's own std
     seed: int = 0
     engine_dtype: str = "float32"
+    activation_dtype: str | None = None  # the engine's activations and caches (None: engine_dtype)
     expert_dtype: str = "dense"
     bucket_bytes: int = 1 << 20  # the model is ~3.6 MB in fp32: a few buckets per refit
     eval_prompts: int = 64
@@ -82,14 +84,14 @@ class GRPOConfig:
 # ---------------------------------------------------------------------------------------------------
 # the rollout engine: its own process, commands over a pipe
 # ---------------------------------------------------------------------------------------------------
-def rollout_worker(conn, engine_dtype: str, expert_dtype: str, max_num_seqs: int) -> None:
+def rollout_worker(conn, engine_dtype: str, activation_dtype: str | None, expert_dtype: str, max_num_seqs: int) -> None:
     """The engine process: answers ("init", kwargs) | ("update", meta) | ("generate", prompts, params)
     | ("stop",) with ("ok", result) or ("error", message)."""
     torch.set_num_threads(1)
     from dsv4 import LLM, SamplingParams
 
-    llm = LLM(BF16_MODEL, dtype=engine_dtype, expert_dtype=expert_dtype, max_num_seqs=max_num_seqs,
-              max_model_len=task.MAX_SEQ_LEN + 1)
+    llm = LLM(BF16_MODEL, dtype=engine_dtype, activation_dtype=activation_dtype, expert_dtype=expert_dtype,
+              max_num_seqs=max_num_seqs, max_model_len=task.MAX_SEQ_LEN + 1)
     while True:
         command, *args = conn.recv()
         if command == "stop":
@@ -120,7 +122,8 @@ class RolloutEngine:
         self.conn, child = context.Pipe()
         self.timeout = cfg.timeout_s
         self.process = context.Process(
-            target=rollout_worker, args=(child, cfg.engine_dtype, cfg.expert_dtype, cfg.prompts * cfg.group),
+            target=rollout_worker,
+            args=(child, cfg.engine_dtype, cfg.activation_dtype, cfg.expert_dtype, cfg.prompts * cfg.group),
             daemon=True,
         )
 
@@ -300,7 +303,8 @@ def plot(results: dict, path: Path) -> None:
     fig, (ax_r, ax_d, ax_p) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     ax_r.plot(steps, [e["reward"] for e in results["steps"]], marker=".")
     ax_r.set_ylabel("mean reward")
-    ax_r.set_title(f"GRPO on sort_digits: {cfg['engine_dtype']} engine, {cfg['expert_dtype']} experts, "
+    activations = f" ({cfg['activation_dtype']} activations)" if cfg.get("activation_dtype") else ""
+    ax_r.set_title(f"GRPO on sort_digits: {cfg['engine_dtype']} engine{activations}, {cfg['expert_dtype']} experts, "
                    f"refit over gloo every step")
     ax_d.semilogy(steps, [max(e["rollout_probs_diff_mean"], 1e-12) for e in results["steps"]], marker=".",
                   label="rollout_probs_diff_mean")
@@ -317,11 +321,18 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def activation_tag(cfg: GRPOConfig) -> str:
+    """The result files' name part for activations wider than the engine's weights ("_fp32act"), else ""."""
+    if cfg.activation_dtype in (None, cfg.engine_dtype):
+        return ""
+    return "_" + {"float32": "fp32", "bfloat16": "bf16"}[cfg.activation_dtype] + "act"
+
+
 def main(argv: list[str] | None = None) -> dict:
     defaults = GRPOConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for field, value in asdict(defaults).items():
-        p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+        p.add_argument(f"--{field.replace('_', '-')}", type=str if value is None else type(value), default=value)
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and the plot")
     p.add_argument("--no-plot", action="store_true")
     args = vars(p.parse_args(argv))
@@ -329,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = GRPOConfig(**args)
     results = run(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"grpo_sort_{cfg.engine_dtype}_{cfg.expert_dtype}"
+    name = f"grpo_sort_{cfg.engine_dtype}{activation_tag(cfg)}_{cfg.expert_dtype}"
     (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
     if not no_plot:
         plot(results, out / f"{name}.png")
