@@ -24,6 +24,12 @@ AdamW step on the GRPO policy-gradient loss (sequence-mean of -advantage * logpr
 per batch, so the PPO ratio is 1 and needs no clipping; no KL penalty). Then the new weights go to the
 engine, based on the version it holds.
 
+An engine whose dense weights are narrower than the trainer's (bf16) also gets `resident_*` agreement per
+step: against the trainer's logprobs under its own weights rounded as the engine holds them
+(`resident_trainer`). That leaves out the weight rounding, so it measures only what the engine computes
+differently: with `--activation-dtype float32` it is fp32 rounding (the remaining gap is the weights'
+rounding), with bf16 activations it is what bf16 arithmetic adds.
+
 What "learns" means here (seeded; checked and reported as "learned" in the JSON): the mean reward of the
 last 10 steps exceeds that of the first 5 by at least `REWARD_RISE` (0.2), and held-out greedy accuracy
 (64 prompts no training step sees) rises. The run writes a JSON (per-step reward, agreement, sync times)
@@ -34,6 +40,7 @@ matplotlib (the `bench` extra).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing
 import random
@@ -186,6 +193,24 @@ def weakened_trainer(cfg: GRPOConfig):
     return model
 
 
+# Trainer parameters an engine keeps in fp32 whatever its dtype (the mHC mixing and the compressors' position
+# biases; vectors are fp32 too): every other matrix is held in the engine's dtype.
+ENGINE_FP32_MATRICES = ("_hc.", "hc_head.", "position_bias")
+
+
+def resident_trainer(model, engine_dtype: str):
+    """A frozen copy of the trainer holding the weights exactly as an engine of `engine_dtype` keeps them at
+    rest (each matrix rounded to that dtype, then back to fp32): the trainer side of the "resident" agreement,
+    which leaves out the weight rounding and so measures only what the engine computes differently."""
+    resident = copy.deepcopy(model).requires_grad_(False)
+    dtype = getattr(torch, engine_dtype)
+    with torch.no_grad():
+        for name, param in resident.named_parameters():
+            if param.dim() >= 2 and not any(part in name for part in ENGINE_FP32_MATRICES):
+                param.copy_(param.to(dtype))
+    return resident
+
+
 def completion_text(token_ids: list[int]) -> str:
     return "".join(task.VOCAB[t] for t in token_ids if t >= len(task.SPECIALS))
 
@@ -264,13 +289,19 @@ def run(cfg: GRPOConfig) -> dict:
             advantages = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + ADVANTAGE_EPS)).view(-1)
             logprobs = trainer_logprobs(model, sequences, starts)
             metrics = agreement(rollout_lp, [lp.detach() for lp in logprobs])
+            resident = {}
+            if cfg.engine_dtype != "float32" and cfg.expert_dtype == "dense":  # the engine rounds the weights
+                with torch.no_grad():
+                    rounded = trainer_logprobs(resident_trainer(model, cfg.engine_dtype), sequences, starts)
+                resident = {f"resident_{k}": v for k, v in agreement(rollout_lp, rounded).as_dict().items()
+                            if k != "tokens"}
             loss = -torch.stack([a * lp.mean() for a, lp in zip(advantages, logprobs)]).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             t2 = time.perf_counter()
             refits.append(refit(engine, sender, model, cfg, version=refits[-1]["version"]))
-            entry = {"step": step, "reward": r.mean().item(), **metrics.as_dict(), "loss": loss.item(),
+            entry = {"step": step, "reward": r.mean().item(), **metrics.as_dict(), **resident, "loss": loss.item(),
                      "rollout_s": t1 - t0, "train_s": t2 - t1, **{f"refit_{k}": v for k, v in refits[-1].items()}}
             log.append(entry)
             print(json.dumps({k: round(v, 8) if isinstance(v, float) else v for k, v in entry.items()}), flush=True)
@@ -285,6 +316,10 @@ def run(cfg: GRPOConfig) -> dict:
         "max_rollout_probs_diff_mean": max(e["rollout_probs_diff_mean"] for e in log) if log else None,
         "min_pearson": min(e["rollout_actor_probs_pearson_corr"] for e in log) if log else None,
         "max_k3_kl": max(e["k3_kl"] for e in log) if log else None,
+        "max_resident_rollout_probs_diff_mean": max((e["resident_rollout_probs_diff_mean"] for e in log
+                                                     if "resident_k3_kl" in e), default=None),
+        "min_resident_pearson": min((e["resident_rollout_actor_probs_pearson_corr"] for e in log
+                                     if "resident_k3_kl" in e), default=None),
         "mean_refit_send_s": sum(r["send_s"] for r in refits) / len(refits),
         "seconds": time.perf_counter() - start,
     }
@@ -310,9 +345,16 @@ def plot(results: dict, path: Path) -> None:
                   label="rollout_probs_diff_mean")
     ax_d.semilogy(steps, [max(e["rollout_probs_diff_max"], 1e-12) for e in results["steps"]], marker=".",
                   label="rollout_probs_diff_max")
+    if "resident_k3_kl" in results["steps"][0]:
+        ax_d.semilogy(steps, [max(e["resident_rollout_probs_diff_mean"], 1e-12) for e in results["steps"]],
+                      marker=".", label="diff_mean vs the trainer on the engine's rounded weights")
+        ax_p.plot(steps, [max(1 - e["resident_rollout_actor_probs_pearson_corr"], 1e-16) for e in results["steps"]],
+                  marker=".", label="vs the trainer on the engine's rounded weights")
+        ax_p.legend()
     ax_d.legend()
     ax_d.set_ylabel("|p_rollout - p_trainer|")
-    ax_p.plot(steps, [1 - e["rollout_actor_probs_pearson_corr"] for e in results["steps"]], marker=".")
+    ax_p.plot(steps, [1 - e["rollout_actor_probs_pearson_corr"] for e in results["steps"]], marker=".",
+              label="vs the fp32 trainer")
     ax_p.set_yscale("log")
     ax_p.set_ylabel("1 - pearson")
     ax_p.set_xlabel("step")

@@ -67,6 +67,8 @@ def test_cached_decode_matches_transformers_fp32_on_the_bf16_weights(case):
 def test_weights_at_rest_are_the_bf16_engines(case):
     _, fp32_dir, llm, _, _ = case
     bf16 = LLM(str(fp32_dir), dtype="bfloat16")
+    assert (llm.weight_report()["activation_dtype"], bf16.weight_report()["activation_dtype"]) == ("float32",
+                                                                                                  "bfloat16")
     ours, theirs = llm.weight_report()["tensors"], bf16.weight_report()["tensors"]
     assert ours.keys() == theirs.keys()
     for name, entry in ours.items():  # same dtype, shape and bits, tensor by tensor
