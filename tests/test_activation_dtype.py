@@ -13,7 +13,7 @@ import torch
 
 import reference as ref
 from dsv4 import LLM, SamplingParams
-from dsv4.errors import ArgumentTypeError, ConfigError
+from dsv4.errors import ConfigError
 
 FP32_TOL = 1e-4  # as tests/test_model_reference.py: dsv4 fp32 vs transformers fp32
 SEQ_LEN, PROMPT_LEN, NEW_TOKENS = 24, 8, 12
@@ -113,17 +113,8 @@ def test_default_is_the_weight_dtype_bit_for_bit(case):
     assert not torch.equal(default.forward_logprobs([ids])[0], llm.forward_logprobs([ids])[0])
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    (dict(activation_dtype="float16"), ConfigError, "activation_dtype: expected None or one of"),
-    (dict(activation_dtype=32), ArgumentTypeError, "activation_dtype"),
-    (dict(dtype="float32", activation_dtype="bfloat16"), ConfigError, "activation_dtype: 'bfloat16' is narrower"),
-])
-def test_bad_activation_dtype_is_refused_by_name(case, kwargs, error, words):
-    with pytest.raises(error, match=words):
-        LLM(str(case[1]), **kwargs)
-
-
 def test_compile_is_refused_with_wider_activations(case):
+    """(The argument checks of activation_dtype itself: tests/test_api_validation.py's constructor table.)"""
     with pytest.raises(ConfigError, match=r"compile=True.*activation_dtype"):
         LLM(str(case[1]), compile=True, **MIXED)
 
