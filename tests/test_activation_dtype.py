@@ -126,3 +126,32 @@ def test_greedy_is_batch_invariant(case):
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     together = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     assert together == alone
+
+
+@pytest.mark.parametrize("model, draft", [("dsv4-sort-bf16", "mtp"), ("dsv4-sort-dspark", "dspark")])
+def test_drafters_compute_in_the_activation_dtype_and_stay_lossless(model, draft):
+    """The drafters read the target's embedding through `embed_tokens` and size their caches by its activation
+    dtype; greedy speculative decoding then answers exactly what the target alone answers."""
+    prompts = [[0, *range(3, 3 + n)] for n in (4, 7)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    plain = LLM(model, **MIXED)
+    speculative = LLM(model, draft=draft, **MIXED)
+    drafter = speculative.loaded.models[draft]
+    assert all(t.dtype == torch.float32 for t in _cache_tensors(drafter.allocate_cache(1, 16)))
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in speculative.generate(prompts, params, use_tqdm=False)] == want
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """Every floating tensor a drafter's cache holds (its layer caches' or its rings)."""
+    found, stack = [], [cache]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found += [item] if item.is_floating_point() else []
+        elif isinstance(item, (list, tuple)):
+            stack += list(item)
+        elif hasattr(item, "__dict__"):
+            stack += list(vars(item).values())
+    assert found
+    return found
