@@ -170,6 +170,7 @@ CONSTRUCTOR = {
                                ["LLM: tensor_parallel_size", ">= 1"]),
     "tensor_parallel_size='2'": ({"tensor_parallel_size": "2"}, TYPE, TypeError, ["LLM: tensor_parallel_size", "str"]),
     "expert_parallel='yes'": ({"expert_parallel": "yes"}, TYPE, TypeError, ["LLM: expert_parallel", "str 'yes'"]),
+    "share_prompt_prefill=1": ({"share_prompt_prefill": 1}, TYPE, TypeError, ["LLM: share_prompt_prefill", "int 1"]),
     "distributed_timeout_s=0": ({"distributed_timeout_s": 0}, ConfigError, ValueError,
                                 ["LLM: distributed_timeout_s", "positive"]),
     "distributed_timeout_s='5'": ({"distributed_timeout_s": "5"}, TYPE, TypeError, ["LLM: distributed_timeout_s"]),

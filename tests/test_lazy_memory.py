@@ -133,6 +133,30 @@ def test_engine_caches_are_untouched_at_start_up_and_a_short_request_touches_its
         assert touched < nominal / SLOTS  # less than one slot's full size
 
 
+def _prefilled(share: bool, n: int):
+    """A fresh engine right after its one request's prompt: (its lazy cache tensors, the request's sequences)."""
+    llm = LLM("dsv4-tiny-dummy", dtype="float32", max_num_seqs=4, max_model_len=MAX_LEN, share_prompt_prefill=share)
+    prompt = torch.randint(2, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    request = llm.engine.add_request("r", prompt, SamplingParams(n=n, max_tokens=4, ignore_eos=True))
+    while any(not seq.output_ids for seq in request.seqs):
+        llm.engine.step()
+    assert llm.engine.shared_prefills == (n - 1 if share else 0)
+    return [t for t in cache_tensors(llm.engine.runner.cache.layers) if _lazy(t)], request.seqs
+
+
+def test_a_forked_prompt_touches_the_pages_a_prefill_of_its_own_would():
+    """Shared prompt prefill copies only the rows a prompt wrote: right after the fork, the leader's and every
+    follower's slot have exactly as many touched pages as a prefill of that prompt on its own, all in their slots."""
+    shared, seqs = _prefilled(True, 3)
+    alone, _ = _prefilled(False, 1)
+    for tensor, reference in zip(shared, alone, strict=True):
+        expected = len(_touched_pages(reference))
+        pages = set(_touched_pages(tensor))
+        per_slot = [pages & set(_slot_pages(tensor, seq.slot)) for seq in seqs]
+        assert sum(map(len, per_slot)) == len(pages), tuple(tensor.shape)  # nothing outside their slots
+        assert expected and [len(p) for p in per_slot] == [expected] * len(seqs), tuple(tensor.shape)
+
+
 # ---- weight memory ----
 ARENA_PROBE = textwrap.dedent(
     """

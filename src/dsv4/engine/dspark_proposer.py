@@ -190,6 +190,11 @@ class DSparkProposer:
         positions = torch.arange(first_position, first_position + rows, dtype=torch.long, device=self._device)
         self._pending.append(_PendingCommit(seq.slot, first_position, features, positions))
 
+    def on_fork(self, leader: Sequence, followers: Seq[Sequence], length: int) -> None:
+        """The followers share the leader's prompt prefill: their rings take its context positions
+        [0, length) (the last prompt chunk's rows come with each follower's own `on_commit`)."""
+        self.cache.fork(leader.slot, [f.slot for f in followers], length)
+
     def on_release(self, seq: Sequence) -> None:
         """`seq` left its slot: forget its pending commits and empty its ring."""
         self._pending = [p for p in self._pending if p.slot != seq.slot]

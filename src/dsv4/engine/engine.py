@@ -12,6 +12,13 @@ A step flows through four parts, each in its own file:
   commit     here: append the sampled tokens (stop ids, stop strings, max_tokens, max_model_len),
              advance each sequence's `computed`, finish and free slots, build the outputs.
 
+Shared prompt prefill (`share_prompt_prefill`, on by default): sequences admitted with one prompt prefill
+it once; the step that completes the leader's prompt forks its slot state into its followers' slots
+(`ModelRunner.fork`, and `Proposer.on_fork` for the drafter's state), and each follower samples its first
+token from the leader's last prompt row with its own settings (scheduler.py). A weight update preempts
+every running sequence (`weights_updated`), leaders and followers alike, so a fork never copies state
+computed under older weights.
+
 Speculation (speculation.py) plugs in between schedule and forward (the `Proposer` drafts tokens for the
 room the scheduler left) and in commit (only the accepted prefix plus one token is kept; `computed` and
 the cache slot are rewound past the rejected drafts). Preemption (`preempt`, and `pause("retract")`)
@@ -46,7 +53,7 @@ from dsv4.engine.outputs import RequestOutput, SpeculationMetrics
 from dsv4.engine.request import OutputSink, Request
 from dsv4.engine.sampler import Proposal, Sampler, SamplingBatch, prompt_logprobs
 from dsv4.engine.sampling_params import SamplingParams
-from dsv4.engine.scheduler import ScheduledChunk, Scheduler
+from dsv4.engine.scheduler import ScheduledChunk, Scheduler, scores_prompt
 from dsv4.engine.sequence import ABORT, LENGTH, STOP, Sequence, SequenceStatus
 from dsv4.engine.speculation import Draft, Proposer, accepted_length, capture_layers, end_step
 from dsv4.errors import ConfigError, RequestError, WeightsNotReadyError
@@ -110,6 +117,9 @@ class Engine:
         proposer: a drafter for speculative decoding, or None.
         speculation_max_batch: with a proposer, the most decoding sequences a step speculates for
             (None: always speculate); steps with more decode without drafts.
+        share_prompt_prefill: sequences admitted with the same prompt (a request's n completions, repeated
+            prompts) prefill it once and fork the slot state (scheduler.py, shared prompt prefill); with a
+            proposer, only if it can fork its own state (`Proposer.on_fork`).
 
     Raises:
         ValueError: compile_decode for a model the static step cannot run (e.g. FP8/FP4 routed experts).
@@ -118,6 +128,7 @@ class Engine:
     def __init__(
         self, model: DeepseekV4, limits: EngineLimits, seed: int, eos_token_ids: tuple[int, ...], tokenizer=None,
         compile_decode: bool = False, proposer: Proposer | None = None, speculation_max_batch: int | None = None,
+        share_prompt_prefill: bool = True,
     ):
         self.limits = limits
         self.runner = ModelRunner(model, limits, compile_decode)  # reserves every cache slot (pages taken as written)
@@ -128,6 +139,8 @@ class Engine:
         self.speculation_max_batch = speculation_max_batch
         self.speculation = SpeculationMetrics()  # totals over every verify chunk this engine judged
         self.steps_without_speculation = 0  # steps that decoded without drafts past speculation_max_batch
+        self.share_prompt_prefill = share_prompt_prefill
+        self.shared_prefills = 0  # sequences whose prompt state was forked from a leader instead of computed
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.requests: dict[str, Request] = {}  # every request not yet reported finished
@@ -261,7 +274,7 @@ class Engine:
             if self.requests and self._unservable():
                 self._fail_all(reported)
             plan = self.scheduler.schedule(self.proposer.num_speculative_tokens if self.proposer else 0,
-                                           self.speculation_max_batch)
+                                           self.speculation_max_batch, self._shares_prompts())
             self.steps_without_speculation += plan.speculation_off
             for seq in plan.admitted:
                 self.sampling.add(seq.slot, seq.params, seq.seed)
@@ -270,8 +283,9 @@ class Engine:
                 verify = [i for i, w in enumerate(work) if w.draft.token_ids]
                 result = self.runner.execute([w.chunk for w in work], self._logit_rows(work), verify,
                                              capture_layers(self.proposer))
-                self._score_prompts(work, result)
-                self._commit(work, result, reported)
+                forks = dict(plan.forks)
+                self._score_prompts(work, result, forks)
+                self._commit(work, result, reported, forks)
                 if self.proposer is not None:
                     end_step(self.proposer)
             outputs = []
@@ -339,16 +353,19 @@ class Engine:
                     rows.append(last)
         return rows
 
-    def _score_prompts(self, work: list[_Work], result: StepResult) -> None:
+    def _score_prompts(self, work: list[_Work], result: StepResult,
+                       forks: dict[Sequence, tuple[Sequence, ...]]) -> None:
         """Prompt logprobs of the prompt chunks of requests that asked for them (first completion only:
-        the n sequences share the prompt)."""
+        the n sequences share the prompt), for the chunk's sequence and for the followers of its shared
+        prompt prefill (the same streams; each with its own request's settings)."""
         for w in work:
-            seq = w.seq
-            request = self.requests[seq.request_id]
-            if (seq.params.prompt_logprobs is None or seq.index != 0 or request.prompt_logprobs is not None
-                    or w.chunk.start >= len(seq.prompt_ids)):
+            if w.chunk.start >= len(w.seq.prompt_ids):
                 continue
-            self._score_prompt_chunk(request, seq, w.chunk.start, result.streams[w.begin : w.begin + w.known])
+            streams = result.streams[w.begin : w.begin + w.known]
+            for seq in (w.seq, *self.scheduler.followers(w.seq), *forks.get(w.seq, ())):
+                request = self.requests[seq.request_id]
+                if scores_prompt(seq) and request.prompt_logprobs is None:
+                    self._score_prompt_chunk(request, seq, w.chunk.start, streams)
 
     def _score_prompt_chunk(self, request: Request, seq: Sequence, start: int, streams: torch.Tensor) -> None:
         """Prompt logprobs for the chunk starting at `start`: row t predicts prompt token t+1."""
@@ -367,9 +384,11 @@ class Engine:
         if start + streams.shape[0] >= n_prompt:
             request.prompt_logprobs = request.prompt_logprobs_parts
 
-    def _commit(self, work: list[_Work], result: StepResult, reported: dict[str, Request]) -> None:
+    def _commit(self, work: list[_Work], result: StepResult, reported: dict[str, Request],
+                forks: dict[Sequence, tuple[Sequence, ...]]) -> None:
         """Sample the sampling rows, keep each verify chunk's accepted prefix plus one token, advance
-        `computed` (rewinding slots past rejected drafts), and note the requests to report."""
+        `computed` (rewinding slots past rejected drafts), fork completed shared prompts into their
+        followers' slots, and note the requests to report."""
         sampling = [w for w in work if w.samples]
         tokens: list[int] = []
         logprobs: list = []
@@ -387,7 +406,14 @@ class Engine:
                     proposals.append(None)  # the last row: the bonus token
                 else:
                     proposals.extend([None] * rows)
-            out = self.sampler.sample_rows(result.logits, self.sampling.rows(slots), indices,
+                for follower in forks.get(w.seq, ()):  # its first token, from the leader's last prompt row
+                    slots.append(follower.slot)
+                    indices.append(0)
+                    proposals.append(None)
+            logits = result.logits
+            if forks:
+                logits = logits.index_select(0, torch.tensor(self._fork_rows(sampling, forks), device=logits.device))
+            out = self.sampler.sample_rows(logits, self.sampling.rows(slots), indices,
                                            proposals if any(p is not None for p in proposals) else None)
             tokens, logprobs = out.token_ids.tolist(), out.logprobs
         rewinds: dict[int, int] = {}  # slot -> positions kept, for slots past rejected drafts
@@ -399,6 +425,9 @@ class Engine:
                 if self.proposer is not None:
                     self._report_commit(seq, start, result, w.begin, w.begin + w.known)
                 continue
+            followers = forks.get(seq, ())
+            if followers:  # before the leader's token: a leader that stops at it frees its slot
+                self._fork(seq, followers, start)
             drafts = w.draft.token_ids
             sampled = tokens[row : row + 1 + len(drafts)]
             kept = accepted_length(sampled, drafts) if drafts else 0
@@ -416,12 +445,44 @@ class Engine:
                     rewinds[seq.slot] = seq.computed
                 if self.proposer is not None:
                     self._report_commit(seq, start, result, w.begin, w.begin + w.known + kept)
-            request = self.requests[seq.request_id]
-            request.weights_version = self.weights_version  # it chose tokens: versions only grow
-            if request.stream or request.finished:
-                reported[request.request_id] = request
+            self._note_progress(seq, reported)
+            for follower in followers:  # as if it had computed the leader's chunks itself
+                follower.computed = start + w.known
+                self._append(follower, tokens[row], logprobs[row])
+                row += 1
+                if not follower.finished and self.proposer is not None:
+                    self._report_commit(follower, start, result, w.begin, w.begin + w.known)
+                self._note_progress(follower, reported)
         if rewinds:
             self.runner.rewind(rewinds)
+
+    @staticmethod
+    def _fork_rows(sampling: list[_Work], forks: dict[Sequence, tuple[Sequence, ...]]) -> list[int]:
+        """Per sampled row (`_commit`'s order), its row of the step's logits: a chunk's own rows, then one
+        row per follower of a completed shared prompt, which repeats its leader's last row."""
+        rows, logit_row = [], 0
+        for w in sampling:
+            own = 1 + len(w.draft.token_ids)
+            rows.extend(range(logit_row, logit_row + own))
+            rows.extend([logit_row] * len(forks.get(w.seq, ())))  # a leader's chunk has no drafts
+            logit_row += own
+        return rows
+
+    def _fork(self, leader: Sequence, followers: tuple[Sequence, ...], start: int) -> None:
+        """The leader's prompt is in its slot: copy that state into each follower's slot, and the
+        proposer's state of the positions before the leader's last chunk (that chunk's commit follows
+        for each follower, `_commit`)."""
+        self.runner.fork(leader.slot, [f.slot for f in followers], len(leader.prompt_ids))
+        if self.proposer is not None:
+            self.proposer.on_fork(leader, followers, start)
+        self.shared_prefills += len(followers)
+
+    def _note_progress(self, seq: Sequence, reported: dict[str, Request]) -> None:
+        """`seq` chose tokens this step: tag its request with the weights version, report it if due."""
+        request = self.requests[seq.request_id]
+        request.weights_version = self.weights_version  # it chose tokens: versions only grow
+        if request.stream or request.finished:
+            reported[request.request_id] = request
 
     def _report_commit(self, seq: Sequence, start: int, result: StepResult, begin: int, end: int) -> None:
         """Tell the proposer that rows [begin, end) of the step, `seq`'s positions from `start`, are final,
@@ -454,14 +515,24 @@ class Engine:
         """Free what an ended sequence held: its slot (emptied), its sampling row, the proposer's state."""
         if seq.slot is not None:
             self._vacate(seq)
+        self._rescore_followers(seq)
         self.scheduler.release(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._vacate(seq)
+        self._rescore_followers(seq)
         self.scheduler.preempt(seq)
         request = self.requests[seq.request_id]
         if seq.index == 0 and request.prompt_logprobs is None:
             request.prompt_logprobs_parts.clear()  # scored again, whole, when it is recomputed
+
+    def _rescore_followers(self, seq: Sequence) -> None:
+        """`seq` leaves before its shared prompt forked: its heir prefills the prompt from position 0, so the
+        prompt logprobs its chunks scored for the followers are scored again (scheduler.py)."""
+        for follower in self.scheduler.followers(seq):
+            request = self.requests.get(follower.request_id)
+            if scores_prompt(follower) and request is not None and request.prompt_logprobs is None:
+                request.prompt_logprobs_parts.clear()
 
     def _vacate(self, seq: Sequence) -> None:
         """`seq` leaves its slot: the slot holds no position any more (its next sequence starts at 0)."""
@@ -469,6 +540,10 @@ class Engine:
         self.sampling.remove(seq.slot)
         if self.proposer is not None:
             self.proposer.on_release(seq)
+
+    def _shares_prompts(self) -> bool:
+        """Whether newly admitted sequences may follow a leader's prefill: on, and any proposer can fork."""
+        return self.share_prompt_prefill and (self.proposer is None or hasattr(self.proposer, "on_fork"))
 
     def _unservable(self) -> bool:
         """The weights are not READY and no weight update is under way to fix them."""

@@ -135,6 +135,10 @@ class LLM:
             DSpark's whole block).
         speculation_max_batch: speculate only in steps with at most this many decoding sequences (the
             break-even batch; None: `speculation.DEFAULT_SPECULATION_MAX_BATCH`).
+        share_prompt_prefill: sequences with the same prompt (a request's n completions, e.g. GRPO groups,
+            and requests repeating a prompt) prefill it once: the slot state after the prompt is copied into
+            the others' slots and each samples on from there with its own settings (engine/scheduler.py).
+            Outputs are the same either way; False prefills every sequence on its own.
         kernels: the kernel registry of the models' fast paths (None: the process-wide
             `kernels.default_registry()`, which honours DSV4_KERNELS=reference).
         tensor_parallel_size: ranks the model is split over (docs/parallel.md). Above 1, every rank of a
@@ -164,6 +168,7 @@ class LLM:
         compile: bool = False,
         num_speculative_tokens: int | None = None,
         speculation_max_batch: int | None = None,
+        share_prompt_prefill: bool = True,
         kernels: KernelRegistry | None = None,
         tensor_parallel_size: int = 1,
         expert_parallel: bool = False,
@@ -177,7 +182,7 @@ class LLM:
             max_model_len=max_model_len, compile=compile, num_speculative_tokens=num_speculative_tokens,
             speculation_max_batch=speculation_max_batch, tensor_parallel_size=tensor_parallel_size,
             expert_parallel=expert_parallel, distributed_timeout_s=distributed_timeout_s,
-            outputs_on_all_ranks=outputs_on_all_ranks,
+            outputs_on_all_ranks=outputs_on_all_ranks, share_prompt_prefill=share_prompt_prefill,
         )
         if num_speculative_tokens is not None and draft not in PROPOSER_BUILDERS:
             raise ConfigError(f"LLM: num_speculative_tokens: draft={draft!r} has no proposer; speculative decoding "
@@ -218,7 +223,7 @@ class LLM:
                 DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None else speculation_max_batch)
         try:
             self.engine = Engine(self.loaded.target, self.limits, seed, cfg.eos_token_ids, self.tokenizer,
-                                 compile_decode=compile)
+                                 compile_decode=compile, share_prompt_prefill=share_prompt_prefill)
         except ValueError as exc:
             raise ConfigError(f"{path}: compile=True: {exc}") from exc
         if self.speculation is not None:

@@ -130,6 +130,17 @@ class ModelRunner:
         """
         self.cache.rewind(lengths, self._snapshot)
 
+    def fork(self, source: int, targets: Sequence[int], length: int) -> None:
+        """Copy slot `source`'s positions [0, length) into each target slot (`ModelCache.fork`): sequences
+        that share a prompt's prefill.
+
+        Args:
+            source: the slot that computed them.
+            targets: the slots that take them.
+            length: positions to copy.
+        """
+        self.cache.fork(source, targets, length)
+
     def forward_logprobs(self, token_ids: Sequence[Sequence[int]], chunk_tokens: int) -> list[torch.Tensor]:
         """Per sequence, fp32 [len, vocab] log-softmax next-token distributions from the chunked prefill
         path, in a scratch cache slot (the engine's slots are untouched).

@@ -93,6 +93,14 @@ class MTPProposer:
         for i, (slot, r) in enumerate(zip(heads, last_rows)):
             self._heads[slot] = (out[r].clone(), logits[i])  # out is the layer's scratch: keep a copy
 
+    def on_fork(self, leader: Sequence, followers: Seq[Sequence], length: int) -> None:
+        """The followers share the leader's prompt prefill: their slots take its MTP positions [0, length)
+        (the rows of the last prompt chunk come with each follower's own `on_commit`: the last one reads
+        that follower's first token)."""
+        self.cache.fork(leader.slot, [f.slot for f in followers], length)
+        for follower in followers:
+            self.sampling.add(follower.slot, follower.params, follower.seed)
+
     def on_release(self, seq: Sequence) -> None:
         """Forget the sequence: its slot's MTP positions and pending work."""
         self._commits = [c for c in self._commits if c[0] is not seq]

@@ -101,6 +101,11 @@ class Proposer(Protocol):
 
     # Optional (read only when defined, see `capture_layers`):
     # capture_layers: tuple[int, ...]: the target layers whose streams `on_commit` receives as `captured`.
+    # Optional (the engine shares prompt prefills only when defined, engine.py):
+    # def on_fork(self, leader: Sequence, followers: Seq[Sequence], length: int) -> None: the followers'
+    #     slots take the leader's state of positions [0, length) (committed in earlier steps); `on_commit`
+    #     of the leader's last prompt chunk, from `length`, then comes for each follower too, after its
+    #     first token was appended.
     # Optional (called only when defined, see `end_step`):
     # def end_step(self) -> None: every `on_commit` of the step has been made; the streams passed to
     #     them stay valid until this returns (batch the per-commit work here).

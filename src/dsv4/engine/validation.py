@@ -146,6 +146,7 @@ def check_llm_arguments(
     max_num_seqs: Any, max_num_batched_tokens: Any, max_model_len: Any, compile: Any,
     num_speculative_tokens: Any = None, speculation_max_batch: Any = None, tensor_parallel_size: Any = 1,
     expert_parallel: Any = False, distributed_timeout_s: Any = None, outputs_on_all_ranks: Any = True,
+    share_prompt_prefill: Any = True,
 ) -> None:
     """The type and range checks of `LLM(...)`'s arguments that need no checkpoint. The choices of
     `load_format`, `dtype`, `activation_dtype`, `draft` and `expert_dtype` are checked by the code that owns
@@ -181,6 +182,7 @@ def check_llm_arguments(
     require_int("LLM: tensor_parallel_size", tensor_parallel_size, minimum=1)
     require_bool("LLM: expert_parallel", expert_parallel)
     require_bool("LLM: outputs_on_all_ranks", outputs_on_all_ranks)
+    require_bool("LLM: share_prompt_prefill", share_prompt_prefill)
     if distributed_timeout_s is not None and require_number("LLM: distributed_timeout_s", distributed_timeout_s) <= 0:
         raise ConfigError(f"LLM: distributed_timeout_s must be a positive number of seconds, "
                           f"got {distributed_timeout_s}")

@@ -10,7 +10,7 @@ rings are read by position, so starting later would read rows that were never wr
   entries          [S, E_max, hd]   emitted compressed entries, entry w at index w
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +116,29 @@ class ModelCache:
         for seg in segments:
             self.lengths[seg.slot] = seg.start + seg.length
 
+    def fork(self, source: int, targets: Sequence[int], length: int) -> None:
+        """Give each target slot the state of `source`'s positions [0, length): sequences whose tokens
+        agree up to `length` (one prompt) then continue from it as if each had computed them itself.
+
+        Only the rows those positions wrote are copied (ring rows p % rows, entries of the windows they
+        completed), one copy per cache tensor for all targets: a target's cache memory is taken as a
+        prefill of its own would take it (`lazy_memory`), and rows past them keep whatever they held,
+        which nothing reads before a later position writes them.
+
+        Args:
+            source: the slot holding the positions (it keeps them).
+            targets: slots that take them, distinct and other than `source`.
+            length: positions to copy, at most what `source` holds; each target then holds exactly these.
+
+        Raises:
+            ValueError: `source` holds fewer than `length` positions, or a target is `source` or repeats.
+        """
+        check_fork(source, targets, length, self.lengths[source])
+        copy_slot_rows(((tensor, min(length if rate is None else length // rate, tensor.shape[1]))
+                        for tensor, rate in self._ring_tensors()), source, targets)
+        for slot in targets:
+            self.lengths[slot] = length
+
     def rollback_limit(self) -> int:
         """The longest chunk `snapshot` can save and `rewind` undo: the smallest ring's rows."""
         return min(tensor.shape[1] for tensor, rate in self._ring_tensors() if rate is None)
@@ -202,6 +225,31 @@ class ModelCache:
                     flat.index_copy_(0, index[undo.to(index.device)], rows[undo.to(rows.device)])
         for slot, length in lengths.items():
             self.lengths[slot] = min(self.lengths[slot], length)
+
+
+def check_fork(source: int, targets: Sequence[int], length: int, held: int) -> None:
+    """Raises ValueError unless `source` holds at least `length` positions (`held`) and the targets are
+    distinct slots other than `source` (what a fork of a slot's positions into others needs)."""
+    if length > held:
+        raise ValueError(f"cache slot {source} holds positions [0, {held}); cannot fork {length} positions from it")
+    if source in targets or len(set(targets)) != len(targets):
+        raise ValueError(f"fork from cache slot {source} into slots {list(targets)}: the targets must be "
+                         f"distinct slots other than the source")
+
+
+def copy_slot_rows(tensors: Iterable[tuple[torch.Tensor, int]], source: int, targets: Sequence[int]) -> None:
+    """For each (tensor [S, rows, ...], n): rows [0, n) of slot `source` into the same rows of every target
+    slot, one copy per tensor (rows past n are not touched, so their lazily taken memory stays untaken)."""
+    if not targets:
+        return
+    index = None
+    for tensor, rows in tensors:
+        if rows:
+            if index is None:
+                index = torch.tensor(list(targets), dtype=torch.int64, device=tensor.device)
+            # A copy of the source rows first: torch refuses a source that shares the destination's storage.
+            rows_of_source = tensor[source, :rows].clone()
+            tensor[:, :rows].index_copy_(0, index, rows_of_source.expand(len(targets), -1, -1))
 
 
 def cache_tensors(layers: list[LayerCache]) -> list[torch.Tensor]:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.model.cache import check_fork, copy_slot_rows
+
 _HIDDEN = float("-inf")  # additive bias of a context row the draft must not see
 
 
@@ -160,6 +162,25 @@ class DSparkCache:
         """
         self._check_slot(slot)
         self.lengths[slot] = 0
+
+    def fork(self, source: int, targets: Sequence[int], length: int) -> None:
+        """Give each target slot `source`'s committed positions [0, length) (sequences sharing a prompt's
+        prefill, `ModelCache.fork`): the ring rows they occupy, one copy per stage for all targets.
+
+        Args:
+            source: the slot holding the positions (it keeps them).
+            targets: distinct slots other than `source`; each then holds exactly [0, length).
+            length: positions to copy, at most what `source` holds.
+
+        Raises:
+            ValueError: a slot that does not exist, `source` holds fewer positions, or bad targets.
+        """
+        for slot in (source, *targets):
+            self._check_slot(slot)
+        check_fork(source, targets, length, self.lengths[source])
+        copy_slot_rows(((ring, min(length, self.ring_len)) for ring in self.rows), source, targets)
+        for slot in targets:
+            self.lengths[slot] = length
 
     def rewind(self, slot: int, length: int) -> None:
         """Make slot hold only positions [0, length) again (a later commit continues from there).

@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "dspark's block)")
     parser.add_argument("--speculation-max-batch", type=int, default=None,
                         help="speculate only in steps with at most this many decoding sequences")
+    parser.add_argument("--no-share-prompt-prefill", dest="share_prompt_prefill", action="store_false",
+                        help="prefill every sequence's prompt itself, also when others share it (default: once)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="activation and dense-weight dtype (auto: the checkpoint's)")
     parser.add_argument("--activation-dtype", choices=("float32", "bfloat16"), default=None,
@@ -100,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, activation_dtype=args.activation_dtype, device=args.device,
               seed=args.seed, draft=args.draft, expert_dtype=args.expert_dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              num_speculative_tokens=args.num_speculative_tokens, speculation_max_batch=args.speculation_max_batch)
+              num_speculative_tokens=args.num_speculative_tokens, speculation_max_batch=args.speculation_max_batch,
+              share_prompt_prefill=args.share_prompt_prefill)
     config = ServerConfig(
         model_name=args.served_model_name or (args.model if args.model is not None else DEFAULT_MODEL),
         api_key=args.api_key or None, admin_token=args.admin_token or None, weights_root=args.weights_root,
