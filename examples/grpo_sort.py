@@ -339,22 +339,23 @@ def plot(results: dict, path: Path) -> None:
     ax_r.plot(steps, [e["reward"] for e in results["steps"]], marker=".")
     ax_r.set_ylabel("mean reward")
     activations = f" ({cfg['activation_dtype']} activations)" if cfg.get("activation_dtype") else ""
-    ax_r.set_title(f"GRPO on sort_digits: {cfg['engine_dtype']} engine{activations}, {cfg['expert_dtype']} experts, "
-                   f"refit over gloo every step")
-    ax_d.semilogy(steps, [max(e["rollout_probs_diff_mean"], 1e-12) for e in results["steps"]], marker=".",
+    ax_r.set_title(f"GRPO on sort_digits: {cfg['engine_dtype']} engine{activations}, {cfg['expert_dtype']} "
+                   f"experts,\nrefit over gloo every step")
+    entries = results["steps"]
+    ax_d.semilogy(steps, [max(e["rollout_probs_diff_mean"], 1e-12) for e in entries], marker=".",
                   label="rollout_probs_diff_mean")
-    ax_d.semilogy(steps, [max(e["rollout_probs_diff_max"], 1e-12) for e in results["steps"]], marker=".",
+    ax_d.semilogy(steps, [max(e["rollout_probs_diff_max"], 1e-12) for e in entries], marker=".",
                   label="rollout_probs_diff_max")
-    if "resident_k3_kl" in results["steps"][0]:
-        ax_d.semilogy(steps, [max(e["resident_rollout_probs_diff_mean"], 1e-12) for e in results["steps"]],
-                      marker=".", label="diff_mean vs the trainer on the engine's rounded weights")
-        ax_p.plot(steps, [max(1 - e["resident_rollout_actor_probs_pearson_corr"], 1e-16) for e in results["steps"]],
-                  marker=".", label="vs the trainer on the engine's rounded weights")
-        ax_p.legend()
-    ax_d.legend()
-    ax_d.set_ylabel("|p_rollout - p_trainer|")
-    ax_p.plot(steps, [1 - e["rollout_actor_probs_pearson_corr"] for e in results["steps"]], marker=".",
+    ax_p.plot(steps, [max(1 - e["rollout_actor_probs_pearson_corr"], 1e-16) for e in entries], marker=".",
               label="vs the fp32 trainer")
+    if "resident_k3_kl" in entries[0]:
+        ax_d.semilogy(steps, [max(e["resident_rollout_probs_diff_mean"], 1e-12) for e in entries],
+                      marker=".", label="diff_mean vs the trainer on the engine's rounded weights")
+        ax_p.plot(steps, [max(1 - e["resident_rollout_actor_probs_pearson_corr"], 1e-16) for e in entries],
+                  marker=".", label="vs the trainer on the engine's rounded weights")
+        ax_p.legend(fontsize="small")
+    ax_d.legend(fontsize="small")
+    ax_d.set_ylabel("|p_rollout - p_trainer|")
     ax_p.set_yscale("log")
     ax_p.set_ylabel("1 - pearson")
     ax_p.set_xlabel("step")
