@@ -4,6 +4,7 @@ processes, the engine refit over torch.distributed (gloo) after every optimizer 
 
     python examples/grpo_sort.py                                  # fp32 engine, experts dense (the trainer's)
     python examples/grpo_sort.py --engine-dtype bfloat16          # bf16 engine
+    python examples/grpo_sort.py --engine-dtype bfloat16 --activation-dtype float32  # bf16 weights, fp32 math
     python examples/grpo_sort.py --expert-dtype fp4               # FP4 experts, quantized at every refit
     python examples/grpo_sort.py --steps 3 --prompts 4 --group 4  # a quick look
 
@@ -23,6 +24,12 @@ AdamW step on the GRPO policy-gradient loss (sequence-mean of -advantage * logpr
 per batch, so the PPO ratio is 1 and needs no clipping; no KL penalty). Then the new weights go to the
 engine, based on the version it holds.
 
+An engine whose dense weights are narrower than the trainer's (bf16) also gets `resident_*` agreement per
+step: against the trainer's logprobs under its own weights rounded as the engine holds them
+(`resident_trainer`). That leaves out the weight rounding, so it measures only what the engine computes
+differently: with `--activation-dtype float32` it is fp32 rounding (the remaining gap is the weights'
+rounding), with bf16 activations it is what bf16 arithmetic adds.
+
 What "learns" means here (seeded; checked and reported as "learned" in the JSON): the mean reward of the
 last 10 steps exceeds that of the first 5 by at least `REWARD_RISE` (0.2), and held-out greedy accuracy
 (64 prompts no training step sees) rises. The run writes a JSON (per-step reward, agreement, sync times)
@@ -33,6 +40,7 @@ matplotlib (the `bench` extra).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing
 import random
@@ -73,6 +81,7 @@ class GRPOConfig:
     weaken: float = 0.5  # noise std, relative to each matrix's own std
     seed: int = 0
     engine_dtype: str = "float32"
+    activation_dtype: str | None = None  # the engine's activations and caches (None: engine_dtype)
     expert_dtype: str = "dense"
     bucket_bytes: int = 1 << 20  # the model is ~3.6 MB in fp32: a few buckets per refit
     eval_prompts: int = 64
@@ -82,14 +91,14 @@ class GRPOConfig:
 # ---------------------------------------------------------------------------------------------------
 # the rollout engine: its own process, commands over a pipe
 # ---------------------------------------------------------------------------------------------------
-def rollout_worker(conn, engine_dtype: str, expert_dtype: str, max_num_seqs: int) -> None:
+def rollout_worker(conn, engine_dtype: str, activation_dtype: str | None, expert_dtype: str, max_num_seqs: int) -> None:
     """The engine process: answers ("init", kwargs) | ("update", meta) | ("generate", prompts, params)
     | ("stop",) with ("ok", result) or ("error", message)."""
     torch.set_num_threads(1)
     from dsv4 import LLM, SamplingParams
 
-    llm = LLM(BF16_MODEL, dtype=engine_dtype, expert_dtype=expert_dtype, max_num_seqs=max_num_seqs,
-              max_model_len=task.MAX_SEQ_LEN + 1)
+    llm = LLM(BF16_MODEL, dtype=engine_dtype, activation_dtype=activation_dtype, expert_dtype=expert_dtype,
+              max_num_seqs=max_num_seqs, max_model_len=task.MAX_SEQ_LEN + 1)
     while True:
         command, *args = conn.recv()
         if command == "stop":
@@ -120,7 +129,8 @@ class RolloutEngine:
         self.conn, child = context.Pipe()
         self.timeout = cfg.timeout_s
         self.process = context.Process(
-            target=rollout_worker, args=(child, cfg.engine_dtype, cfg.expert_dtype, cfg.prompts * cfg.group),
+            target=rollout_worker,
+            args=(child, cfg.engine_dtype, cfg.activation_dtype, cfg.expert_dtype, cfg.prompts * cfg.group),
             daemon=True,
         )
 
@@ -181,6 +191,24 @@ def weakened_trainer(cfg: GRPOConfig):
             if param.dim() >= 2:
                 param.add_(torch.randn(param.shape, generator=noise) * cfg.weaken * param.std())
     return model
+
+
+# Trainer parameters an engine keeps in fp32 whatever its dtype (the mHC mixing and the compressors' position
+# biases; vectors are fp32 too): every other matrix is held in the engine's dtype.
+ENGINE_FP32_MATRICES = ("_hc.", "hc_head.", "position_bias")
+
+
+def resident_trainer(model, engine_dtype: str):
+    """A frozen copy of the trainer holding the weights exactly as an engine of `engine_dtype` keeps them at
+    rest (each matrix rounded to that dtype, then back to fp32): the trainer side of the "resident" agreement,
+    which leaves out the weight rounding and so measures only what the engine computes differently."""
+    resident = copy.deepcopy(model).requires_grad_(False)
+    dtype = getattr(torch, engine_dtype)
+    with torch.no_grad():
+        for name, param in resident.named_parameters():
+            if param.dim() >= 2 and not any(part in name for part in ENGINE_FP32_MATRICES):
+                param.copy_(param.to(dtype))
+    return resident
 
 
 def completion_text(token_ids: list[int]) -> str:
@@ -261,13 +289,19 @@ def run(cfg: GRPOConfig) -> dict:
             advantages = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + ADVANTAGE_EPS)).view(-1)
             logprobs = trainer_logprobs(model, sequences, starts)
             metrics = agreement(rollout_lp, [lp.detach() for lp in logprobs])
+            resident = {}
+            if cfg.engine_dtype != "float32" and cfg.expert_dtype == "dense":  # the engine rounds the weights
+                with torch.no_grad():
+                    rounded = trainer_logprobs(resident_trainer(model, cfg.engine_dtype), sequences, starts)
+                resident = {f"resident_{k}": v for k, v in agreement(rollout_lp, rounded).as_dict().items()
+                            if k != "tokens"}
             loss = -torch.stack([a * lp.mean() for a, lp in zip(advantages, logprobs)]).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             t2 = time.perf_counter()
             refits.append(refit(engine, sender, model, cfg, version=refits[-1]["version"]))
-            entry = {"step": step, "reward": r.mean().item(), **metrics.as_dict(), "loss": loss.item(),
+            entry = {"step": step, "reward": r.mean().item(), **metrics.as_dict(), **resident, "loss": loss.item(),
                      "rollout_s": t1 - t0, "train_s": t2 - t1, **{f"refit_{k}": v for k, v in refits[-1].items()}}
             log.append(entry)
             print(json.dumps({k: round(v, 8) if isinstance(v, float) else v for k, v in entry.items()}), flush=True)
@@ -282,6 +316,10 @@ def run(cfg: GRPOConfig) -> dict:
         "max_rollout_probs_diff_mean": max(e["rollout_probs_diff_mean"] for e in log) if log else None,
         "min_pearson": min(e["rollout_actor_probs_pearson_corr"] for e in log) if log else None,
         "max_k3_kl": max(e["k3_kl"] for e in log) if log else None,
+        "max_resident_rollout_probs_diff_mean": max((e["resident_rollout_probs_diff_mean"] for e in log
+                                                     if "resident_k3_kl" in e), default=None),
+        "min_resident_pearson": min((e["resident_rollout_actor_probs_pearson_corr"] for e in log
+                                     if "resident_k3_kl" in e), default=None),
         "mean_refit_send_s": sum(r["send_s"] for r in refits) / len(refits),
         "seconds": time.perf_counter() - start,
     }
@@ -300,15 +338,24 @@ def plot(results: dict, path: Path) -> None:
     fig, (ax_r, ax_d, ax_p) = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     ax_r.plot(steps, [e["reward"] for e in results["steps"]], marker=".")
     ax_r.set_ylabel("mean reward")
-    ax_r.set_title(f"GRPO on sort_digits: {cfg['engine_dtype']} engine, {cfg['expert_dtype']} experts, "
-                   f"refit over gloo every step")
-    ax_d.semilogy(steps, [max(e["rollout_probs_diff_mean"], 1e-12) for e in results["steps"]], marker=".",
+    activations = f" ({cfg['activation_dtype']} activations)" if cfg.get("activation_dtype") else ""
+    ax_r.set_title(f"GRPO on sort_digits: {cfg['engine_dtype']} engine{activations}, {cfg['expert_dtype']} "
+                   f"experts,\nrefit over gloo every step")
+    entries = results["steps"]
+    ax_d.semilogy(steps, [max(e["rollout_probs_diff_mean"], 1e-12) for e in entries], marker=".",
                   label="rollout_probs_diff_mean")
-    ax_d.semilogy(steps, [max(e["rollout_probs_diff_max"], 1e-12) for e in results["steps"]], marker=".",
+    ax_d.semilogy(steps, [max(e["rollout_probs_diff_max"], 1e-12) for e in entries], marker=".",
                   label="rollout_probs_diff_max")
-    ax_d.legend()
+    ax_p.plot(steps, [max(1 - e["rollout_actor_probs_pearson_corr"], 1e-16) for e in entries], marker=".",
+              label="vs the fp32 trainer")
+    if "resident_k3_kl" in entries[0]:
+        ax_d.semilogy(steps, [max(e["resident_rollout_probs_diff_mean"], 1e-12) for e in entries],
+                      marker=".", label="diff_mean vs the trainer on the engine's rounded weights")
+        ax_p.plot(steps, [max(1 - e["resident_rollout_actor_probs_pearson_corr"], 1e-16) for e in entries],
+                  marker=".", label="vs the trainer on the engine's rounded weights")
+        ax_p.legend(fontsize="small")
+    ax_d.legend(fontsize="small")
     ax_d.set_ylabel("|p_rollout - p_trainer|")
-    ax_p.plot(steps, [1 - e["rollout_actor_probs_pearson_corr"] for e in results["steps"]], marker=".")
     ax_p.set_yscale("log")
     ax_p.set_ylabel("1 - pearson")
     ax_p.set_xlabel("step")
@@ -317,11 +364,18 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def activation_tag(cfg: GRPOConfig) -> str:
+    """The result files' name part for activations wider than the engine's weights ("_fp32act"), else ""."""
+    if cfg.activation_dtype in (None, cfg.engine_dtype):
+        return ""
+    return "_" + {"float32": "fp32", "bfloat16": "bf16"}[cfg.activation_dtype] + "act"
+
+
 def main(argv: list[str] | None = None) -> dict:
     defaults = GRPOConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for field, value in asdict(defaults).items():
-        p.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+        p.add_argument(f"--{field.replace('_', '-')}", type=str if value is None else type(value), default=value)
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and the plot")
     p.add_argument("--no-plot", action="store_true")
     args = vars(p.parse_args(argv))
@@ -329,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = GRPOConfig(**args)
     results = run(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"grpo_sort_{cfg.engine_dtype}_{cfg.expert_dtype}"
+    name = f"grpo_sort_{cfg.engine_dtype}{activation_tag(cfg)}_{cfg.expert_dtype}"
     (out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
     if not no_plot:
         plot(results, out / f"{name}.png")

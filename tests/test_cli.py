@@ -79,6 +79,8 @@ USER_ERRORS = {
     "generate --max-tokens 0": (["generate", "--max-tokens", "0"], "--max-tokens: must be a positive integer"),
     "generate --temperature inf": (["generate", "--temperature", "inf"], "finite number >= 0, got inf"),
     "missing model": (["generate", "--model", "/nonexistent/ckpt"], "'/nonexistent/ckpt': no such directory"),
+    "generate narrower activations": (["generate", "--dtype", "float32", "--activation-dtype", "bfloat16"],
+                                      "activation_dtype: 'bfloat16' is narrower than dtype 'float32'"),
     "inspect missing dir": (["inspect", "/nonexistent/ckpt"], "no such directory"),
     "convert hf fp8": (["convert", "dsv4-tiny-dummy", "{tmp}/out", "--layout", "hf", "--experts", "fp8"],
                        "--layout hf stores every tensor in float: --experts fp8 needs --layout native"),
@@ -146,6 +148,12 @@ def test_generate_speed_line_separates_load_first_token_and_decode(capsys):
     parts = speed.split("; ")
     assert parts[0].startswith("load ") and parts[1].startswith("first token ")
     assert parts[2].startswith("decode ") and parts[2].endswith("tok/s)") and parts[3] == "weights version 0"
+
+
+def test_generate_with_bf16_weights_and_fp32_activations(capsys):
+    assert main(["generate", "sort 321=", "--dtype", "bfloat16", "--activation-dtype", "float32",
+                 "--max-tokens", "8"]) == EXIT_OK
+    assert "answer: 123  [stop]" in capsys.readouterr().out
 
 
 def test_generate_with_the_mtp_drafter_prints_its_acceptance(capsys):

@@ -19,6 +19,7 @@ from dsv4.kernels.gathered_experts import loop_experts
 from dsv4.kernels.gemv_cpu import (
     MAX_BF16_ROWS,
     MAX_PICKS_PER_EXPERT,
+    MAX_WIDENING_ROWS,
     DenseGemv,
     FusedExperts,
     FusedQuantExperts,
@@ -136,6 +137,18 @@ def test_dense_gemv_bf16_matches_linear(lib, pool, two_threads, rows, out_featur
     _assert_bf16_close(got, F.linear(x.float(), w.float()))
 
 
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 4096, 512), (4, 301, 96), (3, 37, 33)])
+def test_dense_gemv_fp32_rows_on_bf16_weight_match_widened_linear(lib, pool, two_threads, rows, out_features,
+                                                                   in_features):
+    """`LLM(dtype="bfloat16", activation_dtype="float32")`'s decode products: fp32 results of the fp32 rows
+    times the exactly widened bf16 weight, as `F.linear(x, compute_weight(w))` computes them."""
+    w = _weight(out_features, in_features, torch.bfloat16, seed=3)
+    x = _rows(rows, in_features, torch.float32, seed=4)
+    got = DenseGemv(lib, pool)(x, w)
+    assert got.dtype == torch.float32
+    _assert_fp32_product_close(got, x, w.float())
+
+
 def test_dense_gemv_declines_what_it_cannot_run_or_loses(lib, pool):
     kernel = DenseGemv(lib, pool)
     bf16 = torch.bfloat16
@@ -145,7 +158,10 @@ def test_dense_gemv_declines_what_it_cannot_run_or_loses(lib, pool):
     assert not kernel.supports(x, w.t().contiguous().t().contiguous())  # output-major storage
     assert not kernel.supports(_rows(MAX_BF16_ROWS + 1, 32, bf16, 0), w)  # measured slower than the GEMM
     assert not kernel.supports(x.float(), w.float())  # fp32: MKL's GEMV measured as fast or faster
-    assert not kernel.supports(x.float(), w)  # mixed dtypes
+    assert kernel.supports(x.float(), w)  # fp32 rows on a bf16 weight: no widened copy of the weight
+    assert kernel.supports(_rows(MAX_WIDENING_ROWS, 32, torch.float32, 0), w)
+    assert not kernel.supports(_rows(MAX_WIDENING_ROWS + 1, 32, torch.float32, 0), w)  # measured slower
+    assert not kernel.supports(x, w.float())  # bf16 rows on an fp32 weight: never built that way
     assert not kernel.supports(_rows(1, 64, bf16, 0)[:, ::2], w)  # row not contiguous
     assert not kernel.supports(_rows(1, 31, bf16, 0), w)  # width mismatch
 
@@ -275,6 +291,22 @@ def test_fused_dense_experts_match_loop(lib, pool, two_threads, tokens, k, dtype
         exact = _reference(x.float(), ids, weights, lambda name, e: s[name][e].float())
         kernel_error, reference_error = (got.float() - exact).abs(), (want.float() - exact).abs()
         assert kernel_error.max() <= reference_error.max() and kernel_error.mean() <= reference_error.mean()
+
+
+@pytest.mark.parametrize("tokens, k", [(1, 2), (5, 3)])
+def test_fused_experts_fp32_rows_on_bf16_stacks_match_widened_loop(lib, pool, two_threads, tokens, k):
+    """fp32 activations on bf16 expert stacks: the loop over the widened experts (what the model runs
+    without the kernel) to fp32 tolerance."""
+    s = _dense_stacks(torch.bfloat16, seed=tokens)
+    x = _rows(tokens, DIM, torch.float32, seed=7)
+    ids, weights = _routing(tokens, k, seed=tokens + k)
+    kernel = FusedExperts(lib, pool)
+    args = (x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
+    assert kernel.supports(*args) == (tokens * k <= MAX_PICKS_PER_EXPERT[torch.bfloat16] * E)
+    got = kernel(*args)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, _reference(x, ids, weights, lambda name, e: s[name][e].float()), **FP32_TOL)
+    assert not kernel.supports(x.bfloat16(), ids, weights, s["w1"].float(), s["w3"].float(), s["w2"].float(), LIMIT)
 
 
 def _quant_stacks(fmt: str, seed: int):

@@ -41,3 +41,15 @@ def test_grpo_loop_refits_over_gloo_every_step_and_agrees_in_fp32(grpo):
     # the weakened model is around 0.3-0.4 on its own; a handful of small steps must not wreck it
     assert sum(e["reward"] for e in steps) / STEPS >= 0.15
     assert summary["held_out_accuracy_after"] >= summary["held_out_accuracy_before"] - 0.2
+
+
+def test_bf16_weights_with_fp32_activations_agree_in_fp32_with_the_trainer_on_those_weights(grpo):
+    """`--engine-dtype bfloat16 --activation-dtype float32`: against the trainer holding its weights rounded as
+    the engine does (`resident_*`), the fp32 bounds hold; against the fp32 trainer the rounding shows."""
+    results = grpo.run(grpo.GRPOConfig(steps=2, prompts=4, group=4, eval_prompts=8, engine_dtype="bfloat16",
+                                       activation_dtype="float32"))
+    for entry in results["steps"]:
+        assert entry["resident_rollout_probs_diff_mean"] <= DIFF_MEAN_BOUND, entry
+        assert entry["resident_rollout_actor_probs_pearson_corr"] >= PEARSON_BOUND, entry
+        assert entry["rollout_probs_diff_mean"] > entry["resident_rollout_probs_diff_mean"], entry
+    assert grpo.activation_tag(grpo.GRPOConfig(**results["config"])) == "_fp32act"

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="activation and dense-weight dtype (auto: the checkpoint's)")
+    parser.add_argument("--activation-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="activations and caches, when wider than --dtype (bfloat16 weights at rest with "
+                             "float32 math; default: --dtype)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--draft", choices=("mtp", "dspark"), default=None,
                         help="speculative decoding with this drafter from the checkpoint (prints its acceptance)")
@@ -73,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     start = time.perf_counter()
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device, seed=args.seed,
-              draft=args.draft, num_speculative_tokens=args.num_speculative_tokens)
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, activation_dtype=args.activation_dtype,
+              device=args.device, seed=args.seed, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens)
     loaded = time.perf_counter()
     prompts = [parse_prompt(p) for p in args.prompt] or _demo_prompts(llm)
 

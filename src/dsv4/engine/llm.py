@@ -88,6 +88,20 @@ def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_activation_dtype(activation_dtype: str | None, dtype: torch.dtype) -> torch.dtype:
+    """None: `dtype` (the resolved weight dtype); otherwise one of DTYPES at least as wide as `dtype` (narrower
+    activations than the weights would round every product's input)."""
+    if activation_dtype is None:
+        return dtype
+    if activation_dtype not in DTYPES:
+        raise ConfigError(f"activation_dtype: expected None or one of {'|'.join(DTYPES)}, got {activation_dtype!r}")
+    resolved = DTYPES[activation_dtype]
+    if resolved.itemsize < dtype.itemsize:
+        raise ConfigError(f"activation_dtype: {activation_dtype!r} is narrower than dtype "
+                          f"{str(dtype).removeprefix('torch.')!r}; activations may only be as wide or wider")
+    return resolved
+
+
 class LLM:
     """Offline inference over one DeepSeek-V4 checkpoint.
 
@@ -95,6 +109,12 @@ class LLM:
         model: a checkpoint directory, or the name of an embedded model (None: the default one).
         load_format: "auto" (safetensors, native or HF layout, detected from names) or "dummy".
         dtype: "auto" | "float32" | "bfloat16" (activations, dense weights; experts keep their format).
+        activation_dtype: None (the default: `dtype`) | "float32" | "bfloat16": the dtype of the activations
+            and the KV / compressor / indexer caches, when it should differ from the weights'.
+            `dtype="bfloat16", activation_dtype="float32"` keeps the weights bf16 at rest (the bf16 engine's
+            memory, load, refit, export and weight-report formats and bits) and computes in fp32: each product
+            widens its bf16 weight per call (the few-row C kernels read the bf16 weight directly), so a
+            trainer in fp32 sees only the weight rounding (docs/rl.md). Not with `compile=True`.
         device: torch device string.
         seed: seeds dummy weights and unseeded sampling.
         draft: None, "mtp" or "dspark": also load that drafter from the same checkpoint; one with a
@@ -137,6 +157,7 @@ class LLM:
         model: str | Path | None = None,
         load_format: str = "auto",
         dtype: str = "auto",
+        activation_dtype: str | None = None,
         device: str = "cpu",
         seed: int = 0,
         draft: str | None = None,
@@ -155,7 +176,8 @@ class LLM:
         outputs_on_all_ranks: bool = True,
     ):
         check_llm_arguments(
-            model=model, load_format=load_format, dtype=dtype, device=device, seed=seed, draft=draft,
+            model=model, load_format=load_format, dtype=dtype, activation_dtype=activation_dtype, device=device,
+            seed=seed, draft=draft,
             expert_dtype=expert_dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, compile=compile, num_speculative_tokens=num_speculative_tokens,
             speculation_max_batch=speculation_max_batch, tensor_parallel_size=tensor_parallel_size,
@@ -173,6 +195,7 @@ class LLM:
         self.outputs_on_all_ranks = outputs_on_all_ranks
         device = rank_device(device, self.parallel)
         self.dtype = resolve_dtype(dtype, cfg)
+        self.activation_dtype = resolve_activation_dtype(activation_dtype, self.dtype)
         self.path = Path(path)
         # Tokenizer and template first: a broken file fails before minutes of weight loading.
         self.tokenizer = load_tokenizer(self.path)
@@ -180,14 +203,16 @@ class LLM:
         self.loaded: LoadedModels = load_models(
             path, load_format=load_format, dtype=self.dtype, device=device, draft=draft,
             expert_dtype=expert_dtype, seed=seed, kernels=kernels, parallel=self.parallel,
+            activation_dtype=self.activation_dtype,
         )
         self.config = self.loaded.config
         self.limits = EngineLimits.derive(
-            cfg, self.dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len
+            cfg, self.activation_dtype, device, max_num_seqs, max_num_batched_tokens, max_model_len
         )
         if self.parallel.is_parallel:
             self.limits = agree_across_ranks(self.parallel, self.limits, {
-                "config": cfg, "dtype": str(self.dtype), "seed": seed, "draft": draft,
+                "config": cfg, "dtype": str(self.dtype), "activation_dtype": str(self.activation_dtype),
+                "seed": seed, "draft": draft,
                 "expert_format": self.loaded.expert_format, "load_format": load_format,
                 "expert_parallel": expert_parallel, "num_speculative_tokens": num_speculative_tokens,
                 "speculation_max_batch": speculation_max_batch})

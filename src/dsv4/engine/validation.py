@@ -142,14 +142,15 @@ def require_str(where: str, value: Any, *, optional: bool = False) -> str | None
 # ---- LLM(...) ---------------------------------------------------------------------------------------------
 def check_llm_arguments(
     *, model: Any, load_format: Any, dtype: Any, device: Any, seed: Any, draft: Any, expert_dtype: Any,
+    activation_dtype: Any = None,
     max_num_seqs: Any, max_num_batched_tokens: Any, max_model_len: Any, compile: Any,
     num_speculative_tokens: Any = None, speculation_max_batch: Any = None, tensor_parallel_size: Any = 1,
     expert_parallel: Any = False, distributed_timeout_s: Any = None, outputs_on_all_ranks: Any = True,
     share_prompt_prefill: Any = True,
 ) -> None:
     """The type and range checks of `LLM(...)`'s arguments that need no checkpoint. The choices of
-    `load_format`, `dtype`, `draft` and `expert_dtype` are checked by the code that owns each table, still
-    before any weight is read.
+    `load_format`, `dtype`, `activation_dtype`, `draft` and `expert_dtype` are checked by the code that owns
+    each table, still before any weight is read.
 
     Raises:
         ArgumentTypeError: an argument of the wrong type.
@@ -162,7 +163,7 @@ def check_llm_arguments(
         )
     for name, value in (("load_format", load_format), ("dtype", dtype)):
         require_str(f"LLM: {name}", value)
-    for name, value in (("draft", draft), ("expert_dtype", expert_dtype)):
+    for name, value in (("draft", draft), ("expert_dtype", expert_dtype), ("activation_dtype", activation_dtype)):
         require_str(f"LLM: {name}", value, optional=True)
     require_int("LLM: seed", seed, minimum=0, maximum=MAX_SEED)
     for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),

@@ -10,7 +10,8 @@ results differ from the torch references only by the order of the fp32 sums.
 
 Kernels (each `supports(*args)` / `__call__(*args)` with one signature, as the registry expects):
   DenseGemv         (x, weight): x [R, K] @ weight.T for a [N, K] weight stored input-major ([K, N] storage,
-                    `dsv4.model.linear.input_major`), fp32 or bf16 (`supports`: bf16, R <= MAX_BF16_ROWS)
+                    `dsv4.model.linear.input_major`), fp32 or bf16 (`supports`: bf16 rows, R <= MAX_BF16_ROWS;
+                    fp32 rows on a bf16 weight, R <= MAX_WIDENING_ROWS)
   QuantGemv         (x, weight, scale, block): x [R, K] @ W.T for an output-major FP8 [N, K] (+ fp32 block
                     scales) or FP4 [N, K/2] (+ ue8m0 bytes [N, K/block[1]]) weight
   FusedExperts      (x, ids, weights, w1, w3, w2, limit): one MoE layer's routed experts (dense stacks),
@@ -66,6 +67,13 @@ VECTOR_ISAS = {512: "AVX-512 permutes", 256: "AVX2 permutes", 0: "per-byte table
 # machine, the 16384x512 head included), so `supports` declines fp32 and the kernel's fp32 path serves the
 # fused dense experts only.
 MAX_BF16_ROWS = 1
+# fp32 rows against a bf16 weight (`LLM(dtype="bfloat16", activation_dtype="float32")`): the kernel reads the
+# bf16 weight once where torch needs a widened fp32 copy of it first (`model.linear.compute_weight`). Measured
+# on 128x256, 128x49 and 512x2048 input-major weights, 1 thread, shared machine, vs widen + F.linear: 1.2-3.8x
+# faster at 1-4 rows, equal at 8, 0.8x at 16.
+MAX_WIDENING_ROWS = 4
+# The most rows `DenseGemv.supports` takes, by (activation dtype, weight dtype); pairs not listed decline.
+_DENSE_ROWS = {(torch.bfloat16, torch.bfloat16): MAX_BF16_ROWS, (torch.float32, torch.bfloat16): MAX_WIDENING_ROWS}
 # Input width the quantized kernel decodes a weight row into (its stack buffer, MAX_QUANT_K in the C file).
 MAX_QUANT_K = 16384
 # FP4 inputs one decode step reads (16 bytes): an FP4 scale group must be a multiple of it (FP4_STEP in C).
@@ -76,7 +84,8 @@ FP4_STEP = 32
 # benchmarks/bench_gemv.py-style calls on the small config (E=16, k=2, 2 threads, cold weights), fused kernel
 # vs what the model runs without it: fp32 x2.4 at 1 token, x1.24 at 16, x1.03 at 32 (4 picks per expert), x0.76
 # at 64; FP8 (table decode) x1.8 at 16 tokens, x1.41 at 32, x0.96 at 64; FP4 x2.8 at 32, x1.43 at 128 (16 picks
-# per expert); bf16 x4-13 from 1 to 64 tokens (oneDNN's small bf16 GEMMs are slow).
+# per expert); bf16 x4-13 from 1 to 64 tokens (oneDNN's small bf16 GEMMs are slow). Keyed by the weights' dtype:
+# fp32 activations on bf16 stacks take the bf16 count (the alternative there is the loop over widened experts).
 MAX_PICKS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16, torch.float8_e4m3fn: 4, torch.int8: 16}
 
 
@@ -213,16 +222,17 @@ class _PoolKernel:
 
 
 class DenseGemv(_PoolKernel):
-    """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K]; `supports` accepts the calls where it
-    was measured faster than torch (bf16, R <= MAX_BF16_ROWS), the call itself runs any row count and both."""
+    """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K] and fp32 / bf16 rows; `supports`
+    accepts the calls where it was measured faster than torch (`_DENSE_ROWS`: bf16 on bf16, R <= MAX_BF16_ROWS;
+    fp32 on bf16, R <= MAX_WIDENING_ROWS), the call itself runs any row count and every pair."""
 
     _entry = "dense_xw"
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        # dtype first: a Linear's hot path in fp32 declines after one comparison
-        return (x.dtype == torch.bfloat16 and _cpu_rows(x) and x.shape[0] <= MAX_BF16_ROWS and weight.dim() == 2
-                and weight.dtype == x.dtype and not weight.requires_grad
+        # dtypes first: a Linear's hot path in fp32 declines after one dict lookup
+        most = _DENSE_ROWS.get((x.dtype, weight.dtype), 0)
+        return (most > 0 and _cpu_rows(x) and x.shape[0] <= most and weight.dim() == 2 and not weight.requires_grad
                 and weight.shape[1] == x.shape[1] and weight.device.type == "cpu" and _input_major(weight))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -276,6 +286,10 @@ def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, 
     return out
 
 
+# (activation dtype, dense stack dtype) pairs FusedExperts runs: the stacks' own dtype, or fp32 rows on bf16.
+_EXPERT_DTYPES = {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)}
+
+
 class FusedExperts(_PoolKernel):
     """Routed experts of one MoE layer over dense input-major stacks w1/w3 [E, I, D], w2 [E, D, I]."""
 
@@ -286,7 +300,8 @@ class FusedExperts(_PoolKernel):
         if w1.dim() != 3 or not _routing_ok(x, ids, weights, w1):
             return False
         E, inter, D = w1.shape
-        layouts = all(w.dtype == x.dtype and w.device.type == "cpu" and _input_major(w) for w in (w1, w3, w2))
+        dtypes = w1.dtype == w3.dtype == w2.dtype and (x.dtype, w1.dtype) in _EXPERT_DTYPES
+        layouts = dtypes and all(w.device.type == "cpu" and _input_major(w) for w in (w1, w3, w2))
         return layouts and D == x.shape[1] and w3.shape == w1.shape and w2.shape == (E, D, inter)
 
     def __call__(self, x, ids, weights, w1, w3, w2, limit) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dsv4.config import CSA, SLIDING, ModelConfig
 from dsv4.kernels.registry import KernelRegistry, default_registry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import CompressorCache, LayerCache
-from dsv4.model.linear import Linear
+from dsv4.model.linear import Linear, compute_weight
 from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import RotaryTable, norm_rope_
 from dsv4.model.step_plan import DecodeMeta, PrefillMeta, WindowPlan, mask_to_bias
@@ -374,7 +374,8 @@ class Attention(nn.Module):
         """Grouped low-rank output: heads split into g groups, each mapped to ol by its own block of wo_a."""
         T = out.shape[0]
         grouped = out.reshape(T, self.o_groups, -1)  # [T, g, (H/g)*hd]
-        wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)  # [g, ol, (H/g)*hd]
+        wo_a = compute_weight(self.wo_a.weight, grouped.dtype)
+        wo_a = wo_a.view(self.o_groups, self.o_lora_rank, -1)  # [g, ol, (H/g)*hd]
         low_rank = torch.einsum("tgc,goc->tgo", grouped, wo_a).reshape(T, -1)  # [T, g*ol]
         return all_reduce(self.wo_b(low_rank), self.parallel)  # tensor parallel: the ranks' groups summed
 

@@ -61,15 +61,21 @@ def hyper_head(module: nn.Module, streams: torch.Tensor, cfg: ModelConfig) -> to
 
 class DeepseekV4(TopLevelModel):
     """The target model; `kernels` (default: the process-wide registry) serves every fast path of its
-    modules; `parallel`: this rank's share of a tensor / expert parallel group (docs/parallel.md)."""
+    modules; `parallel`: this rank's share of a tensor / expert parallel group (docs/parallel.md).
+
+    `dtype` is the resident dtype of the dense weights; `activation_dtype` (None: `dtype`) that of the
+    activations and the caches. Only the embedding (`embed_tokens`) and the cache allocation read it: every
+    module downstream computes in its input's dtype, widening a narrower weight per call (`compute_weight`).
+    """
 
     role = "target"
 
     def __init__(self, cfg: ModelConfig, expert_format: str, dtype: torch.dtype, kernels: KernelRegistry | None = None,
-                 parallel: ParallelState = SINGLE):
+                 parallel: ParallelState = SINGLE, activation_dtype: torch.dtype | None = None):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
+        self.activation_dtype = dtype if activation_dtype is None else activation_dtype
         self.kernels = kernels or default_registry()
         self.parallel = parallel
         if parallel.is_parallel:
@@ -97,8 +103,14 @@ class DeepseekV4(TopLevelModel):
 
     def allocate_cache(self, slots: int, max_len: int) -> ModelCache:
         device = self.embed.weight.device
-        layers = [allocate_layer_cache(self.cfg, t, slots, max_len, self.dtype, device) for t in self.cfg.layer_types]
+        layers = [allocate_layer_cache(self.cfg, t, slots, max_len, self.activation_dtype, device)
+                  for t in self.cfg.layer_types]
         return ModelCache(layers, slots)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> embeddings [T, D] in the activation dtype (the table's rows, widened when the
+        activations are wider than the weights; exact)."""
+        return self.embed(token_ids).to(self.activation_dtype)
 
     @torch.no_grad()
     def forward(
@@ -114,7 +126,7 @@ class DeepseekV4(TopLevelModel):
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """`forward` after its checks: the embedding and the blocks over the layers' caches (the code a
         compiled decode step captures)."""
-        embeds = self.embed(batch.token_ids)  # [T, D]
+        embeds = self.embed_tokens(batch.token_ids)  # [T, D]
         streams = self.layers[0].forward_broadcast(embeds, self.get_buffer(FIRST_LAYER_BROADCAST), batch, cache[0])
         captured = {0: streams} if 0 in capture_layers else {}
         for i in range(1, len(self.layers)):

@@ -54,7 +54,6 @@ class MTPDrafter(TopLevelModel):
         if cfg.num_nextn_predict_layers < 1:
             raise ConfigError(f"{cfg.source}: field 'num_nextn_predict_layers': 0, so the checkpoint has no MTP layer")
         self.cfg = cfg
-        self.dtype = dtype
         self.shared = SharedTarget(target)
         self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype, target.kernels, target.parallel)
                                  for _ in range(cfg.num_nextn_predict_layers))
@@ -62,7 +61,8 @@ class MTPDrafter(TopLevelModel):
 
     def allocate_cache(self, slots: int, max_len: int) -> ModelCache:
         device = self.mtp[0].e_proj.weight.device
-        layers = [allocate_layer_cache(self.cfg, SLIDING, slots, max_len, self.dtype, device) for _ in self.mtp]
+        layers = [allocate_layer_cache(self.cfg, SLIDING, slots, max_len, self.shared.target.activation_dtype, device)
+                  for _ in self.mtp]
         return ModelCache(layers, slots)
 
     @torch.no_grad()
@@ -78,7 +78,7 @@ class MTPDrafter(TopLevelModel):
         cache.begin_step(batch.segments)
         layer = self.mtp[min(depth, len(self.mtp) - 1)]
         target = self.shared.target
-        embeds = target.embed(batch.token_ids)
+        embeds = target.embed_tokens(batch.token_ids)
         streams = layer.h_proj(layer.hnorm(target_streams)) + layer.e_proj(layer.enorm(embeds)).unsqueeze(-2)
         streams = layer(streams, batch, cache[min(depth, len(cache) - 1)], overwrite_input=True)  # streams: ours
         picked = streams if logit_rows is None else streams.index_select(0, logit_rows)

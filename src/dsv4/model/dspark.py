@@ -185,7 +185,6 @@ class DSparkDrafter(TopLevelModel):
         spec = cfg.dspark
         self.cfg = cfg
         self.spec = spec
-        self.dtype = dtype
         self.shared = SharedTarget(target)
         # V4.1's stages route over their own expert bank; the rest of the block shape is the target's.
         stage_cfg = replace(
@@ -233,7 +232,8 @@ class DSparkDrafter(TopLevelModel):
         parts = []
         for layer in self.spec.target_layer_ids:
             if self.spec.variant != DSPARK_V4 and layer == 0:
-                parts.append(self.shared.target.embed(token_ids))  # every stream entering layer 0 is the embedding
+                # every stream entering layer 0 is the embedding
+                parts.append(self.shared.target.embed_tokens(token_ids))
                 continue
             source = layer if self.spec.variant == DSPARK_V4 else layer - 1
             if source not in captured:
@@ -281,7 +281,7 @@ class DSparkDrafter(TopLevelModel):
         del max_len
         device = self.mtp[0].main_proj.weight.device
         return DSparkCache.allocate(len(self.mtp), slots, self.cfg.sliding_window, rollback, self.cfg.head_dim,
-                                    self.dtype, device)
+                                    self.shared.target.activation_dtype, device)
 
     @torch.no_grad()
     def commit(
@@ -350,7 +350,7 @@ class DSparkDrafter(TopLevelModel):
         self.require_ready()
         target = self.shared.target
         fn_broadcast = self.get_buffer(FIRST_LAYER_BROADCAST) if first_layer_fn is None else first_layer_fn
-        embeds = target.embed(blocks.token_ids)  # [N * B, D]
+        embeds = target.embed_tokens(blocks.token_ids)  # [N * B, D]
         stages = self.mtp
         if self.spec.variant == DSPARK_V4:
             streams = stages[0].forward_broadcast(embeds, fn_broadcast, blocks, contexts[0])

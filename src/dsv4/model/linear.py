@@ -8,7 +8,13 @@ at one row and in bf16. Loading and refits copy into the view (`copy_` handles a
 addresses stay put; export clones to the contiguous checkpoint layout.
 
 A product the registry's few-row kernel supports (`LINEAR`: bf16 one-row decode calls, where it reads the
-weight once at several times oneDNN's speed) runs there; every other call runs `F.linear`, the reference.
+weight once at several times oneDNN's speed, and few-row fp32 calls on bf16 weights) runs there; every
+other call runs `F.linear`, the reference.
+
+Activations may be wider than the weights (`LLM(dtype="bfloat16", activation_dtype="float32")`: bf16
+weights at rest, fp32 activations). `compute_weight` is where every product over a resident weight meets
+that case: the weight as it is when the dtypes match, else a per-call widened temporary (exact: every bf16
+value is an fp32 value), never kept.
 """
 
 import torch
@@ -24,6 +30,13 @@ def input_major(out_features: int, in_features: int, dtype: torch.dtype, stack: 
     return nn.Parameter(storage.transpose(-1, -2), requires_grad=False)
 
 
+def compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` in the dtype of the activations it multiplies: itself when they match (the default engine:
+    no op), else a widened temporary of the same strides (bf16 weights at rest, fp32 activations: one fp32
+    copy of this one matrix per call, freed after it)."""
+    return weight if weight.dtype == dtype else weight.to(dtype)
+
+
 class Linear(nn.Module):
     """y = x W^T, no bias; W [out, in] stored input-major. `kernels`: the model's registry (default: the
     process-wide one)."""
@@ -37,4 +50,4 @@ class Linear(nn.Module):
         kernel = self.kernels.kernel(LINEAR, x, self.weight)
         if kernel is not None:
             return kernel(x, self.weight)
-        return F.linear(x, self.weight)
+        return F.linear(x, compute_weight(self.weight, x.dtype))

@@ -11,7 +11,7 @@ from torch import nn
 from dsv4.config import DENSE, EXPERT_FORMATS, FP8, HASH_MOE, ModelConfig, QuantConfig
 from dsv4.kernels.gathered_experts import loop_experts, swiglu
 from dsv4.kernels.registry import FEW_ROW_EXPERTS, MOE_EXPERTS, QUANT_EXPERTS, KernelRegistry, default_registry
-from dsv4.model.linear import Linear, input_major
+from dsv4.model.linear import Linear, compute_weight, input_major
 from dsv4.parallel.collectives import all_reduce
 from dsv4.parallel.state import SINGLE, ParallelState
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
@@ -108,15 +108,18 @@ class RoutedExperts(nn.Module):
         unit_scale = 127  # ue8m0 byte of 2^0
         return _frozen(weight), _frozen(torch.full((E, out_dim, in_dim // self.group), unit_scale, dtype=torch.uint8))
 
-    def expert_weight(self, name: str, e: int) -> torch.Tensor:
-        """Expert e's matrix `name` in the compute dtype."""
+    def expert_weight(self, name: str, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Expert e's matrix `name` in `dtype` (None: the model's parameter dtype, what export reads): a dense
+        weight itself, or widened per call (`compute_weight`) for wider activations; FP8/FP4 dequantised
+        straight to `dtype` (one rounding, none when it is fp32)."""
+        dtype = self.dtype if dtype is None else dtype
         weight = getattr(self, name)[e]
         if self.format == DENSE:
-            return weight
+            return compute_weight(weight, dtype)
         scale = getattr(self, f"{name}_scale")[e]
         if self.format == FP8:
-            return dequantize_fp8_blockwise(weight, scale, self.block, out_dtype=self.dtype)
-        return dequantize_fp4(weight, scale, self.group, out_dtype=self.dtype)
+            return dequantize_fp8_blockwise(weight, scale, self.block, out_dtype=dtype)
+        return dequantize_fp4(weight, scale, self.group, out_dtype=dtype)
 
     @property
     def quant_block(self) -> tuple[int, int]:
@@ -164,8 +167,9 @@ class RoutedExperts(nn.Module):
         return self.forward_reference(x, ids, weights)
 
     def forward_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """One expert at a time, dequantising only the experts in use."""
-        return loop_experts(x, ids, weights, self.expert_weight, self.num_experts, self.limit, swiglu)
+        """One expert at a time, dequantising (or widening) only the experts in use, to x's dtype."""
+        return loop_experts(x, ids, weights, lambda name, e: self.expert_weight(name, e, x.dtype), self.num_experts,
+                            self.limit, swiglu)
 
 
 class SharedExpert(nn.Module):

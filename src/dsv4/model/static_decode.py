@@ -31,6 +31,9 @@ from dsv4.model.step_plan import DecodeMeta, StepPlan
 
 def unsupported_reason(model: DeepseekV4) -> str | None:
     """Why `decode_forward` cannot serve this model (None when it can)."""
+    if model.activation_dtype != model.dtype:
+        return (f"activation_dtype {model.activation_dtype} differs from dtype {model.dtype} (widened weights "
+                f"take the routed experts off the static step's paths): compile needs activation_dtype == dtype")
     for i, layer in enumerate(model.layers):
         experts = layer.ffn.experts
         if experts.format != DENSE:

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill every sequence's prompt itself, also when others share it (default: once)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="activation and dense-weight dtype (auto: the checkpoint's)")
+    parser.add_argument("--activation-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="activations and caches, when wider than --dtype (bfloat16 weights at rest with "
+                             "float32 math; default: --dtype)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--expert-dtype", choices=("fp4", "fp8", "dense"), default=None,
                         help="resident format of the routed experts (default: the checkpoint's)")
@@ -96,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, draft=args.draft,
-              expert_dtype=args.expert_dtype, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, dtype=args.dtype, activation_dtype=args.activation_dtype, device=args.device,
+              seed=args.seed, draft=args.draft, expert_dtype=args.expert_dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               num_speculative_tokens=args.num_speculative_tokens, speculation_max_batch=args.speculation_max_batch,
               share_prompt_prefill=args.share_prompt_prefill)

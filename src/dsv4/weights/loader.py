@@ -108,6 +108,7 @@ def build_models(
     cfg: ModelConfig, expert_format: str, dtype: torch.dtype, device: str, draft: str | None,
     kernels: KernelRegistry | None = None,
     parallel: ParallelState = SINGLE,
+    activation_dtype: torch.dtype | None = None,
 ) -> dict[str, TopLevelModel]:
     """Allocate the target (and the drafter) in runtime layout, this rank's shard of them under `parallel`;
     nothing is READY yet.
@@ -121,11 +122,14 @@ def build_models(
             process-wide `default_registry()`; training passes `KernelRegistry(force_reference=True)`,
             since the fast paths have no backward).
         parallel: this rank's share of a tensor / expert parallel group (docs/parallel.md).
+        activation_dtype: dtype of the activations and caches (None: `dtype`); the weights stay `dtype` at
+            rest whatever it is (docs/rl.md, "bf16 weights, fp32 activations").
     """
     check_divisible(cfg, parallel, expert_format)
     memory = ArenaAllocation(WeightArena()) if torch.device(device).type == "cpu" else contextlib.nullcontext()
     with memory, torch.device(device):
-        models: dict[str, TopLevelModel] = {TARGET: DeepseekV4(cfg, expert_format, dtype, kernels, parallel)}
+        target = DeepseekV4(cfg, expert_format, dtype, kernels, parallel, activation_dtype)
+        models: dict[str, TopLevelModel] = {TARGET: target}
         if draft is not None:
             from dsv4.model.drafters import build_drafter
 
@@ -154,10 +158,11 @@ def load_models(
     seed: int = 0,
     kernels: KernelRegistry | None = None,
     parallel: ParallelState = SINGLE,
+    activation_dtype: torch.dtype | None = None,
 ) -> LoadedModels:
-    """Build, load and finalize a checkpoint directory's models (`kernels`: see `build_models`; under
-    `parallel`, this rank's shard of them: only its part of each tensor is read from the files; dummy values
-    are seeded per rank)."""
+    """Build, load and finalize a checkpoint directory's models (`kernels`, `activation_dtype`: see
+    `build_models`; under `parallel`, this rank's shard of them: only its part of each tensor is read from the
+    files; dummy values are seeded per rank)."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     if draft is not None and draft not in DRAFTERS:
@@ -168,7 +173,7 @@ def load_models(
         cfg = cfg.with_checkpoint_names(checkpoint.tensors)  # DSpark's stage count: its mtp.{s} names
     expert_format = resolve_expert_format(cfg, expert_dtype)
     layout = quant_layout(cfg)
-    models = build_models(cfg, expert_format, dtype, device, draft, kernels, parallel)
+    models = build_models(cfg, expert_format, dtype, device, draft, kernels, parallel, activation_dtype)
     loaded = LoadedModels(cfg, models, layout, expert_format, fmt, parallel=parallel)
     routes = loaded.routes()
     if checkpoint is not None:

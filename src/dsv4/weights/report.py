@@ -48,11 +48,13 @@ def model_tensors(model: TopLevelModel) -> list[tuple[str, torch.Tensor, bool]]:
 
 
 def weight_report(loaded: LoadedModels, version: int) -> dict[str, Any]:
-    """{"version", "ready", "tensors": {key: {shape, dtype, data_ptr, checksum, derived, model}}}."""
+    """{"version", "ready", "activation_dtype", "tensors": {key: {shape, dtype, data_ptr, checksum, derived,
+    model}}}; "activation_dtype" is what the models compute in (the tensors' own dtypes are what they hold)."""
     tensors: dict[str, dict[str, Any]] = {}
     for role, model in loaded.models.items():
         for name, tensor, derived in model_tensors(model):
             key = name if role == TARGET else f"{role}{ROLE_SEPARATOR}{name}"
             tensors[key] = _entry(tensor, derived, role)
     ready = all(model.ready for model in loaded.models.values())
-    return {"version": version, "ready": ready, "tensors": tensors}
+    activations = str(loaded.target.activation_dtype).removeprefix("torch.")
+    return {"version": version, "ready": ready, "activation_dtype": activations, "tensors": tensors}
