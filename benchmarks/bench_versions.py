@@ -14,7 +14,7 @@ Workloads (bench_generate's), at each --batch size:
               and its roofline steps at the larger sizes
 A ratio is old seconds / new seconds: > 1, the new tree is faster.
 
-Writes <out>/bench_versions_<config>[_compiled]_t<threads>.json and prints a summary.
+Writes <out>/bench_versions_<config>[_compiled]_t<threads>.json and .png and prints a summary.
 Usage: python benchmarks/bench_versions.py --old /path/to/old/checkout [--config tiny] [--compile]
                                            [--batch 1 16 64] [--workloads throughput step]
                                            [--threads 1] [--repeats 5]
@@ -127,6 +127,28 @@ def run(args) -> dict:
     return results
 
 
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in WORKLOADS if k in results]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5 * len(kinds), 4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        rows = results[kind]
+        ratios = [r["ratio"] for r in rows]
+        spread = [[r["ratio"] - r["ratio_min"] for r in rows], [r["ratio_max"] - r["ratio"] for r in rows]]
+        bars = ax.bar([f"b={r['batch']}" for r in rows], ratios, yerr=spread, capsize=4, color="tab:blue")
+        ax.bar_label(bars, labels=[f"x{r:.2f}" for r in ratios])
+        ax.axhline(1.0, color="grey", linewidth=1)
+        ax.set_ylabel("old seconds / new seconds\n(median pair, bars: range)")
+        ax.set_title(f"{kind}: {results['config']}{', compiled' if results['compile'] else ', eager'}, "
+                     f"{results['threads']} thread(s)\n{results['old_commit']} -> {results['new_commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def _figures(kind: str, batch: int, t, new_tokens: int) -> dict:
     """A workload's figures from its paired medians: tok/s for throughput, ms per step for step."""
     if kind == "throughput":
@@ -161,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--old is required")
     results = run(args)
     write_report(args.out / f"bench_versions_{args.config}{'_compiled' if args.compile else ''}_t{args.threads}",
-                 results)
+                 results, plot)
     return 0
 
 
