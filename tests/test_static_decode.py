@@ -5,14 +5,17 @@ load of the new weights."""
 
 import pytest
 import torch
+from torch._dynamo.types import GuardFilterEntry
 
 import reference as ref
 from dsv4 import LLM, SamplingParams
 from dsv4.errors import ConfigError
 from dsv4.kernels.gathered_experts import loop_experts, routed_experts, swiglu
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import cache_tensors
-from dsv4.model.static_decode import StaticDecode, entry_reads
+from dsv4.model.static_decode import StaticDecode, entry_reads, keep_guard
+from dsv4.parallel.state import SINGLE
 
 SEED, NEW_SEED = 5, 6
 LOGIT_TOL = 1e-4  # two fp32 paths: different op order, same values
@@ -40,6 +43,21 @@ def test_entry_reads_round_up_and_stay_within_capacity():
 # slot -> prompt length: slots out of order, positions differ. 3 rows route through gathered expert
 # weights, 6 rows through every expert (GroupedExperts.uses_all_experts): both in-graph strategies of GroupedExperts.
 ROW_SETS = {"3 rows": {3: 7, 0: 30, 2: 16}, "6 rows": {5: 3, 1: 22, 7: 9, 0: 41, 4: 1, 2: 16}}
+
+
+def test_compiled_step_drops_only_identity_guards_between_paths_to_the_registry_or_parallel_state():
+    """Identity checks between two paths to the kernel registry or the parallel state are dropped; every
+    other guard on them, and identity checks between other objects (tensors), are kept."""
+    def entry(guard_type, value):
+        return GuardFilterEntry(name="L['model'].x", has_value=True, value=value, guard_type=guard_type,
+                                derived_guard_types=(), is_global=False, orig_guard=None)
+
+    registry = KernelRegistry()
+    assert not keep_guard(entry("DUPLICATE_INPUT", registry))
+    assert not keep_guard(entry("DUPLICATE_INPUT", SINGLE))
+    assert keep_guard(entry("DUPLICATE_INPUT", torch.zeros(1)))
+    assert keep_guard(entry("TYPE_MATCH", registry))
+    assert keep_guard(entry("ID_MATCH", SINGLE))
 
 
 @pytest.mark.parametrize("prompts", ROW_SETS.values(), ids=ROW_SETS.keys())

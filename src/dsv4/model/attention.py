@@ -83,6 +83,8 @@ class Compressor(nn.Module):
         E = windows.count
         if E == 0:
             return
+        if windows.from_ring:  # every token of the windows is in the ring now
+            source_kv, source_gate = cache.ring_kv.view(-1, width), cache.ring_gate.view(-1, width)
         slots_kv = source_kv.view(-1, d).index_select(0, windows.source_rows).view(E, -1, d).float()  # [E, S, d]
         slots_gate = source_gate.view(-1, d).index_select(0, windows.source_rows).view(E, -1, d).float()
         ape = self.ape.view(m, 2, d).transpose(0, 1).reshape(2 * m, d) if self.overlap else self.ape  # [S, d] by slot

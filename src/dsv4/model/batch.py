@@ -46,11 +46,12 @@ class ForwardBatch:
             ids.extend(tokens)
             positions.extend(range(start, start + len(tokens)))
         segments = tuple(segments)
+        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
         return cls(
             token_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            positions=position_tensor,
             segments=segments,
-            plan=StepPlan.of_segments(segments, len(ids), torch.device(device), decode_span),
+            plan=StepPlan.of_segments(segments, len(ids), torch.device(device), decode_span, position_tensor),
         )
 
     @property

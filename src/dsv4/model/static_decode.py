@@ -22,11 +22,13 @@ from __future__ import annotations
 import torch
 
 from dsv4.kernels.gathered_experts import GroupedExperts, swiglu
+from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import LayerCache, ModelCache
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.moe import DENSE
 from dsv4.model.step_plan import DecodeMeta, StepPlan
+from dsv4.parallel.state import ParallelState
 
 
 def unsupported_reason(model: DeepseekV4) -> str | None:
@@ -74,7 +76,19 @@ def decode_forward(
 # buffer allocations from C++ instead of a Python wrapper, whose per-call cost (hundreds of allocations
 # and stride checks per step) dominates a dispatch-bound step: tiny config, 16 rows, 2.90 -> 2.38 ms per
 # step (measured back to back in one process). A cold compile also builds the C++ wrapper.
-COMPILE_OPTIONS = {"cpp_wrapper": True}
+# `guard_filter_fn`: every module reaches the model's one kernel registry and parallel state through its own
+# attribute, and dynamo guards each pair of such paths with an "a is b" check, 78 attribute walks in one
+# Python lambda before every call (tiny config: the guard lookup measured 280 us, 124 us for a step without
+# them). Both objects are fixed for the model's life (the registry's choices are resolved before capture and
+# never change; ParallelState is frozen) and only read by the graph, and each path keeps its own guards on
+# what the graph read, so those identity checks are dropped.
+COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": lambda entries: [keep_guard(e) for e in entries]}
+
+
+def keep_guard(entry) -> bool:
+    """Whether the compiled step keeps a dynamo guard (a `torch._dynamo.types.GuardFilterEntry`): all but
+    identities between two paths to the kernel registry or the parallel state."""
+    return not (entry.guard_type == "DUPLICATE_INPUT" and isinstance(entry.value, (KernelRegistry, ParallelState)))
 
 
 class StaticDecode:

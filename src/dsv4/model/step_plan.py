@@ -40,16 +40,16 @@ class StepPlan:
 
     @classmethod
     def of_segments(cls, segments: Sequence[Segment], num_rows: int, device: torch.device,
-                    decode_span: int = 1) -> StepPlan:
+                    decode_span: int = 1, positions: torch.Tensor | None = None) -> StepPlan:
         """The plan of a flat batch of num_rows rows cut into `segments`: segments of at most
         `decode_span` tokens go to the decode path (each token a row of its own), longer ones to the
-        prefill path."""
+        prefill path. `positions`: the batch's [num_rows] positions tensor, when it has one."""
         if decode_span < 1:
             raise ValueError(f"decode_span must be >= 1, got {decode_span}")
         rows = [seg for seg in segments if seg.length <= decode_span]
         chunks = [seg for seg in segments if seg.length > decode_span]
         pure = not chunks
-        return cls(decode=DecodeMeta.of_segments(rows, pure, device) if rows else None,
+        return cls(decode=DecodeMeta.of_segments(rows, pure, device, positions) if rows else None,
                    prefill=PrefillMeta(chunks, num_rows, device) if chunks else None)
 
 
@@ -59,10 +59,12 @@ class WindowPlan:
 
     The new tokens' raw projections go to the ring at `ring_index` (slots, position % R) from rows
     `src_rows` of the layer input (None: every row, in order). The windows' tokens are read from a
-    flat source [the layer input's rows | the ring rows `history_rows`, read before the ring is written
-    (None: no window needs them)] viewed as rows of out_dim channels: `source_rows` [count * S] indexes
-    that view. Overlapping (width 2 out_dim, so token r is half-rows 2r (Ca) and 2r + 1 (Cb)): S = 2m
-    slots, Ca of window w - 1's tokens then Cb of window w's; otherwise S = m, window w's tokens.
+    flat source viewed as rows of out_dim channels, which `source_rows` [count * S] indexes: the ring
+    itself once the step's tokens are written when `from_ring` (rows of one token each: every token of
+    their windows is then in the ring), else [the layer input's rows | the ring rows `history_rows`, read
+    before the ring is written (None: no window needs them)]. Overlapping (width 2 out_dim, so token r is
+    half-rows 2r (Ca) and 2r + 1 (Cb)): S = 2m slots, Ca of window w - 1's tokens then Cb of window w's;
+    otherwise S = m, window w's tokens.
     Entry `window_ids` [count] of slot `window_slots` [count] is written, only where `complete` [count]
     when given (a compiled step pools every row's current window and keeps the completed ones).
     `empty_slots` [count, S] (or None: none) marks the slots that weigh nothing: window 0's
@@ -77,6 +79,7 @@ class WindowPlan:
     empty_slots: torch.Tensor | None
     complete: torch.Tensor | None
     count: int
+    from_ring: bool = False
 
 
 def _window_slots(rate: int, overlap: bool, device: torch.device) -> torch.Tensor:
@@ -127,20 +130,28 @@ class DecodeMeta(_Memo):
         self.spans = spans
 
     @classmethod
-    def of_segments(cls, segs: Sequence[Segment], pure: bool, device: torch.device) -> DecodeMeta:
-        positions, slot_ids, flat_rows, firsts, lasts = [], [], [], [], []
-        for seg in segs:
-            positions.extend(range(seg.start, seg.start + seg.length))
-            slot_ids.extend([seg.slot] * seg.length)
-            flat_rows.extend(range(seg.begin, seg.end))
-            firsts.extend([seg.start] * seg.length)
-            lasts.extend([seg.start + seg.length - 1] * seg.length)
+    def of_segments(cls, segs: Sequence[Segment], pure: bool, device: torch.device,
+                    positions: torch.Tensor | None = None) -> DecodeMeta:
+        """The rows of `segs`; `positions`: the batch's [T] positions tensor, reused when the rows are the
+        whole batch (`pure`) instead of built again."""
+        if all(seg.length == 1 for seg in segs):  # a decode step: one row per segment, no spans
+            host_positions, slot_ids = [seg.start for seg in segs], [seg.slot for seg in segs]
+            flat_rows, spans = None if pure else [seg.begin for seg in segs], None
+        else:
+            host_positions, slot_ids, flat_rows, firsts, lasts = [], [], [], [], []
+            for seg in segs:
+                host_positions.extend(range(seg.start, seg.start + seg.length))
+                slot_ids.extend([seg.slot] * seg.length)
+                flat_rows.extend(range(seg.begin, seg.end))
+                firsts.extend([seg.start] * seg.length)
+                lasts.extend([seg.start + seg.length - 1] * seg.length)
+            spans = (firsts, lasts)
         rows = slice(None) if pure else torch.tensor(flat_rows, device=device)
+        pos = positions if pure and positions is not None else torch.tensor(host_positions, device=device)
         first = slot_ids[0]
         contiguous = slot_ids == list(range(first, first + len(slot_ids)))  # never so for a multi-row segment
-        spans = (firsts, lasts) if len(positions) > len(segs) else None
-        return cls(torch.tensor(positions, device=device), torch.tensor(slot_ids, device=device), rows, pure,
-                   positions, None, slice(first, first + len(slot_ids)) if contiguous else None, spans)
+        return cls(pos, torch.tensor(slot_ids, device=device), rows, pure, host_positions, None,
+                   slice(first, first + len(slot_ids)) if contiguous else None, spans)
 
     @classmethod
     def of_tensors(cls, pos: torch.Tensor, slots: torch.Tensor, reads: dict[int, int]) -> DecodeMeta:
@@ -236,21 +247,24 @@ class DecodeMeta(_Memo):
             E = rows.shape[0]
             slot = _window_slots(m, overlap, device)
             token_pos = ((pos // m).unsqueeze(-1) * m + slot).clamp(min=0)  # [E, S]
-            # The window's tokens from the row's segment come from the layer input (the segment's rows
-            # are consecutive: position p is row b - (pos_b - p)), its earlier ones from the ring (read
-            # before the step's tokens are written; in a kept window no slot lies after the row's token).
-            in_ring = B + torch.arange(E, device=device).unsqueeze(-1) * ring_len + token_pos % ring_len
-            if self.spans is None:
-                source = torch.where(token_pos == pos.unsqueeze(-1), rows.unsqueeze(-1), in_ring)
+            history = None
+            if self.spans is None:  # one token per row: its window's tokens are in the ring once it is written
+                # (read from the ring after the write: a compiled graph then scatters into the ring in place,
+                # where a read before the write made it copy the whole ring twice)
+                source = slots.unsqueeze(-1) * ring_len + token_pos % ring_len
             else:
+                # The window's tokens from the row's segment come from the layer input (the segment's rows
+                # are consecutive: position p is row b - (pos_b - p)), its earlier ones from the ring (read
+                # before the step's tokens are written; in a kept window no slot lies after the row's token).
+                in_ring = B + torch.arange(E, device=device).unsqueeze(-1) * ring_len + token_pos % ring_len
                 segment_first = self._span_tensor(0).index_select(0, rows).unsqueeze(-1)
                 in_step = rows.unsqueeze(-1) - (pos.unsqueeze(-1) - token_pos)
                 source = torch.where(token_pos >= segment_first, in_step, in_ring)
-            history = (slots.unsqueeze(-1) * ring_len + torch.arange(ring_len, device=device)).view(-1)
+                history = (slots.unsqueeze(-1) * ring_len + torch.arange(ring_len, device=device)).view(-1)
             return WindowPlan(
                 ring_index=ring_index, src_rows=None, history_rows=history,
                 source_rows=_half_rows(source, slot, overlap), window_ids=pos // m, window_slots=slots,
-                empty_slots=_empty_slots(first, slot), complete=complete, count=E,
+                empty_slots=_empty_slots(first, slot), complete=complete, count=E, from_ring=self.spans is None,
             )
         return self._cached(("windows", rate, ring_len, overlap), build)
 
