@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_generate import _prompts, _timed, dsv4_decode_step, dsv4_generate  # noqa: E402
 from bench_llamacpp import (  # noqa: E402
     CONFIGS,
     DEFAULT_ATTENTION,
@@ -39,7 +40,6 @@ from bench_llamacpp import (  # noqa: E402
     _ctx_cells,
     prepare_models,
 )
-from bench_generate import _prompts, _timed, dsv4_decode_step, dsv4_generate  # noqa: E402
 from dsv4 import LLM  # noqa: E402
 from dsv4.kernels import describe_backends  # noqa: E402
 from report import write_report  # noqa: E402

@@ -8,6 +8,7 @@ that. Shapes include widths that are not multiples of the vector width, the thre
 """
 
 import collections
+import contextlib
 import platform
 
 import pytest
@@ -15,9 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.engine.llm import LLM
+from dsv4.engine.sampling_params import SamplingParams
 from dsv4.kernels.gathered_experts import loop_experts
 from dsv4.kernels.gemv_cpu import (
     MAX_BF16_ROWS,
+    MAX_F32_ROWS,
     MAX_PICKS_PER_EXPERT,
     MAX_WIDENING_ROWS,
     DenseGemv,
@@ -157,7 +160,8 @@ def test_dense_gemv_declines_what_it_cannot_run_or_loses(lib, pool):
     assert kernel.supports(x, w)
     assert not kernel.supports(x, w.t().contiguous().t().contiguous())  # output-major storage
     assert not kernel.supports(_rows(MAX_BF16_ROWS + 1, 32, bf16, 0), w)  # measured slower than the GEMM
-    assert not kernel.supports(x.float(), w.float())  # fp32: MKL's GEMV measured as fast or faster
+    assert kernel.supports(x.float(), w.float())  # one fp32 row: as fast as MKL's GEMV, and not on OpenMP
+    assert not kernel.supports(_rows(MAX_F32_ROWS + 1, 32, torch.float32, 0), w.float())  # MKL's GEMM
     assert kernel.supports(x.float(), w)  # fp32 rows on a bf16 weight: no widened copy of the weight
     assert kernel.supports(_rows(MAX_WIDENING_ROWS, 32, torch.float32, 0), w)
     assert not kernel.supports(_rows(MAX_WIDENING_ROWS + 1, 32, torch.float32, 0), w)  # measured slower
@@ -465,8 +469,8 @@ class CountingRegistry(KernelRegistry):
 
 
 # expert format, model dtype -> the few-row ops that must serve its calls
-WIRED = {("dense", torch.float32): {FEW_ROW_EXPERTS}, ("dense", torch.bfloat16): {FEW_ROW_EXPERTS, LINEAR},
-         ("fp8", torch.float32): {QUANT_EXPERTS}, ("fp4", torch.float32): {QUANT_EXPERTS}}
+WIRED = {("dense", torch.float32): {FEW_ROW_EXPERTS, LINEAR}, ("dense", torch.bfloat16): {FEW_ROW_EXPERTS, LINEAR},
+         ("fp8", torch.float32): {QUANT_EXPERTS, LINEAR}, ("fp4", torch.float32): {QUANT_EXPERTS, LINEAR}}
 # (bf16 activations on FP8/FP4 experts: test_fused_quant_experts_match_loop. In the tiny dummy model's bf16
 # FP4 forward, near-tied routing makes either bf16 path differ from the fp32 one by up to half the logit scale.)
 
@@ -497,3 +501,53 @@ def test_wired_kernels_match_the_reference_model(fmt, dtype):
         want = logits["reference"]
         torch.testing.assert_close(logits["wired"], want, rtol=scale_tol, atol=scale_tol * want.abs().max().item())
     assert set(wired.kernels.hits) & {LINEAR, FEW_ROW_EXPERTS, QUANT_EXPERTS} == WIRED[(fmt, dtype)]
+
+
+class RowsRecordingRegistry(KernelRegistry):
+    """The default backends, recording the torch and kernel-pool threads each forward's rows ran with."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list[tuple[int, int, int]] = []  # (rows, torch threads, pool threads) inside the block
+        self.rows: int | None = None  # the rows of the forward running now
+
+    def kernel(self, op, *args):
+        impl = super().kernel(op, *args)
+        if op == LINEAR and impl is not None and self.rows is not None:
+            self.steps.append((self.rows, torch.get_num_threads(), impl.pool.threads()))
+        return impl
+
+    @contextlib.contextmanager
+    def threads_for_rows(self, rows):
+        self.rows = rows
+        with super().threads_for_rows(rows):
+            yield
+        self.rows = None
+
+
+def test_one_row_steps_run_torch_on_one_thread_and_the_kernels_on_the_rest(two_threads):
+    """A co-running process must not cost a batch-1 step a scheduler slice per OpenMP region: inside a one-row
+    forward torch runs one intra-op thread while the few-row kernels keep the two torch had; wider forwards
+    and a reference-only registry change nothing; the count comes back even when the block raises."""
+    registry = KernelRegistry()
+    pool = registry.choose(LINEAR).impl.pool
+    with registry.threads_for_rows(1):
+        assert (torch.get_num_threads(), pool.threads()) == (1, 2)
+    assert (torch.get_num_threads(), pool.threads(), pool.pinned) == (2, 2, None)
+    with registry.threads_for_rows(2):
+        assert torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError), registry.threads_for_rows(1):
+        raise RuntimeError("a failed forward")
+    assert (torch.get_num_threads(), pool.pinned) == (2, None)
+    with KernelRegistry(force_reference=True).threads_for_rows(1):
+        assert torch.get_num_threads() == 2
+
+    recording = RowsRecordingRegistry()
+    llm = LLM("dsv4-tiny-dummy", load_format="dummy", seed=3, kernels=recording)
+    reference = LLM("dsv4-tiny-dummy", load_format="dummy", seed=3, kernels=KernelRegistry(force_reference=True))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == reference.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    decode = {(threads, pool_threads) for rows, threads, pool_threads in recording.steps if rows == 1}
+    assert decode == {(1, 2)}, recording.steps  # every one-row step's products: torch at 1, the pool at 2
+    assert torch.get_num_threads() == 2

@@ -106,7 +106,12 @@ class ModelRunner:
             streams, logits = self.static_decode(batch, self.cache)
             captured = {}
         else:
-            streams, captured = self.model(batch, self.cache, capture_layers)
+            # A one-row step keeps off torch's OpenMP pool (the registry's threads_for_rows says why); the
+            # compiled step's generated code is left on the threads it was compiled for.
+            with self.model.kernels.threads_for_rows(batch.num_tokens):
+                streams, captured = self.model(batch, self.cache, capture_layers)
+                if len(logit_rows) == batch.num_tokens == 1:
+                    return StepResult(streams, self.logits(streams), captured)
         if not logit_rows:
             return StepResult(streams, None, captured)
         if len(logit_rows) == batch.num_tokens:  # every row, in order (a pure decode step): no gather

@@ -11,7 +11,7 @@ results differ from the torch references only by the order of the fp32 sums.
 Kernels (each `supports(*args)` / `__call__(*args)` with one signature, as the registry expects):
   DenseGemv         (x, weight): x [R, K] @ weight.T for a [N, K] weight stored input-major ([K, N] storage,
                     `dsv4.model.linear.input_major`), fp32 or bf16 (`supports`: bf16 rows, R <= MAX_BF16_ROWS;
-                    fp32 rows on a bf16 weight, R <= MAX_WIDENING_ROWS)
+                    fp32 rows on a bf16 weight, R <= MAX_WIDENING_ROWS; fp32 on fp32, R <= MAX_F32_ROWS)
   QuantGemv         (x, weight, scale, block): x [R, K] @ W.T for an output-major FP8 [N, K] (+ fp32 block
                     scales) or FP4 [N, K/2] (+ ue8m0 bytes [N, K/block[1]]) weight
   FusedExperts      (x, ids, weights, w1, w3, w2, limit): one MoE layer's routed experts (dense stacks),
@@ -25,9 +25,10 @@ chunks of output features; the calling thread works through them and the pool's 
 a core, so a call never waits for a worker that has not started (an OpenMP region, torch's included, waits
 at its closing barrier for every thread of the team: on a machine whose other core is busy that costs a
 scheduler time slice per region). Workers poll ~50 us for the next call, then sleep. A call uses
-`WorkerPool.threads()` threads: a fixed count given to `build_kernels(threads=...)` (so an engine may run
-torch itself on one thread during decode steps while these kernels use every core), or else
-torch.get_num_threads() at the call, up to the pool's size + 1.
+`WorkerPool.threads()` threads: a fixed count given to `build_kernels(threads=...)`, the count pinned for a
+block (`WorkerPool.pinned_threads`: a one-row step runs torch on one thread while these kernels keep the
+threads torch had, `KernelRegistry.threads_for_rows`), or else torch.get_num_threads() at the call, up to
+the pool's size + 1.
 
 Build: the C source is compiled once per machine into the per-user kernel cache (about a second; no torch
 headers), with -march=native (the cache key includes this CPU's feature flags, so a shared home directory on
@@ -36,6 +37,7 @@ a different CPU builds its own copy).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -63,17 +65,23 @@ VECTOR_ISAS = {512: "AVX-512 permutes", 256: "AVX2 permutes", 0: "per-byte table
 
 # Where DenseGemv beats torch's GEMM on the same input-major weight (benchmarks/bench_gemv.py, small-config
 # shapes, 2 threads, cold weights, shared machine): bf16 one-row products 1.3-3.1x faster (oneDNN's small-row
-# bf16 GEMMs are slow); at 4 rows mixed (0.5-1.5x). fp32: MKL's one-row GEMV is as fast (0.9-1.1x on this
-# machine, the 16384x512 head included), so `supports` declines fp32 and the kernel's fp32 path serves the
-# fused dense experts only.
+# bf16 GEMMs are slow); at 4 rows mixed (0.5-1.5x).
 MAX_BF16_ROWS = 1
+# fp32 one-row products: MKL's GEMV is as fast on an idle machine (0.9-1.1x, the 16384x512 head included;
+# the small config's batch-1 decode step 0.99x with either), but it runs on torch's OpenMP threads, whose
+# static split waits for a thread that has no core when another process keeps one busy. Taking the one-row
+# fp32 calls here leaves a batch-1 step no product on OpenMP, so the step can run torch at one thread while
+# this pool keeps the others (`KernelRegistry.threads_for_rows`): measured 2-3x faster than OpenMP under
+# a co-running load (benchmarks/bench_contention.py), equal idle.
+MAX_F32_ROWS = 1
 # fp32 rows against a bf16 weight (`LLM(dtype="bfloat16", activation_dtype="float32")`): the kernel reads the
 # bf16 weight once where torch needs a widened fp32 copy of it first (`model.linear.compute_weight`). Measured
 # on 128x256, 128x49 and 512x2048 input-major weights, 1 thread, shared machine, vs widen + F.linear: 1.2-3.8x
 # faster at 1-4 rows, equal at 8, 0.8x at 16.
 MAX_WIDENING_ROWS = 4
 # The most rows `DenseGemv.supports` takes, by (activation dtype, weight dtype); pairs not listed decline.
-_DENSE_ROWS = {(torch.bfloat16, torch.bfloat16): MAX_BF16_ROWS, (torch.float32, torch.bfloat16): MAX_WIDENING_ROWS}
+_DENSE_ROWS = {(torch.bfloat16, torch.bfloat16): MAX_BF16_ROWS, (torch.float32, torch.bfloat16): MAX_WIDENING_ROWS,
+               (torch.float32, torch.float32): MAX_F32_ROWS}
 # Input width the quantized kernel decodes a weight row into (its stack buffer, MAX_QUANT_K in the C file).
 MAX_QUANT_K = 16384
 # FP4 inputs one decode step reads (16 bytes): an FP4 scale group must be a multiple of it (FP4_STEP in C).
@@ -150,10 +158,22 @@ class WorkerPool:
             raise MemoryError("gemv_cpu: could not allocate the worker pool")
         self.workers = lib.pool_workers(self.handle)
         self.fixed = fixed
+        self.pinned: int | None = None  # set by `pinned_threads`: the count calls use meanwhile
 
     def threads(self) -> int:
         """Threads a call may use now."""
-        return self.workers + 1 if self.fixed else torch.get_num_threads()
+        if self.fixed:
+            return self.workers + 1
+        return self.pinned if self.pinned is not None else torch.get_num_threads()
+
+    @contextlib.contextmanager
+    def pinned_threads(self, threads: int):
+        """Calls inside the block use `threads` threads whatever torch's own count is meanwhile."""
+        before, self.pinned = self.pinned, threads
+        try:
+            yield
+        finally:
+            self.pinned = before
 
     def close(self) -> None:
         if self.handle:
@@ -216,6 +236,11 @@ class _PoolKernel:
     def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
         self._lib, self._fn, self._pool = lib, getattr(lib, self._entry), pool
 
+    @property
+    def pool(self) -> WorkerPool:
+        """The worker pool this kernel's calls run on (shared by every kernel of its build)."""
+        return self._pool
+
     def describe(self) -> str:
         """For `dsv4 env`: the decode path and threads of this build."""
         return describe(self._lib, self._pool)
@@ -224,7 +249,8 @@ class _PoolKernel:
 class DenseGemv(_PoolKernel):
     """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K] and fp32 / bf16 rows; `supports`
     accepts the calls where it was measured faster than torch (`_DENSE_ROWS`: bf16 on bf16, R <= MAX_BF16_ROWS;
-    fp32 on bf16, R <= MAX_WIDENING_ROWS), the call itself runs any row count and every pair."""
+    fp32 on bf16, R <= MAX_WIDENING_ROWS; fp32 on fp32, R <= MAX_F32_ROWS, as fast idle and not on OpenMP),
+    the call itself runs any row count and every pair."""
 
     _entry = "dense_xw"
 

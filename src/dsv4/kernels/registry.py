@@ -20,10 +20,13 @@ after they are made.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 FORCE_ENV = "DSV4_KERNELS"
 REFERENCE = "reference"
@@ -35,6 +38,10 @@ NORM_ROPE = "norm_rope"
 LINEAR = "linear"
 FEW_ROW_EXPERTS = "few_row_experts"
 QUANT_EXPERTS = "quant_experts"
+
+# Forwards of at most this many rows run torch at one intra-op thread (`threads_for_rows`): the rows whose
+# every product the few-row kernels take at any dtype (gemv_cpu's MAX_F32_ROWS and MAX_BF16_ROWS).
+ONE_THREAD_TORCH_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,8 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
     ),
     LINEAR: (
         Backend("cpu_c", functools.partial(_build_few_row, 0),
-                "few-row products on input-major weights (gemv_cpu.c DenseGemv): bf16 one-row calls"),
+                "few-row products on input-major weights (gemv_cpu.c DenseGemv): one-row calls, and fp32 rows "
+                "on bf16 weights up to a few rows"),
     ),
     FEW_ROW_EXPERTS: (
         Backend("cpu_c", functools.partial(_build_few_row, 2),
@@ -169,8 +177,35 @@ class KernelRegistry:
             return Choice(op, backend.name, impl, backend.summary + (f"; {detail()}" if detail else ""))
         return Choice(op, REFERENCE, None, "fallback (" + "; ".join(failures) + ")")
 
+    def threads_for_rows(self, rows: int):
+        """A context for a forward of `rows` rows: with at most ONE_THREAD_TORCH_ROWS rows and the few-row
+        kernels built, torch's intra-op pool runs one thread for the block and those kernels' pool keeps
+        the threads torch had; otherwise nothing changes.
+
+        Why: at one row every product runs in the few-row kernels (caller-runs: a call never waits for a
+        worker without a core) and torch's remaining ops are too small to split, but an OpenMP region of
+        two threads still waits at its barrier for both; when another process keeps a core busy, that wait
+        is a scheduler time slice per region (measured: batch-1 decode 2-3x slower, steps up to 20x).
+        """
+        impl = self.choose(LINEAR).impl
+        threads = torch.get_num_threads()
+        if rows > ONE_THREAD_TORCH_ROWS or impl is None or threads == 1:
+            return contextlib.nullcontext()
+        return _torch_threads_pinned(impl.pool, threads)
+
     def describe(self) -> list[str]:
         return [f"{op:18s} {c.backend:10s} {c.reason}" for op in _BACKENDS for c in (self.choose(op),)]
+
+
+@contextlib.contextmanager
+def _torch_threads_pinned(pool, threads: int):
+    """torch at one intra-op thread for the block, `pool` at `threads`; torch's count restored after."""
+    with pool.pinned_threads(threads):
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
 
 @functools.cache
