@@ -7,6 +7,8 @@ needs to break a checkpoint copies it first).
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import weakref
 from pathlib import Path
 
@@ -26,6 +28,28 @@ PROMPT_LEN = 48
 FIRST_ORDINARY_ID = 2
 # Engine limits that keep a tiny-model LLM's cache small: the tests score prompts of at most PROMPT_LEN.
 SMALL_ENGINE = {"dtype": "float32", "max_num_seqs": 2, "max_model_len": 64}
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def benchmark_script():
+    """Imports a script of benchmarks/ by name (they are scripts, not a package) and forgets it after the test.
+    The module is registered in sys.modules while it runs: dataclasses resolve their module through it."""
+    loaded = []
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        loaded.append(name)
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    for name in loaded:
+        sys.modules.pop(name, None)
 
 
 def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:

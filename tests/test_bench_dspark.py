@@ -5,23 +5,12 @@ here (the benchmark records whether each figure meets it). What is checked is wh
 produced plain greedy's tokens (the benchmark exits otherwise) and DSpark verified several tokens per step.
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_dspark.py"
 
 
-def test_quick_mode_writes_every_figure(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_dspark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        assert module.main(["--quick", "--out", str(tmp_path)]) == 0
-    finally:
-        del sys.modules[spec.name]
+def test_quick_mode_writes_every_figure(tmp_path, benchmark_script):
+    module = benchmark_script("bench_dspark")
+    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "bench_dspark_quick.json").read_text())
     assert {"plain", "dspark"} <= set(results["arms"])
     for arm in results["arms"].values():

@@ -4,19 +4,11 @@ Only the machinery is checked here: timings on a shared machine are not results,
 its target (the benchmark itself records whether each one meets it).
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_lifecycle.py"
 
 
-def test_quick_mode_writes_every_figure(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_lifecycle", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
+def test_quick_mode_writes_every_figure(tmp_path, benchmark_script):
+    module = benchmark_script("bench_lifecycle")
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "bench_lifecycle_quick.json").read_text())
     row = results["sizes"]["tiny"]

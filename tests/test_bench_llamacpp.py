@@ -74,3 +74,38 @@ def test_bench_checkpoint_dense_and_fp4_experts_compute_the_same(quick_checkpoin
         llm = LLM(quick_checkpoint, dtype="float32", expert_dtype=experts, max_num_seqs=1, max_model_len=64)
         logits[experts] = dsv4_logits(llm, prompt, llm.loaded.target.allocate_cache(1, len(prompt) + 1))
     torch.testing.assert_close(logits["dense"], logits["fp4"], rtol=SAME_VALUES_TOL, atol=SAME_VALUES_TOL)
+
+
+def test_contention_rounds_divide_each_engines_loaded_by_its_idle_time(monkeypatch):
+    """bench_contention's rounds: every workload timed once per half per round, the loaded half inside the
+    background load and the idle one outside it, an engine's slowdown its own loaded / idle seconds."""
+    import bench_contention
+
+    loaded = {"now": False}
+
+    class FakeLoad:
+        def __init__(self, count: int):
+            self.count = count
+
+        def __enter__(self):
+            loaded["now"] = self.count > 0
+
+        def __exit__(self, *exc):
+            loaded["now"] = False
+
+    monkeypatch.setattr(bench_contention, "_background_load", FakeLoad)
+    calls = []
+
+    def workload(name: str, idle_s: float, loaded_s: float):
+        def run() -> float:
+            calls.append((name, loaded["now"]))
+            return loaded_s if loaded["now"] else idle_s
+        return run
+
+    rows = bench_contention._rounds({"llama": workload("llama", 1.0, 3.0), "dsv4": workload("dsv4", 2.0, 3.0)},
+                                    load=1, repeats=3)
+    assert rows["llama"]["slowdown"] == 3.0 and rows["dsv4"]["slowdown"] == 1.5
+    assert rows["dsv4"]["idle_s"] == 2.0 and rows["dsv4"]["loaded_s"] == 3.0
+    # one warm-up each (idle), then 3 rounds x 2 halves x 2 engines
+    assert calls.count(("llama", True)) == calls.count(("dsv4", True)) == 3
+    assert calls.count(("llama", False)) == calls.count(("dsv4", False)) == 4

@@ -4,19 +4,11 @@ Only the machinery is checked (timings on a shared machine are not results): bot
 tokens, and sharing computed each prompt once where sharing off computed it once per sample.
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_shared_prefill.py"
 
 
-def test_quick_mode_writes_every_figure(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_shared_prefill", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+def test_quick_mode_writes_every_figure(tmp_path, benchmark_script):
+    module = benchmark_script("bench_shared_prefill")
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "bench_shared_prefill_quick.json").read_text())
     quick = module.QUICK

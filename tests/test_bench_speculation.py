@@ -5,19 +5,11 @@ benchmark records whether each goal is met). Acceptance is deterministic (greedy
 real: some drafts accepted at every k.
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_speculation.py"
 
 
-def test_quick_mode_writes_every_figure(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_speculation", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+def test_quick_mode_writes_every_figure(tmp_path, benchmark_script):
+    module = benchmark_script("bench_speculation")
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "bench_speculation_quick.json").read_text())
     rows = result["rows"]
