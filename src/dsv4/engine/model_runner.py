@@ -101,17 +101,19 @@ class ModelRunner:
             self._snapshot = self.cache.snapshot(
                 [(chunks[i].slot, chunks[i].start, len(chunks[i].token_ids)) for i in verify])
         batch = ForwardBatch.build(list(chunks), device=self.device, decode_span=self.decode_span)
-        logits = None  # [T, V], when the forward already computed every row's logits
         if self.static_decode is not None and self.static_decode.serves(batch) and not capture_layers:
             streams, logits = self.static_decode(batch, self.cache)
-            captured = {}
-        else:
-            # A one-row step keeps off torch's OpenMP pool (the registry's threads_for_rows says why); the
-            # compiled step's generated code is left on the threads it was compiled for.
-            with self.model.kernels.threads_for_rows(batch.num_tokens):
-                streams, captured = self.model(batch, self.cache, capture_layers)
-                if len(logit_rows) == batch.num_tokens == 1:
-                    return StepResult(streams, self.logits(streams), captured)
+            return self._result(batch, streams, logits, {}, logit_rows)
+        # A one-row step keeps off torch's OpenMP pool (the registry's threads_for_rows says why), head
+        # included; the compiled step's generated code is left on the threads it was compiled for.
+        with self.model.kernels.threads_for_rows(batch.num_tokens):
+            streams, captured = self.model(batch, self.cache, capture_layers)
+            return self._result(batch, streams, None, captured, logit_rows)
+
+    def _result(self, batch: ForwardBatch, streams: torch.Tensor, logits: torch.Tensor | None,
+                captured: dict[int, torch.Tensor], logit_rows: Sequence[int]) -> StepResult:
+        """The step's result with the logits of `logit_rows`; `logits`: every row's, when the forward
+        already computed them (the compiled step), else None."""
         if not logit_rows:
             return StepResult(streams, None, captured)
         if len(logit_rows) == batch.num_tokens:  # every row, in order (a pure decode step): no gather

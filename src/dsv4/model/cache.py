@@ -249,7 +249,7 @@ def copy_slot_rows(tensors: Iterable[tuple[torch.Tensor, int]], source: int, tar
                 index = torch.tensor(list(targets), dtype=torch.int64, device=tensor.device)
             # A copy of the source rows first: torch refuses a source that shares the destination's storage.
             rows_of_source = tensor[source, :rows].clone()
-            tensor[:, :rows].index_copy_(0, index, rows_of_source.expand(len(targets), -1, -1))
+            tensor[:, :rows].index_copy_(0, index, rows_of_source.expand(len(targets), *rows_of_source.shape))
 
 
 def cache_tensors(layers: list[LayerCache]) -> list[torch.Tensor]:
