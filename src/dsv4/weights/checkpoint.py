@@ -9,11 +9,12 @@ file is closed (RSS would grow by a whole shard); here the pages already read ar
 every few MiB (they stay in the page cache), so a load holds the resident model plus about one tensor.
 
 What a streamed tensor costs beyond its bytes, kept to a few microseconds: one `as_strided` of a per-dtype
-view of the whole file (slicing and re-viewing the bytes took three tensor ops), and one `madvise` per
-_RELEASE_BYTES instead of one per tensor (each call unmaps pages and flushes their TLB entries: per tensor
-it cost a fifth of a warm load of ~1000 tensors). A cold file is read by the kernel's own fault readahead:
-explicit WILLNEED hints measured slower (the kernel caps each to its readahead window and submits it in
-the caller, on the loader's critical path), and MADV_SEQUENTIAL several times slower.
+view of the whole file (slicing and re-viewing the bytes took three tensor ops, ~10 us), and one `madvise`
+per _RELEASE_BYTES instead of one per tensor (each call unmaps pages and flushes their TLB entries; with
+the per-tensor calls and read-ahead hints, a copy-only replay of the small benchmark model's ~1000 tensors
+ran ~1.4x slower warm). A cold file is read by the kernel's own fault readahead: explicit WILLNEED hints
+measured slower in that replay (the kernel caps each to its readahead window and submits it in the caller,
+on the loader's critical path), and MADV_SEQUENTIAL several times slower.
 """
 
 import json
@@ -147,8 +148,8 @@ class CheckpointDir:
         """Yield (name, tensor, file) one tensor at a time, file by file, in file order.
 
         Each tensor is a read-only-by-contract view of the mapped file: copy out of it, never write into
-        it. Its pages leave the process once the iterator resumes; a view kept longer still reads the right
-        bytes (they fault back in from the file)."""
+        it. Its pages leave the process within _RELEASE_BYTES of the iterator moving past it; a view kept
+        longer still reads the right bytes (they fault back in from the file)."""
         by_file: dict[Path, list[TensorInfo]] = {file: [] for file in self.files}
         for info in self.tensors.values():
             by_file[info.file].append(info)
