@@ -66,9 +66,12 @@ class LoadedModels:
             addresses: the current (role, name) -> data_ptr of every parameter (extra entries are ignored),
                 when the caller has just taken them; otherwise they are taken here.
         """
+        if self._routes is None:  # the first plan (a load's): nothing to compare, so no walk of the parameters
+            self._routes = RouteTable(SlotTable(self.models))
+            return self._routes
         if addresses is None:
             addresses = parameter_addresses(self.models)
-        if self._routes is None or not self._routes.table.addresses.items() <= addresses.items():
+        if not self._routes.table.addresses.items() <= addresses.items():
             self._routes = RouteTable(SlotTable(self.models))
             self.staging.clear()  # buffers shaped after destinations the new plan no longer holds
         return self._routes
