@@ -164,3 +164,28 @@ def test_streamed_tensors_equal_safetensors_own_reader(tmp_path):
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
         # Bytes, not values: bit for bit, and defined for every dtype (NaN codes included).
         assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["collector-on", "collector-off"])
+def test_header_parse_leaves_the_collector_as_it_found_it(tmp_path, enabled):
+    """Reading headers pauses automatic collection and restores the previous state, on success and failure."""
+    import gc
+
+    from safetensors.torch import save_file
+
+    from dsv4.errors import CheckpointError
+    from dsv4.weights.checkpoint import CheckpointDir, read_header
+
+    save_file({"w": torch.ones(2, 2)}, tmp_path / "model.safetensors")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{not json")
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        assert set(read_header(tmp_path / "model.safetensors")) == {"w"}
+        assert gc.isenabled() == enabled
+        with pytest.raises(CheckpointError, match="unreadable safetensors header"):
+            CheckpointDir(tmp_path / "bad")
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()
