@@ -133,3 +133,59 @@ def test_tensors_at_unaligned_offsets_read_correctly(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data)
     tensors = {name: t.clone() for name, t, _ in CheckpointDir(tmp_path).iter_tensors()}
     assert torch.equal(tensors["odd"], odd) and torch.equal(tensors["values"], values)
+
+
+def test_streamed_tensors_equal_safetensors_own_reader(tmp_path):
+    """Every streamed tensor (one strided view of a per-dtype view of the mapped file) holds exactly what
+    safetensors' own reader reads: every rank from 0-D to 4-D, empty tensors, and each dtype a checkpoint uses."""
+    from safetensors.torch import load_file, save_file
+
+    from dsv4.weights.checkpoint import CheckpointDir
+
+    generator = torch.Generator().manual_seed(0)
+    values = {
+        "scalar": torch.tensor(3.25),
+        "vector": torch.randn(7, generator=generator),
+        "matrix_bf16": torch.randn(5, 3, generator=generator).to(torch.bfloat16),
+        "stack": torch.randn(2, 3, 4, generator=generator),
+        "four_d": torch.randn(2, 1, 3, 5, generator=generator).to(torch.float16),
+        "empty": torch.empty(0, 4),
+        "codes": torch.randn(6, 8, generator=generator).to(torch.float8_e4m3fn),
+        "packed": torch.randint(-128, 128, (3, 5), dtype=torch.int8, generator=generator),
+        "scales": torch.randint(0, 255, (4, 3), dtype=torch.uint8, generator=generator),
+        "table": torch.randint(0, 9, (3, 2), dtype=torch.int64, generator=generator),
+        "ids": torch.randint(0, 9, (11,), dtype=torch.int32, generator=generator),
+    }
+    save_file(values, tmp_path / "model.safetensors")
+    want = load_file(tmp_path / "model.safetensors")
+    got = {name: tensor.clone() for name, tensor, _ in CheckpointDir(tmp_path).iter_tensors()}
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        # Bytes, not values: bit for bit, and defined for every dtype (NaN codes included).
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["collector-on", "collector-off"])
+def test_header_parse_leaves_the_collector_as_it_found_it(tmp_path, enabled):
+    """Reading headers pauses automatic collection and restores the previous state, on success and failure."""
+    import gc
+
+    from safetensors.torch import save_file
+
+    from dsv4.errors import CheckpointError
+    from dsv4.weights.checkpoint import CheckpointDir, read_header
+
+    save_file({"w": torch.ones(2, 2)}, tmp_path / "model.safetensors")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{not json")
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        assert set(read_header(tmp_path / "model.safetensors")) == {"w"}
+        assert gc.isenabled() == enabled
+        with pytest.raises(CheckpointError, match="unreadable safetensors header"):
+            CheckpointDir(tmp_path / "bad")
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable() if was else gc.disable()

@@ -66,9 +66,12 @@ class LoadedModels:
             addresses: the current (role, name) -> data_ptr of every parameter (extra entries are ignored),
                 when the caller has just taken them; otherwise they are taken here.
         """
+        if self._routes is None:  # the first plan (a load's): nothing to compare, so no walk of the parameters
+            self._routes = RouteTable(SlotTable(self.models))
+            return self._routes
         if addresses is None:
             addresses = parameter_addresses(self.models)
-        if self._routes is None or not self._routes.table.addresses.items() <= addresses.items():
+        if not self._routes.table.addresses.items() <= addresses.items():
             self._routes = RouteTable(SlotTable(self.models))
             self.staging.clear()  # buffers shaped after destinations the new plan no longer holds
         return self._routes
@@ -126,8 +129,12 @@ def build_models(
             rest whatever it is (docs/rl.md, "bf16 weights, fp32 activations").
     """
     check_divisible(cfg, parallel, expert_format)
-    memory = ArenaAllocation(WeightArena()) if torch.device(device).type == "cpu" else contextlib.nullcontext()
-    with memory, torch.device(device):
+    target_device = torch.device(device)
+    memory = ArenaAllocation(WeightArena()) if target_device.type == "cpu" else contextlib.nullcontext()
+    # torch.device(...) as a context is a Python mode seen by every tensor op of the build (a fifth of its
+    # time on CPU): entered only when the factories' default device is not already the target.
+    placement = torch.device(device) if target_device != torch.get_default_device() else contextlib.nullcontext()
+    with memory, placement:
         target = DeepseekV4(cfg, expert_format, dtype, kernels, parallel, activation_dtype)
         models: dict[str, TopLevelModel] = {TARGET: target}
         if draft is not None:
