@@ -1,16 +1,30 @@
 /* Copies into input-major resident weights (dest = the transpose of a contiguous [cols, rows] buffer) from
- * row-major [rows, cols] values, tile by tile so that both sides stay in L1: torch's strided copy of a whole
- * transposed matrix runs ~10-20x a memcpy on CPU. Optionally converts dtype (bf16 <-> fp32, rounding to
- * nearest even like torch) or dequantizes FP8 e4m3 codes with their block scales in the same pass.
+ * row-major [rows, cols] values: torch's strided copy of a whole transposed matrix runs ~10-20x a memcpy on
+ * CPU. Optionally converts dtype (bf16 <-> fp32, rounding to nearest even like torch) or dequantizes FP8 e4m3
+ * codes with their block scales in the same pass.
  *
  * dst[c * dst_ld + r] = f(src[r * src_ld + c]) for r < rows, c < cols.
+ *
+ * Built with -march=native (layout_copy.py): with AVX2 the transposes move 8x8 blocks through registers
+ * (vector_isa() == 256); without it, and on the ragged edges a block does not cover, through the tiled
+ * scalar walk below (vector_isa() == 0). Both give the same bytes.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "rows.h" /* bf16_to_f32, f32_to_bf16 (torch's rounding): the kernels' shared helpers */
 
-/* A tile of TILE_ROWS source rows x TILE_COLS columns (two cache lines of fp32) is read run by run into a
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define VECTOR_ISA 256
+#else
+#define VECTOR_ISA 0
+#endif
+
+int vector_isa(void) { return VECTOR_ISA; }
+
+/* ---- the scalar walk (no AVX2, ragged edges, FP8 dequantization) ----
+ * A tile of TILE_ROWS source rows x TILE_COLS columns (two cache lines of fp32) is read run by run into a
  * local buffer, transposed there, and written out as TILE_COLS contiguous runs of TILE_ROWS destination
  * elements. Each source run is used whole the one time it is read, so rows a power of two apart (the same
  * L1 set) cannot thrash as a direct tile walk does; the buffer (16 KiB of fp32) stays in L1. Sizes from a
@@ -20,9 +34,9 @@
 
 #define IDENTITY(x) (x)
 
-/* The tile walk every kernel shares: for each source row r of a tile (rows r0 + r, columns c0 .. c0 + nc),
- * FILL_RUN stores the run's converted values at col[c * TILE_ROWS]; then the tile's columns are written
- * out as contiguous runs of the destination. */
+/* The tile walk every scalar kernel shares: for each source row r of a tile (rows r0 + r, columns c0 ..
+ * c0 + nc), FILL_RUN stores the run's converted values at col[c * TILE_ROWS]; then the tile's columns are
+ * written out as contiguous runs of the destination. */
 #define TILED(DST_T, ...)                                                                                 \
     DST_T buf[TILE_COLS * TILE_ROWS];                                                                     \
     for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {                                                    \
@@ -38,16 +52,216 @@
         }                                                                                                 \
     }
 
-#define TRANSPOSE(NAME, SRC_T, DST_T, CONVERT)                                                            \
-    void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld, int64_t dst_ld) {   \
+#define SCALAR_TRANSPOSE(NAME, SRC_T, DST_T, CONVERT)                                                     \
+    static void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld,              \
+                     int64_t dst_ld) {                                                                    \
         TILED(DST_T, const SRC_T *s = src + (r0 + r) * src_ld + c0;                                       \
               for (int64_t c = 0; c < nc; c++) col[c * TILE_ROWS] = CONVERT(s[c]);)                       \
     }
 
-TRANSPOSE(transpose_b32, uint32_t, uint32_t, IDENTITY)
-TRANSPOSE(transpose_b16, uint16_t, uint16_t, IDENTITY)
-TRANSPOSE(transpose_bf16_f32, uint16_t, float, bf16_to_f32)
-TRANSPOSE(transpose_f32_bf16, float, uint16_t, f32_to_bf16)
+SCALAR_TRANSPOSE(scalar_b32, uint32_t, uint32_t, IDENTITY)
+SCALAR_TRANSPOSE(scalar_b16, uint16_t, uint16_t, IDENTITY)
+SCALAR_TRANSPOSE(scalar_bf16_f32, uint16_t, float, bf16_to_f32)
+SCALAR_TRANSPOSE(scalar_f32_bf16, float, uint16_t, f32_to_bf16)
+
+#if defined(__AVX2__)
+/* ---- register blocks ----
+ * A panel of PANEL_ROWS source rows x PANEL_COLS columns is copied strip by strip (STRIP rows at a time)
+ * into a local buffer, each source line read whole once (rows a power of two apart share a cache set: a
+ * block walk straight from the source re-reads every line from beyond L1/L2), then the strip is
+ * transposed from the buffer in 8x8 register blocks (fp32: 8x8 transposes; 16-bit: two 8x8 matrices per
+ * register, one per 128-bit lane) and stored as one 64-byte run per destination row: every destination
+ * line is written whole at once. A panel keeps its pages (PANEL_ROWS source rows, PANEL_COLS destination
+ * rows) in the TLB. Sizes from a sweep on the development VM (32x64 to 256x32): 128x64 was best or close.
+ *
+ * `stream`: store with non-temporal (streaming) stores, which write whole lines without first reading them
+ * into the cache; it is ignored unless every store is aligned (destination and row stride multiples of 32
+ * bytes). The caller sets it only for fp32 destinations too large for the last-level cache, where memcpy
+ * streams too: measured there ~1.1-1.4x a memcpy instead of ~1.6-2.2x, while in-cache sizes ran slower
+ * streamed. */
+#define PANEL_ROWS 128
+#define PANEL_COLS 64
+#define F32_STRIP 16 /* rows per strip into a 4-byte destination: 64 bytes per destination row */
+#define B16_STRIP 32 /* ... into a 2-byte destination */
+#define F32_COLS 8   /* columns per register block reading fp32 or writing fp32 */
+#define B16_COLS 16  /* ... between 16-bit types */
+#define STREAM_ALIGN 32
+
+/* r[i] <- column i of the 8x8 fp32 matrix whose rows are r[0..7] (three shuffle stages). */
+static inline void transpose8_ps(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* Within each 128-bit lane: r[i] <- column i of the 8x8 16-bit matrix whose rows are r[0..7] (three unpack
+ * stages; the two lanes are two independent matrices). */
+static inline void transpose8_epi16_lanes(__m256i r[8]) {
+    __m256i a[8], b[8];
+    for (int i = 0; i < 4; i++) {
+        a[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++) {
+            b[4 * i + 2 * j] = _mm256_unpacklo_epi32(a[4 * i + j], a[4 * i + j + 2]);
+            b[4 * i + 2 * j + 1] = _mm256_unpackhi_epi32(a[4 * i + j], a[4 * i + j + 2]);
+        }
+    for (int i = 0; i < 4; i++) {
+        r[2 * i] = _mm256_unpacklo_epi64(b[i], b[i + 4]);
+        r[2 * i + 1] = _mm256_unpackhi_epi64(b[i], b[i + 4]);
+    }
+}
+
+/* 8 fp32 <-> 8 bf16: widening is exact; narrowing rounds to nearest even, NaN -> 0x7FC0 (as f32_to_bf16). */
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static inline __m128i to_bf16x8(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+    /* every lane holds 0..0xFFFF, which the unsigned saturating pack keeps exactly */
+    return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+static inline void store256(void *p, __m256i x, int stream) {
+    if (stream)
+        _mm256_stream_si256((__m256i *)p, x);
+    else
+        _mm256_storeu_si256((__m256i *)p, x);
+}
+
+static inline __m256 load_f32x8(const void *p) { return _mm256_loadu_ps((const float *)p); }
+
+/* The panel walk every blocked kernel shares: for each strip of STRIP_ROWS rows (r) of a panel (columns c0
+ * .. c1), its source runs are copied into buf[STRIP_ROWS][PANEL_COLS], then BLOCKS(b, c) stores the
+ * columns c .. c + COLS of the strip, whose rows start at b (= buf + column offset). */
+#define PANELS(SRC_T, STRIP_ROWS, COLS, ...)                                                             \
+    SRC_T buf[STRIP_ROWS * PANEL_COLS] __attribute__((aligned(64)));                                      \
+    for (int64_t r0 = 0; r0 < rows; r0 += PANEL_ROWS) {                                                   \
+        int64_t r1 = r0 + PANEL_ROWS < rows ? r0 + PANEL_ROWS : rows;                                     \
+        for (int64_t c0 = 0; c0 < cols; c0 += PANEL_COLS) {                                               \
+            int64_t nc = c0 + PANEL_COLS < cols ? PANEL_COLS : cols - c0;                                 \
+            for (int64_t r = r0; r < r1; r += STRIP_ROWS) {                                               \
+                for (int i = 0; i < STRIP_ROWS; i++)                                                      \
+                    memcpy(buf + i * PANEL_COLS, src + (r + i) * src_ld + c0, nc * sizeof(SRC_T));        \
+                for (int64_t c = 0; c < nc; c += COLS) {                                                  \
+                    const SRC_T *b = buf + c;                                                             \
+                    __VA_ARGS__                                                                           \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+
+/* Kernels reading 8 columns per row (fp32, or bf16 widened): a strip of 16 rows is two 8x8 transposes,
+ * then each of the 8 columns' 16 values is stored by STORE16(destination, first 8, last 8). */
+#define F32_BLOCKS(NAME, SRC_T, DST_T, LOAD8, STORE16)                                                   \
+    static void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld,              \
+                     int64_t dst_ld, int stream) {                                                        \
+        PANELS(SRC_T, F32_STRIP, F32_COLS, __m256 lo[8], hi[8];                                           \
+               for (int i = 0; i < 8; i++) {                                                              \
+                   lo[i] = LOAD8(b + i * PANEL_COLS);                                                     \
+                   hi[i] = LOAD8(b + (8 + i) * PANEL_COLS);                                               \
+               } transpose8_ps(lo);                                                                       \
+               transpose8_ps(hi);                                                                         \
+               for (int i = 0; i < 8; i++) STORE16(dst + (c0 + c + i) * dst_ld + r, lo[i], hi[i]);)       \
+    }
+
+#define STORE16_F32(p, lo, hi)                                                                            \
+    do {                                                                                                  \
+        store256((p), _mm256_castps_si256(lo), stream);                                                   \
+        store256((p) + 8, _mm256_castps_si256(hi), stream);                                               \
+    } while (0)
+
+F32_BLOCKS(blocked_b32, uint32_t, uint32_t, load_f32x8, STORE16_F32)
+F32_BLOCKS(blocked_bf16_f32, uint16_t, float, load_bf16x8, STORE16_F32)
+
+/* fp32 -> bf16: a strip of 32 rows is four 8x8 transposes per 8 columns, each column's 32 rounded values
+ * one 64-byte run. */
+static void blocked_f32_bf16(const float *src, uint16_t *dst, int64_t rows, int64_t cols, int64_t src_ld,
+                             int64_t dst_ld, int stream) {
+    PANELS(float, B16_STRIP, F32_COLS, __m128i q[4][8]; for (int k = 0; k < 4; k++) {
+        __m256 x[8];
+        for (int i = 0; i < 8; i++) x[i] = load_f32x8(b + (8 * k + i) * PANEL_COLS);
+        transpose8_ps(x);
+        for (int i = 0; i < 8; i++) q[k][i] = to_bf16x8(x[i]);
+    } for (int i = 0; i < 8; i++) {
+        uint16_t *d = dst + (c0 + c + i) * dst_ld + r;
+        store256(d, _mm256_set_m128i(q[1][i], q[0][i]), stream);
+        store256(d + 16, _mm256_set_m128i(q[3][i], q[2][i]), stream);
+    })
+}
+
+/* 16-bit elements: 16 columns of 16 rows hold two 8x8 matrices per 8 rows (columns c .. c + 7 in the low
+ * lanes, c + 8 .. c + 15 in the high ones), transposed lane by lane; column c + i is then the low lanes of
+ * register i of both 8-row halves, column c + 8 + i their high lanes. A strip of 32 rows is two such
+ * blocks, stored as one 64-byte run per destination row. */
+static inline void b16_block(const uint16_t *b, __m256i out[16]) {
+    __m256i top[8], bottom[8];
+    for (int i = 0; i < 8; i++) {
+        top[i] = _mm256_load_si256((const __m256i *)(b + i * PANEL_COLS));
+        bottom[i] = _mm256_load_si256((const __m256i *)(b + (8 + i) * PANEL_COLS));
+    }
+    transpose8_epi16_lanes(top);
+    transpose8_epi16_lanes(bottom);
+    for (int i = 0; i < 8; i++) {
+        out[i] = _mm256_permute2x128_si256(top[i], bottom[i], 0x20);
+        out[8 + i] = _mm256_permute2x128_si256(top[i], bottom[i], 0x31);
+    }
+}
+
+static void blocked_b16(const uint16_t *src, uint16_t *dst, int64_t rows, int64_t cols, int64_t src_ld,
+                        int64_t dst_ld, int stream) {
+    PANELS(uint16_t, B16_STRIP, B16_COLS, __m256i upper[16], lower[16]; b16_block(b, upper);
+           b16_block(b + 16 * PANEL_COLS, lower); for (int i = 0; i < 16; i++) {
+               uint16_t *d = dst + (c0 + c + i) * dst_ld + r;
+               store256(d, upper[i], stream);
+               store256(d + 16, lower[i], stream);
+           })
+}
+
+/* The whole matrix: the blocks cover [0, rows - rows % STRIP) x [0, cols - cols % COLS); the scalar walk
+ * takes the last columns of those rows and the last rows % STRIP rows. */
+#define TRANSPOSE(NAME, SRC_T, DST_T, BLOCKED, SCALAR, STRIP, COLS)                                       \
+    void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld, int64_t dst_ld,     \
+              int stream) {                                                                               \
+        int64_t rb = rows - rows % (STRIP), cb = cols - cols % (COLS);                                    \
+        stream = stream && (uintptr_t)dst % STREAM_ALIGN == 0 && (dst_ld * sizeof(DST_T)) % STREAM_ALIGN == 0; \
+        BLOCKED(src, dst, rb, cb, src_ld, dst_ld, stream);                                                \
+        if (stream) _mm_sfence(); /* streamed lines are visible before the call returns */                \
+        if (cb < cols) SCALAR(src + cb, dst + cb * dst_ld, rb, cols - cb, src_ld, dst_ld);                \
+        if (rb < rows) SCALAR(src + rb * src_ld, dst + rb, rows - rb, cols, src_ld, dst_ld);              \
+    }
+#else
+#define TRANSPOSE(NAME, SRC_T, DST_T, BLOCKED, SCALAR, STRIP, COLS)                                       \
+    void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld, int64_t dst_ld,     \
+              int stream) {                                                                               \
+        (void)stream;                                                                                     \
+        SCALAR(src, dst, rows, cols, src_ld, dst_ld);                                                     \
+    }
+#endif
+
+TRANSPOSE(transpose_b32, uint32_t, uint32_t, blocked_b32, scalar_b32, F32_STRIP, F32_COLS)
+TRANSPOSE(transpose_b16, uint16_t, uint16_t, blocked_b16, scalar_b16, B16_STRIP, B16_COLS)
+TRANSPOSE(transpose_bf16_f32, uint16_t, float, blocked_bf16_f32, scalar_bf16_f32, F32_STRIP, F32_COLS)
+TRANSPOSE(transpose_f32_bf16, float, uint16_t, blocked_f32_bf16, scalar_f32_bf16, B16_STRIP, F32_COLS)
 
 /* value = lut[code] * scale[r / b0][c / b1], formed in fp32 (one rounding, as torch's product); q is
  * contiguous [rows, cols], scale contiguous [ceil(rows / b0), scale_cols]. When b1 is a multiple of
