@@ -118,3 +118,52 @@ def test_other_layouts_and_no_compiler_take_torch_path(monkeypatch):
     out = _input_major((70, 300), torch.float32)
     dequantize(codes, scale, layout, (70, 300), torch.float32, out=out)
     assert torch.equal(out, dequantize_fp8_blockwise(codes, scale, BLOCK, torch.float32))
+
+
+def _laid_out_like(dest: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` with `dest`'s strides (a resident-format tensor another engine hands over)."""
+    out = torch.empty_strided(dest.shape, dest.stride(), dtype=value.dtype)
+    out.copy_(value)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["transposing", "straight"])
+@pytest.mark.parametrize("shape", [(130, 70), (48, 40), (31, 15), (2, 5)])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.bfloat16)])
+def test_copy_checking_finite_finds_every_nonfinite_value(kernels, layout, shape, dtypes):
+    """The fused check: a finite tensor is copied bit for bit and reported finite; one infinity or NaN
+    anywhere (register blocks, the ragged columns, the ragged rows) is reported."""
+    incoming, resident = dtypes
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(incoming)
+    dest = _input_major(shape, resident)
+
+    def run(v: torch.Tensor) -> bool | None:
+        return layout_copy.copy_checking_finite(dest, v if layout == "transposing" else _laid_out_like(dest, v),
+                                                kernels)
+
+    assert run(values) is True
+    bits = torch.int16 if resident.itemsize == 2 else torch.int32
+    assert torch.equal(dest.contiguous().view(bits), values.to(resident).view(bits))
+    rows, cols = shape
+    for r, c in {(0, 0), (rows // 2, cols // 2), (rows - 1, cols - 1), (0, cols - 1), (rows - 1, 0)}:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            corrupt = values.clone()
+            corrupt[r, c] = bad
+            assert run(corrupt) is False, (r, c, bad)
+
+
+def test_copy_checking_finite_refuses_values_that_overflow_the_resident_dtype(kernels):
+    values = torch.ones(40, 48)
+    values[3, 5] = torch.finfo(torch.float32).max  # finite in fp32, infinite once rounded to bf16
+    dest = _input_major((40, 48), torch.bfloat16)
+    assert layout_copy.copy_checking_finite(dest, values, kernels) is False
+
+
+def test_copy_checking_finite_declines_what_it_cannot_check():
+    """Integer destinations, mismatched layouts: nothing written, the caller checks and copies itself."""
+    table = torch.zeros(8, 4, dtype=torch.int32)
+    assert layout_copy.copy_checking_finite(table, torch.ones(8, 4, dtype=torch.int32)) is None
+    dest = torch.zeros(6, 10)[:, ::2]  # neither input-major nor dense
+    assert layout_copy.copy_checking_finite(dest, torch.ones(6, 5)) is None and not dest.any()

@@ -30,14 +30,18 @@ SOURCE = Path(__file__).with_name("layout_copy_cpu.c")
 HEADER = Path(dsv4.kernels.__file__).with_name("rows.h")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-# (source dtype, destination dtype) -> kernel; same-size pairs copy the raw elements.
-_TRANSPOSES = {
-    (torch.float32, torch.float32): "transpose_b32",
-    (torch.bfloat16, torch.bfloat16): "transpose_b16",
-    (torch.float16, torch.float16): "transpose_b16",
-    (torch.bfloat16, torch.float32): "transpose_bf16_f32",
-    (torch.float32, torch.bfloat16): "transpose_f32_bf16",
+# (source dtype, destination dtype) -> the kernels' suffix (transpose_*, copy_*); same-size pairs copy the
+# raw elements.
+_PAIRS = {
+    (torch.float32, torch.float32): "b32",
+    (torch.bfloat16, torch.bfloat16): "b16",
+    (torch.float16, torch.float16): "b16",
+    (torch.bfloat16, torch.float32): "bf16_f32",
+    (torch.float32, torch.bfloat16): "f32_bf16",
 }
+# The exponent field of each destination format: a value with all of its bits set is an infinity or a NaN.
+_EXPONENT_MASKS = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+_NO_CHECK = 0
 _DEQUANT_FP8 = {torch.float32: "dequant_fp8_f32", torch.bfloat16: "dequant_fp8_bf16"}
 # Transposes into fp32 destinations of at least this share of the last-level cache use streaming stores
 # (layout_copy_cpu.c, `stream`): measured faster from half the cache up, slower at a quarter and below.
@@ -63,8 +67,11 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib = compile_library(SOURCE, (f"-I{HEADER.parent}", f"-march={march}"), HEADER.read_text() + cpu_features())
     lib.vector_isa.restype = ctypes.c_int
     lib.vector_isa.argtypes = []
-    for name in _TRANSPOSES.values():
-        getattr(lib, name).argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int]
+    for suffix in set(_PAIRS.values()):
+        transpose, copy = getattr(lib, f"transpose_{suffix}"), getattr(lib, f"copy_{suffix}")
+        transpose.restype = copy.restype = ctypes.c_int
+        transpose.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_uint32]
+        copy.argtypes = [_PTR, _PTR, _I64, ctypes.c_uint32]
     for name in _DEQUANT_FP8.values():
         getattr(lib, name).argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
     return lib
@@ -106,6 +113,44 @@ def input_major(dest: torch.Tensor) -> bool:
             and dest.stride(1) == max(1, dest.shape[0]) and dest.shape[0] > 1 and dest.shape[1] > 1)
 
 
+def in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """The same elements as a contiguous view when `t` is a permuted contiguous tensor (an input-major
+    weight), so that reductions and copies over it stream memory instead of striding through it; else `t`."""
+    if t.is_contiguous():
+        return t
+    permuted = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return permuted if permuted.is_contiguous() else t
+
+
+def _transpose(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None, mask: int) -> bool | None:
+    """Run the transposing kernel: None where it does not apply (nothing written), else whether a written
+    value has every bit of `mask` set."""
+    suffix = _PAIRS.get((value.dtype, dest.dtype))
+    if (suffix is None or not input_major(dest) or value.device.type != "cpu" or not value.is_contiguous()
+            or value.shape != dest.shape):
+        return None
+    lib = _library() if lib is None else lib
+    if lib is None:
+        return None
+    rows, cols = value.shape
+    threshold = stream_bytes()
+    stream = dest.element_size() == _STREAMED_ITEMSIZE and threshold is not None and dest.nbytes >= threshold
+    kernel = getattr(lib, f"transpose_{suffix}")
+    return bool(kernel(value.data_ptr(), dest.data_ptr(), rows, cols, cols, dest.stride(1), stream, mask))
+
+
+def _straight(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None, mask: int) -> bool | None:
+    """The straight kernel for two tensors laid out alike (same shape and strides, dense in memory order)."""
+    suffix = _PAIRS.get((value.dtype, dest.dtype))
+    if (suffix is None or dest.device.type != "cpu" or value.device.type != "cpu" or value.shape != dest.shape
+            or value.stride() != dest.stride() or not in_memory_order(dest).is_contiguous()):
+        return None
+    lib = _library() if lib is None else lib
+    if lib is None:
+        return None
+    return bool(getattr(lib, f"copy_{suffix}")(value.data_ptr(), dest.data_ptr(), dest.numel(), mask))
+
+
 def transpose_into(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
     """dest[...] = value for an input-major `dest` and a row-major contiguous `value` of the same shape.
 
@@ -115,17 +160,30 @@ def transpose_into(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | N
     Returns:
         Whether it was done (False: not this layout or dtype pair, or no compiler; nothing written).
     """
-    kernel = _TRANSPOSES.get((value.dtype, dest.dtype))
-    if kernel is None or not input_major(dest) or value.device.type != "cpu" or not value.is_contiguous():
-        return False
-    lib = _library() if lib is None else lib
-    if lib is None:
-        return False
-    rows, cols = value.shape
-    threshold = stream_bytes()
-    stream = dest.element_size() == _STREAMED_ITEMSIZE and threshold is not None and dest.nbytes >= threshold
-    getattr(lib, kernel)(value.data_ptr(), dest.data_ptr(), rows, cols, cols, dest.stride(1), stream)
-    return True
+    return _transpose(dest, value, lib, _NO_CHECK) is not None
+
+
+def copy_checking_finite(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool | None:
+    """dest[...] = value (a transposing copy into an input-major `dest`, or a straight one between tensors
+    laid out alike), checking in the same pass that every value written is finite: one read of `value`.
+
+    `dest` is written before the answer is known, so this is for a destination nothing reads yet (an atomic
+    update's staging buffer).
+
+    Args:
+        lib: the kernels to use (default: those built for this CPU).
+
+    Returns:
+        None where no kernel applies (nothing written); else whether every value written is finite (an
+        infinity or NaN in `value`, or an fp32 value beyond bf16's range rounded to infinity, is not).
+    """
+    mask = _EXPONENT_MASKS.get(dest.dtype)
+    if mask is None:
+        return None
+    seen = _transpose(dest, value, lib, mask)
+    if seen is None:
+        seen = _straight(dest, value, lib, mask)
+    return None if seen is None else not seen
 
 
 @functools.cache

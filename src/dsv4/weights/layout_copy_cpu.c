@@ -5,6 +5,12 @@
  *
  * dst[c * dst_ld + r] = f(src[r * src_ld + c]) for r < rows, c < cols.
  *
+ * The copies also check, in the same pass, that every value they write is finite: `mask` is the
+ * destination format's exponent field (fp32 0x7F800000, bf16 0x7F80, fp16 0x7C00; 0: no check), a value
+ * whose exponent bits are all set is an infinity or a NaN, and the copy returns whether it wrote one. A
+ * caller validating while it stages (into a buffer nothing reads yet) thus reads the values once. The
+ * straight copies (copy_*: n elements in memory order) do the same for tensors already in their layout.
+ *
  * Built with -march=native (layout_copy.py): with AVX2 the transposes move 8x8 blocks through registers
  * (vector_isa() == 256); without it, and on the ragged edges a block does not cover, through the tiled
  * scalar walk below (vector_isa() == 0). Both give the same bytes.
@@ -34,9 +40,23 @@ int vector_isa(void) { return VECTOR_ISA; }
 
 #define IDENTITY(x) (x)
 
+/* Whether any of n destination elements (4- or 2-byte) has every bit of `mask` set; 0 without a mask. */
+static int any_nonfinite(const void *values, int64_t n, size_t size, uint32_t mask) {
+    uint32_t seen = 0;
+    if (!mask) return 0;
+    if (size == sizeof(uint32_t)) {
+        const uint32_t *v = (const uint32_t *)values;
+        for (int64_t i = 0; i < n; i++) seen |= (v[i] & mask) == mask;
+    } else {
+        const uint16_t *v = (const uint16_t *)values;
+        for (int64_t i = 0; i < n; i++) seen |= (uint32_t)((v[i] & mask) == mask);
+    }
+    return seen != 0;
+}
+
 /* The tile walk every scalar kernel shares: for each source row r of a tile (rows r0 + r, columns c0 ..
  * c0 + nc), FILL_RUN stores the run's converted values at col[c * TILE_ROWS]; then the tile's columns are
- * written out as contiguous runs of the destination. */
+ * written out as contiguous runs of the destination, and checked against `mask` (into `seen`). */
 #define TILED(DST_T, ...)                                                                                 \
     DST_T buf[TILE_COLS * TILE_ROWS];                                                                     \
     for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {                                                    \
@@ -47,16 +67,20 @@ int vector_isa(void) { return VECTOR_ISA; }
                 DST_T *col = buf + r;                                                                     \
                 __VA_ARGS__                                                                               \
             }                                                                                             \
-            for (int64_t c = 0; c < nc; c++)                                                              \
+            for (int64_t c = 0; c < nc; c++) {                                                            \
                 memcpy(dst + (c0 + c) * dst_ld + r0, buf + c * TILE_ROWS, nr * sizeof(DST_T));            \
+                seen |= any_nonfinite(buf + c * TILE_ROWS, nr, sizeof(DST_T), mask);                      \
+            }                                                                                             \
         }                                                                                                 \
     }
 
 #define SCALAR_TRANSPOSE(NAME, SRC_T, DST_T, CONVERT)                                                     \
-    static void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld,              \
-                     int64_t dst_ld) {                                                                    \
+    static int NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld,               \
+                    int64_t dst_ld, uint32_t mask) {                                                      \
+        int seen = 0;                                                                                     \
         TILED(DST_T, const SRC_T *s = src + (r0 + r) * src_ld + c0;                                       \
               for (int64_t c = 0; c < nc; c++) col[c * TILE_ROWS] = CONVERT(s[c]);)                       \
+        return seen;                                                                                      \
     }
 
 SCALAR_TRANSPOSE(scalar_b32, uint32_t, uint32_t, IDENTITY)
@@ -141,11 +165,23 @@ static inline __m128i to_bf16x8(__m256 x) {
     return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
 }
 
+/* Store 32 bytes (streamed or not), marking in *seen the 32-bit / 16-bit lanes whose `mask` bits are all
+ * set (every lane is marked with a zero mask: the caller then ignores *seen). */
 static inline void store256(void *p, __m256i x, int stream) {
     if (stream)
         _mm256_stream_si256((__m256i *)p, x);
     else
         _mm256_storeu_si256((__m256i *)p, x);
+}
+
+static inline void store_checked32(void *p, __m256i x, int stream, __m256i mask, __m256i *seen) {
+    *seen = _mm256_or_si256(*seen, _mm256_cmpeq_epi32(_mm256_and_si256(x, mask), mask));
+    store256(p, x, stream);
+}
+
+static inline void store_checked16(void *p, __m256i x, int stream, __m256i mask, __m256i *seen) {
+    *seen = _mm256_or_si256(*seen, _mm256_cmpeq_epi16(_mm256_and_si256(x, mask), mask));
+    store256(p, x, stream);
 }
 
 static inline __m256 load_f32x8(const void *p) { return _mm256_loadu_ps((const float *)p); }
@@ -173,8 +209,9 @@ static inline __m256 load_f32x8(const void *p) { return _mm256_loadu_ps((const f
 /* Kernels reading 8 columns per row (fp32, or bf16 widened): a strip of 16 rows is two 8x8 transposes,
  * then each of the 8 columns' 16 values is stored by STORE16(destination, first 8, last 8). */
 #define F32_BLOCKS(NAME, SRC_T, DST_T, LOAD8, STORE16)                                                   \
-    static void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld,              \
-                     int64_t dst_ld, int stream) {                                                        \
+    static __m256i NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld,           \
+                        int64_t dst_ld, int stream, __m256i mask) {                                       \
+        __m256i seen = _mm256_setzero_si256();                                                            \
         PANELS(SRC_T, F32_STRIP, F32_COLS, __m256 lo[8], hi[8];                                           \
                for (int i = 0; i < 8; i++) {                                                              \
                    lo[i] = LOAD8(b + i * PANEL_COLS);                                                     \
@@ -182,12 +219,13 @@ static inline __m256 load_f32x8(const void *p) { return _mm256_loadu_ps((const f
                } transpose8_ps(lo);                                                                       \
                transpose8_ps(hi);                                                                         \
                for (int i = 0; i < 8; i++) STORE16(dst + (c0 + c + i) * dst_ld + r, lo[i], hi[i]);)       \
+        return seen;                                                                                      \
     }
 
 #define STORE16_F32(p, lo, hi)                                                                            \
     do {                                                                                                  \
-        store256((p), _mm256_castps_si256(lo), stream);                                                   \
-        store256((p) + 8, _mm256_castps_si256(hi), stream);                                               \
+        store_checked32((p), _mm256_castps_si256(lo), stream, mask, &seen);                               \
+        store_checked32((p) + 8, _mm256_castps_si256(hi), stream, mask, &seen);                           \
     } while (0)
 
 F32_BLOCKS(blocked_b32, uint32_t, uint32_t, load_f32x8, STORE16_F32)
@@ -195,8 +233,9 @@ F32_BLOCKS(blocked_bf16_f32, uint16_t, float, load_bf16x8, STORE16_F32)
 
 /* fp32 -> bf16: a strip of 32 rows is four 8x8 transposes per 8 columns, each column's 32 rounded values
  * one 64-byte run. */
-static void blocked_f32_bf16(const float *src, uint16_t *dst, int64_t rows, int64_t cols, int64_t src_ld,
-                             int64_t dst_ld, int stream) {
+static __m256i blocked_f32_bf16(const float *src, uint16_t *dst, int64_t rows, int64_t cols, int64_t src_ld,
+                                int64_t dst_ld, int stream, __m256i mask) {
+    __m256i seen = _mm256_setzero_si256();
     PANELS(float, B16_STRIP, F32_COLS, __m128i q[4][8]; for (int k = 0; k < 4; k++) {
         __m256 x[8];
         for (int i = 0; i < 8; i++) x[i] = load_f32x8(b + (8 * k + i) * PANEL_COLS);
@@ -204,9 +243,10 @@ static void blocked_f32_bf16(const float *src, uint16_t *dst, int64_t rows, int6
         for (int i = 0; i < 8; i++) q[k][i] = to_bf16x8(x[i]);
     } for (int i = 0; i < 8; i++) {
         uint16_t *d = dst + (c0 + c + i) * dst_ld + r;
-        store256(d, _mm256_set_m128i(q[1][i], q[0][i]), stream);
-        store256(d + 16, _mm256_set_m128i(q[3][i], q[2][i]), stream);
+        store_checked16(d, _mm256_set_m128i(q[1][i], q[0][i]), stream, mask, &seen);
+        store_checked16(d + 16, _mm256_set_m128i(q[3][i], q[2][i]), stream, mask, &seen);
     })
+    return seen;
 }
 
 /* 16-bit elements: 16 columns of 16 rows hold two 8x8 matrices per 8 rows (columns c .. c + 7 in the low
@@ -227,34 +267,41 @@ static inline void b16_block(const uint16_t *b, __m256i out[16]) {
     }
 }
 
-static void blocked_b16(const uint16_t *src, uint16_t *dst, int64_t rows, int64_t cols, int64_t src_ld,
-                        int64_t dst_ld, int stream) {
+static __m256i blocked_b16(const uint16_t *src, uint16_t *dst, int64_t rows, int64_t cols, int64_t src_ld,
+                           int64_t dst_ld, int stream, __m256i mask) {
+    __m256i seen = _mm256_setzero_si256();
     PANELS(uint16_t, B16_STRIP, B16_COLS, __m256i upper[16], lower[16]; b16_block(b, upper);
            b16_block(b + 16 * PANEL_COLS, lower); for (int i = 0; i < 16; i++) {
                uint16_t *d = dst + (c0 + c + i) * dst_ld + r;
-               store256(d, upper[i], stream);
-               store256(d + 16, lower[i], stream);
+               store_checked16(d, upper[i], stream, mask, &seen);
+               store_checked16(d + 16, lower[i], stream, mask, &seen);
            })
+    return seen;
 }
 
 /* The whole matrix: the blocks cover [0, rows - rows % STRIP) x [0, cols - cols % COLS); the scalar walk
- * takes the last columns of those rows and the last rows % STRIP rows. */
+ * takes the last columns of those rows and the last rows % STRIP rows. Returns whether a written value has
+ * every bit of `mask` set (0 without a mask). */
 #define TRANSPOSE(NAME, SRC_T, DST_T, BLOCKED, SCALAR, STRIP, COLS)                                       \
-    void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld, int64_t dst_ld,     \
-              int stream) {                                                                               \
+    int NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld, int64_t dst_ld,      \
+             int stream, uint32_t mask) {                                                                 \
         int64_t rb = rows - rows % (STRIP), cb = cols - cols % (COLS);                                    \
         stream = stream && (uintptr_t)dst % STREAM_ALIGN == 0 && (dst_ld * sizeof(DST_T)) % STREAM_ALIGN == 0; \
-        BLOCKED(src, dst, rb, cb, src_ld, dst_ld, stream);                                                \
+        __m256i lanes = sizeof(DST_T) == sizeof(uint32_t) ? _mm256_set1_epi32((int)mask)                  \
+                                                          : _mm256_set1_epi16((short)mask);               \
+        int seen = !_mm256_testz_si256(BLOCKED(src, dst, rb, cb, src_ld, dst_ld, stream, lanes),          \
+                                       _mm256_set1_epi8(-1));                                             \
         if (stream) _mm_sfence(); /* streamed lines are visible before the call returns */                \
-        if (cb < cols) SCALAR(src + cb, dst + cb * dst_ld, rb, cols - cb, src_ld, dst_ld);                \
-        if (rb < rows) SCALAR(src + rb * src_ld, dst + rb, rows - rb, cols, src_ld, dst_ld);              \
+        if (cb < cols) seen |= SCALAR(src + cb, dst + cb * dst_ld, rb, cols - cb, src_ld, dst_ld, mask);  \
+        if (rb < rows) seen |= SCALAR(src + rb * src_ld, dst + rb, rows - rb, cols, src_ld, dst_ld, mask); \
+        return mask && seen;                                                                              \
     }
 #else
 #define TRANSPOSE(NAME, SRC_T, DST_T, BLOCKED, SCALAR, STRIP, COLS)                                       \
-    void NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld, int64_t dst_ld,     \
-              int stream) {                                                                               \
+    int NAME(const SRC_T *src, DST_T *dst, int64_t rows, int64_t cols, int64_t src_ld, int64_t dst_ld,      \
+             int stream, uint32_t mask) {                                                                 \
         (void)stream;                                                                                     \
-        SCALAR(src, dst, rows, cols, src_ld, dst_ld);                                                     \
+        return SCALAR(src, dst, rows, cols, src_ld, dst_ld, mask);                                        \
     }
 #endif
 
@@ -263,12 +310,36 @@ TRANSPOSE(transpose_b16, uint16_t, uint16_t, blocked_b16, scalar_b16, B16_STRIP,
 TRANSPOSE(transpose_bf16_f32, uint16_t, float, blocked_bf16_f32, scalar_bf16_f32, F32_STRIP, F32_COLS)
 TRANSPOSE(transpose_f32_bf16, float, uint16_t, blocked_f32_bf16, scalar_f32_bf16, B16_STRIP, F32_COLS)
 
+/* Straight copies of n elements in memory order, converting like the transposes and checking the values
+ * written against `mask` in the same pass (the compiler vectorizes the loop). */
+#define STRAIGHT_COPY(NAME, SRC_T, DST_T, CONVERT, BITS_T)                                                \
+    int NAME(const SRC_T *restrict src, DST_T *restrict dst, int64_t n, uint32_t mask) {                  \
+        BITS_T seen = 0;                                                                                  \
+        const BITS_T m = (BITS_T)mask;                                                                    \
+        for (int64_t i = 0; i < n; i++) {                                                                 \
+            DST_T v = CONVERT(src[i]);                                                                    \
+            BITS_T bits;                                                                                  \
+            memcpy(&bits, &v, sizeof bits);                                                               \
+            seen |= (BITS_T)((bits & m) == m);                                                            \
+            dst[i] = v;                                                                                   \
+        }                                                                                                 \
+        return mask && seen;                                                                              \
+    }
+
+STRAIGHT_COPY(copy_b32, uint32_t, uint32_t, IDENTITY, uint32_t)
+STRAIGHT_COPY(copy_b16, uint16_t, uint16_t, IDENTITY, uint16_t)
+STRAIGHT_COPY(copy_bf16_f32, uint16_t, float, bf16_to_f32, uint32_t)
+STRAIGHT_COPY(copy_f32_bf16, float, uint16_t, f32_to_bf16, uint16_t)
+
 /* value = lut[code] * scale[r / b0][c / b1], formed in fp32 (one rounding, as torch's product); q is
  * contiguous [rows, cols], scale contiguous [ceil(rows / b0), scale_cols]. When b1 is a multiple of
  * TILE_COLS a run has one scale. */
 #define DEQUANT_FP8(NAME, DST_T, STORE)                                                                   \
     void NAME(const uint8_t *q, const float *scale, const float *lut, DST_T *dst, int64_t rows,           \
               int64_t cols, int64_t b0, int64_t b1, int64_t scale_cols, int64_t dst_ld) {                 \
+        const uint32_t mask = 0; /* the caller bounds the products instead (codes and scales checked) */  \
+        int seen = 0;                                                                                     \
+        (void)seen;                                                                                       \
         TILED(DST_T, const uint8_t *qr = q + (r0 + r) * cols + c0;                                        \
               const float *sr = scale + ((r0 + r) / b0) * scale_cols;                                     \
               if (b1 % TILE_COLS == 0) {                                                                  \
