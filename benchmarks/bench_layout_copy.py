@@ -104,12 +104,11 @@ def plot(results: dict, path: Path) -> None:
         values = [c[arm]["ratio"] if arm in c else float("nan") for c in cases]
         ax.bar(xs, values, width, label=arm)
     ax.axhline(TARGET, color="red", linewidth=1.2)
-    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set(yscale="log", ylabel="transposing copy / straight copy (median pair; red: 1x)")
     ax.set_xticks(range(len(cases)), labels, fontsize=6)
-    ax.set_ylabel("transposing copy / straight copy (median pair; red: 1x)")
     ax.set_title(f"layout_copy vs a straight copy, {results['threads']} thread(s), {results['machine']}, "
                  f"vector path: {results['vector_path']}", fontsize=9)
-    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
