@@ -106,6 +106,7 @@ class DiscardSession:
     """Stands in for a refit session in the transport-only mode: takes the verified buckets, keeps nothing."""
 
     active = True
+    atomic = False  # as fail-stop: each bucket's checksum is verified whole before `load` (which reads nothing)
 
     def load(self, bucket, origin=None) -> int:
         return 0

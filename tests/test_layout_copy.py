@@ -1,6 +1,10 @@
 """The C kernels that write input-major resident weights (weights/layout_copy.py) give exactly the bytes of
-torch's own path: a transposing copy (same dtype, bf16 <-> fp32) and FP8 dequantization with block scales,
-on shapes with several tiles and ragged edges; and where no kernel applies, the caller's torch path runs."""
+torch's own path: a transposing copy (same dtype, bf16 <-> fp32; AVX2 register blocks, their streaming
+stores, and the scalar walk of a build without AVX2) and FP8 dequantization with block scales, on shapes
+with several panels, ragged edges and odd sizes; and where no kernel applies, the caller's torch path runs."""
+
+import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,26 +14,76 @@ from dsv4.weights import layout_copy
 from dsv4.weights.convert import QuantLayout, copy_into, dequantize
 
 SHAPES = [(130, 2050), (256, 128), (3000, 70), (2, 5), (129, 33)]
+# Register blocks are 16 or 32 rows x 8 or 16 columns inside 128 x 64 panels: exact multiples, one short of
+# them and one over, and shapes no block covers.
+TRANSPOSE_SHAPES = [*SHAPES, (32, 16), (31, 15), (33, 17), (128, 64), (161, 97), (7, 300), (300, 7), (48, 40)]
 BLOCK = (128, 128)
+# The scalar walk: a build for a CPU without AVX2.
+SCALAR_MARCH = "x86-64-v2"
 
 
 def _input_major(shape, dtype):
     return torch.zeros(shape[1], shape[0], dtype=dtype).t()
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+def _on_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.fixture(scope="module", params=["native", "scalar"])
+def kernels(request):
+    """The library built for this CPU, and one built without AVX2 (its scalar walk)."""
+    if request.param == "native":
+        lib = layout_copy._library()
+        if lib is None:
+            pytest.fail("no C compiler: the layout kernels cannot be built")
+        return lib
+    if not _on_x86():
+        return layout_copy._library()  # -march names differ elsewhere; the native build is the one there
+    lib = layout_copy.build_library(march=SCALAR_MARCH)
+    assert lib.vector_isa() == 0
+    return lib
+
+
+def test_native_build_uses_avx2_where_the_cpu_has_it():
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    expected = 256 if _on_x86() and " avx2" in flags else 0
+    assert layout_copy._library().vector_isa() == expected
+
+
+def _awkward_values(shape, dtype, nan: bool):
+    """Random values with rounding ties, signed zeros, infinities (and NaN) scattered in."""
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 1e3
+    special = [0.0, -0.0, float("inf"), -float("inf"), 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8)]
+    special += [float("nan")] if nan else []  # the ties: bf16 rounds them to even
+    spots = values.view(-1)[:: max(1, values.numel() // 37)]
+    spots.copy_(torch.tensor(special).repeat(spots.numel())[: spots.numel()])
+    return values.to(dtype)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["cached_stores", "streaming_stores"])
+@pytest.mark.parametrize("shape", TRANSPOSE_SHAPES)
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
                                     (torch.float32, torch.bfloat16)])
-def test_transpose_matches_torch(shape, dtypes):
+def test_transpose_matches_torch(kernels, shape, dtypes, stream, monkeypatch):
     incoming, resident = dtypes
-    value = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 1e3).to(incoming)
+    # Every fp32 destination streams when the threshold is 0 (the kernel still checks alignment).
+    monkeypatch.setattr(layout_copy, "stream_bytes", lambda: 0 if stream else None)
+    # NaN never reaches a narrowing copy (validation refuses it first), and torch's own fp32 -> bf16 paths
+    # disagree on its bytes (0x7FC0 scalar, 0xFFFF vectorised); copies that keep the bits are checked with it.
+    value = _awkward_values(shape, incoming, nan=resident.itemsize >= incoming.itemsize)
     dest = _input_major(shape, resident)
     ptr = dest.data_ptr()
-    assert layout_copy.transpose_into(dest, value)
+    assert layout_copy.transpose_into(dest, value, kernels)
     assert dest.data_ptr() == ptr
-    bits = torch.int16 if resident.itemsize == 2 else torch.int32  # bit for bit: rounding ties, signed zeros
+    bits = torch.int16 if resident.itemsize == 2 else torch.int32  # bit for bit: rounding ties, signed zeros, NaN
     assert torch.equal(dest.contiguous().view(bits), value.to(resident).view(bits))
+
+
+def test_stream_threshold_is_a_share_of_the_cache():
+    threshold = layout_copy.stream_bytes()
+    assert threshold is None or threshold > 0
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -64,3 +118,52 @@ def test_other_layouts_and_no_compiler_take_torch_path(monkeypatch):
     out = _input_major((70, 300), torch.float32)
     dequantize(codes, scale, layout, (70, 300), torch.float32, out=out)
     assert torch.equal(out, dequantize_fp8_blockwise(codes, scale, BLOCK, torch.float32))
+
+
+def _laid_out_like(dest: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` with `dest`'s strides (a resident-format tensor another engine hands over)."""
+    out = torch.empty_strided(dest.shape, dest.stride(), dtype=value.dtype)
+    out.copy_(value)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["transposing", "straight"])
+@pytest.mark.parametrize("shape", [(130, 70), (48, 40), (31, 15), (2, 5)])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.bfloat16)])
+def test_copy_checking_finite_finds_every_nonfinite_value(kernels, layout, shape, dtypes):
+    """The fused check: a finite tensor is copied bit for bit and reported finite; one infinity or NaN
+    anywhere (register blocks, the ragged columns, the ragged rows) is reported."""
+    incoming, resident = dtypes
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(incoming)
+    dest = _input_major(shape, resident)
+
+    def run(v: torch.Tensor) -> bool | None:
+        return layout_copy.copy_checking_finite(dest, v if layout == "transposing" else _laid_out_like(dest, v),
+                                                kernels)
+
+    assert run(values) is True
+    bits = torch.int16 if resident.itemsize == 2 else torch.int32
+    assert torch.equal(dest.contiguous().view(bits), values.to(resident).view(bits))
+    rows, cols = shape
+    for r, c in {(0, 0), (rows // 2, cols // 2), (rows - 1, cols - 1), (0, cols - 1), (rows - 1, 0)}:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            corrupt = values.clone()
+            corrupt[r, c] = bad
+            assert run(corrupt) is False, (r, c, bad)
+
+
+def test_copy_checking_finite_refuses_values_that_overflow_the_resident_dtype(kernels):
+    values = torch.ones(40, 48)
+    values[3, 5] = torch.finfo(torch.float32).max  # finite in fp32, infinite once rounded to bf16
+    dest = _input_major((40, 48), torch.bfloat16)
+    assert layout_copy.copy_checking_finite(dest, values, kernels) is False
+
+
+def test_copy_checking_finite_declines_what_it_cannot_check():
+    """Integer destinations, mismatched layouts: nothing written, the caller checks and copies itself."""
+    table = torch.zeros(8, 4, dtype=torch.int32)
+    assert layout_copy.copy_checking_finite(table, torch.ones(8, 4, dtype=torch.int32)) is None
+    dest = torch.zeros(6, 10)[:, ::2]  # neither input-major nor dense
+    assert layout_copy.copy_checking_finite(dest, torch.ones(6, 5)) is None and not dest.any()

@@ -237,6 +237,25 @@ def test_atomic_failure_mid_session_keeps_old_weights_serving(ckpts, new, old_lo
     assert _checksums(llm) == new.checksums
 
 
+@pytest.mark.parametrize("layout", ["trainer", "resident"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_atomic_update_checks_values_while_staging(ckpts, fresh_new, old_logprobs, layout, bad):
+    """Atomic sessions check float values in the same pass that stages them (a transposing copy for
+    row-major trainer tensors, a straight one for resident-format tensors): a non-finite value anywhere is
+    refused with the tensor's name, and the previous weights keep serving, bit for bit."""
+    llm = _llm(ckpts.old)
+    before = _state(llm)
+    tensors = dict(fresh_new.iter_weights())
+    name = "layers.1.attn.wq_a.weight"  # an fp32 input-major dense weight
+    value = tensors[name].contiguous() if layout == "trainer" else tensors[name].clone()
+    value[-1, -1] = bad  # the last row and column: where no register block reaches in most shapes
+    tensors[name] = value
+    with pytest.raises(WeightUpdateError, match=rf"{re.escape(name)}.*1 non-finite value"):
+        llm.update_weights(tensors.items())
+    assert _state(llm) == before
+    assert torch.equal(_logprobs(llm), old_logprobs)
+
+
 def test_abort_and_exception_keep_old_weights(ckpts, old_logprobs):
     llm = _llm(ckpts.old)
     before = _state(llm)

@@ -233,3 +233,35 @@ def test_colocated_update_through_shared_memory_equals_an_in_process_update(ckpt
     assert not path.exists()  # released
     direct.update_weights(hf.items())
     assert _checksums(shared) == _checksums(direct) and _pointers(shared) == built
+
+
+# ---- a bucket's checksum against its staging ----
+@pytest.mark.parametrize("corruption", ["value", "invalid"])
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "fail_stop"])
+def test_a_corrupted_bucket_is_refused_before_any_live_write(ckpts, atomic, corruption):
+    """Atomic sessions hash each tensor as they stage it and check the bucket's checksum at its end;
+    fail-stop ones check it before loading. Either way a corrupted bucket (a changed value, or bytes that
+    also fail validation, reported as the checksum failure they are) writes nothing live."""
+    from safetensors.torch import load_file
+
+    from dsv4.rl.plan import pack_bucket, plan_buckets
+    from dsv4.weights.transfer import apply_bucket
+
+    tensors = load_file(str(ckpts.new_tensors))
+    plan = plan_buckets(tensors, SMALL_BUCKETS)
+    # a bucket with tensors before one of its scales: an atomic session stages them before it fails
+    index = next(i for i, b in enumerate(plan.buckets) if any(e.dtype == "float8_e8m0fnu" for e in b.tensors[1:]))
+    bucket = plan.buckets[index]
+    buffer = pack_bucket(bucket, tensors, torch.empty(bucket.nbytes, dtype=torch.uint8))
+    if corruption == "value":  # the last byte of the bucket: a value that stays valid
+        buffer[-1] ^= 1
+    else:  # an e8m0 scale's NaN byte, which validation alone would also refuse
+        entry = next(e for e in bucket.tensors[1:] if e.dtype == "float8_e8m0fnu")
+        buffer[entry.offset] = 0xFF
+    llm = LLM(ckpts.old, **ENGINE)
+    before = _checksums(llm)
+    session = llm.begin_weight_update(atomic=atomic)
+    with pytest.raises(WeightUpdateError, match=rf"bucket {index}: checksum"):
+        apply_bucket(session, plan, index, buffer)
+    session.abort()
+    assert _checksums(llm) == before and llm.weight_report()["ready"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -18,6 +19,8 @@ from pathlib import Path
 # Flags every kernel library is built with: optimised, position-independent, IEEE arithmetic (the kernels
 # are tested against the torch reference formulas at fp32 rounding).
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fno-fast-math")
+# The -march target of a library built for this CPU: its binary depends on `cpu_features()`.
+NATIVE = "native"
 # Compiler messages kept in an error (the first lines say what failed).
 MAX_ERROR_CHARS = 500
 
@@ -25,6 +28,17 @@ MAX_ERROR_CHARS = 500
 def cache_dir() -> Path:
     override = os.environ.get("DSV4_KERNEL_CACHE")
     return Path(override) if override else Path.home() / ".cache" / "dsv4" / "kernels"
+
+
+def cpu_features() -> str:
+    """This CPU's feature flags (what -march=native compiles for): the machine key of a native build."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def compile_library(source: Path, flags: tuple[str, ...] = (), machine_key: str = "") -> ctypes.CDLL:

@@ -41,19 +41,17 @@ import contextlib
 import ctypes
 import functools
 import os
-import platform
 from pathlib import Path
 
 import torch
 
-from dsv4.kernels.c_library import compile_library
+from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
 _FLAGS = ("-pthread",)  # beyond c_library.BASE_FLAGS
-# The instruction set the library is compiled for: this CPU's. With AVX-512 (16-wide) or AVX2 + FMA (8-wide)
-# the FP8/FP4 rows are decoded with vector permutes; without them (or with an older `march`, which the tests
-# use to exercise that path) through per-byte tables.
-NATIVE = "native"
+# The library is compiled for this CPU (`march=NATIVE`). With AVX-512 (16-wide) or AVX2 + FMA (8-wide) the
+# FP8/FP4 rows are decoded with vector permutes; without them (or with an older `march`, which the tests use
+# to exercise that path) through per-byte tables.
 
 # Codes shared with gemv_cpu.c.
 _ACT = {torch.float32: 0, torch.bfloat16: 1}
@@ -97,17 +95,6 @@ FP4_STEP = 32
 MAX_PICKS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16, torch.float8_e4m3fn: 4, torch.int8: 16}
 
 
-def _cpu_features() -> str:
-    """This CPU's feature flags (what -march=native compiles for)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def build_library(march: str = NATIVE) -> ctypes.CDLL:
     """Compile gemv_cpu.c once for this machine (cached) and load it.
 
@@ -121,7 +108,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
         RuntimeError: no C compiler, or the compilation failed (its message included).
         OSError: the library could not be written or loaded.
     """
-    lib = compile_library(SOURCE, (*_FLAGS, f"-march={march}"), _cpu_features())
+    lib = compile_library(SOURCE, (*_FLAGS, f"-march={march}"), cpu_features())
     P, L, Int, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     lib.pool_create.restype = P
     lib.pool_create.argtypes = [Int]

@@ -35,7 +35,7 @@ from dsv4.quant import (
     quantize_fp4,
     quantize_fp8_blockwise,
 )
-from dsv4.weights.layout_copy import dequantize_fp8_into, transpose_into
+from dsv4.weights.layout_copy import copy_checking_finite, dequantize_fp8_into, in_memory_order, transpose_into
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INT_DTYPES = (torch.int32, torch.int64)
@@ -72,15 +72,6 @@ def check_shape(got: torch.Size, want: tuple[int, ...], what: str) -> None:
         raise ConversionError(f"{what} shape {tuple(got)} does not match the model's {tuple(want)}")
 
 
-def in_memory_order(t: torch.Tensor) -> torch.Tensor:
-    """The same elements as a contiguous view when `t` is a permuted contiguous tensor (an input-major
-    weight), so that reductions over it stream memory instead of striding through it."""
-    if t.is_contiguous():
-        return t
-    permuted = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    return permuted if permuted.is_contiguous() else t
-
-
 def check_finite(t: torch.Tensor) -> None:
     """Raise unless every value of a float tensor is finite (one sum; see the module docstring)."""
     if t.numel() == 0 or math.isfinite(in_memory_order(t).sum().item()):
@@ -88,6 +79,18 @@ def check_finite(t: torch.Tensor) -> None:
     bad = int((~torch.isfinite(t)).sum())
     if bad:
         raise ConversionError(f"contains {bad} non-finite value(s)")
+
+
+def copy_finite_into(dest: torch.Tensor, value: torch.Tensor) -> None:
+    """dest[...] = value (as `copy_into`), raising unless every value is finite, for a destination nothing
+    reads yet (a staging buffer): where a kernel applies the values are checked as they are copied, one read
+    of `value` for both (`layout_copy.copy_checking_finite`); elsewhere checked first, then copied."""
+    finite = copy_checking_finite(dest, value)
+    if finite is None:
+        check_finite(value)
+        copy_into(dest, value)
+    elif not finite:
+        raise ConversionError(f"contains {int((~torch.isfinite(dest)).sum())} non-finite value(s)")
 
 
 def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,12 @@
 Resident dense weights are stored input-major: the parameter is the transposed view of a contiguous
 [in, out] buffer. Checkpoints and trainers hold them row-major, so every load and refit of such a weight is
 a transposing copy, and torch's strided copy of a whole transposed matrix runs ~10-20x a memcpy on CPU (its
-inner loop strides through the source a row apart). The C kernels here (`layout_copy_cpu.c`) copy tile by
-tile with both tiles in L1, converting bf16 <-> fp32 (torch's round-to-nearest-even) or dequantizing FP8
-e4m3 codes times their block scales (torch's fp32 product, one rounding) in the same pass, so a load of an
-FP8 linear into an fp32 or bf16 weight reads each code once and writes each value once.
+inner loop strides through the source a row apart). The C kernels here (`layout_copy_cpu.c`, compiled for
+this CPU) transpose 8x8 blocks in AVX2 registers, panel by panel so that the source lines a panel shares
+stay in cache, converting bf16 <-> fp32 (torch's round-to-nearest-even) in the same pass; without AVX2 (and
+on the ragged edges) they copy tile by tile through an L1 buffer. FP8 e4m3 codes are dequantized times
+their block scales (torch's fp32 product, one rounding) in the same tiled pass, so a load of an FP8 linear
+into an fp32 or bf16 weight reads each code once and writes each value once.
 
 Each function returns False when it does not apply (another device, layout or dtype pair, or no C
 compiler on this machine): the caller then takes torch's path, which gives the same bytes.
@@ -21,37 +23,88 @@ from pathlib import Path
 import torch
 
 import dsv4.kernels
-from dsv4.kernels.c_library import compile_library
+from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
 
 SOURCE = Path(__file__).with_name("layout_copy_cpu.c")
 # The kernels' shared header (bf16 conversions), in the kernels package.
 HEADER = Path(dsv4.kernels.__file__).with_name("rows.h")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-# (source dtype, destination dtype) -> kernel; same-size pairs copy the raw elements.
-_TRANSPOSES = {
-    (torch.float32, torch.float32): "transpose_b32",
-    (torch.bfloat16, torch.bfloat16): "transpose_b16",
-    (torch.float16, torch.float16): "transpose_b16",
-    (torch.bfloat16, torch.float32): "transpose_bf16_f32",
-    (torch.float32, torch.bfloat16): "transpose_f32_bf16",
+# (source dtype, destination dtype) -> the kernels' suffix (transpose_*, copy_*); same-size pairs copy the
+# raw elements.
+_PAIRS = {
+    (torch.float32, torch.float32): "b32",
+    (torch.bfloat16, torch.bfloat16): "b16",
+    (torch.float16, torch.float16): "b16",
+    (torch.bfloat16, torch.float32): "bf16_f32",
+    (torch.float32, torch.bfloat16): "f32_bf16",
 }
+# The exponent field of each destination format: a value with all of its bits set is an infinity or a NaN.
+_EXPONENT_MASKS = {torch.float32: 0x7F800000, torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+_NO_CHECK = 0
 _DEQUANT_FP8 = {torch.float32: "dequant_fp8_f32", torch.bfloat16: "dequant_fp8_bf16"}
+# Transposes into fp32 destinations of at least this share of the last-level cache use streaming stores
+# (layout_copy_cpu.c, `stream`): measured faster from half the cache up, slower at a quarter and below.
+STREAM_CACHE_SHARE = 0.5
+_STREAMED_ITEMSIZE = 4
+
+
+# vector_isa() of a library whose transposes move 8x8 blocks through AVX2 registers (0: the tiled scalar walk).
+VECTOR_ISAS = {256: "AVX2 8x8 blocks", 0: "tiled scalar"}
+
+
+def build_library(march: str = NATIVE) -> ctypes.CDLL:
+    """Compile layout_copy_cpu.c for `march` (cached per source, flags and CPU) and load it.
+
+    Args:
+        march: the compiler's -march target ("native": this CPU; the tests build an older one to run the
+            scalar path).
+
+    Raises:
+        RuntimeError: no C compiler, or the compilation failed. OSError: the library could not be loaded.
+    """
+    # The header's text joins the cache key: compile_library only keys headers beside the source.
+    lib = compile_library(SOURCE, (f"-I{HEADER.parent}", f"-march={march}"), HEADER.read_text() + cpu_features())
+    lib.vector_isa.restype = ctypes.c_int
+    lib.vector_isa.argtypes = []
+    for suffix in set(_PAIRS.values()):
+        transpose, copy = getattr(lib, f"transpose_{suffix}"), getattr(lib, f"copy_{suffix}")
+        transpose.restype = copy.restype = ctypes.c_int
+        transpose.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_uint32]
+        copy.argtypes = [_PTR, _PTR, _I64, ctypes.c_uint32]
+    for name in _DEQUANT_FP8.values():
+        getattr(lib, name).argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
+    return lib
+
+
+_CACHE_INFO = Path("/sys/devices/system/cpu/cpu0/cache")
+_SIZE_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+@functools.cache
+def stream_bytes() -> int | None:
+    """The smallest fp32 destination the transposes stream into: a share of the largest cache this CPU's
+    first core reaches (sysfs: the C library's figure can be a whole socket's), None where unknown."""
+    largest = 0
+    for size in _CACHE_INFO.glob("index*/size"):
+        try:
+            text = size.read_text().strip()
+        except OSError:
+            continue
+        scale = _SIZE_UNITS.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in _SIZE_UNITS else text
+        if digits.isdigit():
+            largest = max(largest, int(digits) * scale)
+    return int(largest * STREAM_CACHE_SHARE) if largest else None
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where no C compiler works (compiled once per process)."""
+    """The kernels compiled for this CPU, or None where no C compiler works (built once per process)."""
     try:
-        # The header's text joins the cache key: compile_library only keys headers beside the source.
-        lib = compile_library(SOURCE, (f"-I{HEADER.parent}",), HEADER.read_text())
+        return build_library()
     except (RuntimeError, OSError):
         return None
-    for name in _TRANSPOSES.values():
-        getattr(lib, name).argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64]
-    for name in _DEQUANT_FP8.values():
-        getattr(lib, name).argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
-    return lib
 
 
 def input_major(dest: torch.Tensor) -> bool:
@@ -60,21 +113,77 @@ def input_major(dest: torch.Tensor) -> bool:
             and dest.stride(1) == max(1, dest.shape[0]) and dest.shape[0] > 1 and dest.shape[1] > 1)
 
 
-def transpose_into(dest: torch.Tensor, value: torch.Tensor) -> bool:
+def in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """The same elements as a contiguous view when `t` is a permuted contiguous tensor (an input-major
+    weight), so that reductions and copies over it stream memory instead of striding through it; else `t`."""
+    if t.is_contiguous():
+        return t
+    permuted = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return permuted if permuted.is_contiguous() else t
+
+
+def _transpose(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None, mask: int) -> bool | None:
+    """Run the transposing kernel: None where it does not apply (nothing written), else whether a written
+    value has every bit of `mask` set."""
+    suffix = _PAIRS.get((value.dtype, dest.dtype))
+    if (suffix is None or not input_major(dest) or value.device.type != "cpu" or not value.is_contiguous()
+            or value.shape != dest.shape):
+        return None
+    lib = _library() if lib is None else lib
+    if lib is None:
+        return None
+    rows, cols = value.shape
+    threshold = stream_bytes()
+    stream = dest.element_size() == _STREAMED_ITEMSIZE and threshold is not None and dest.nbytes >= threshold
+    kernel = getattr(lib, f"transpose_{suffix}")
+    return bool(kernel(value.data_ptr(), dest.data_ptr(), rows, cols, cols, dest.stride(1), stream, mask))
+
+
+def _straight(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None, mask: int) -> bool | None:
+    """The straight kernel for two tensors laid out alike (same shape and strides, dense in memory order)."""
+    suffix = _PAIRS.get((value.dtype, dest.dtype))
+    if (suffix is None or dest.device.type != "cpu" or value.device.type != "cpu" or value.shape != dest.shape
+            or value.stride() != dest.stride() or not in_memory_order(dest).is_contiguous()):
+        return None
+    lib = _library() if lib is None else lib
+    if lib is None:
+        return None
+    return bool(getattr(lib, f"copy_{suffix}")(value.data_ptr(), dest.data_ptr(), dest.numel(), mask))
+
+
+def transpose_into(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
     """dest[...] = value for an input-major `dest` and a row-major contiguous `value` of the same shape.
+
+    Args:
+        lib: the kernels to use (default: those built for this CPU).
 
     Returns:
         Whether it was done (False: not this layout or dtype pair, or no compiler; nothing written).
     """
-    kernel = _TRANSPOSES.get((value.dtype, dest.dtype))
-    if kernel is None or not input_major(dest) or value.device.type != "cpu" or not value.is_contiguous():
-        return False
-    lib = _library()
-    if lib is None:
-        return False
-    rows, cols = value.shape
-    getattr(lib, kernel)(value.data_ptr(), dest.data_ptr(), rows, cols, cols, dest.stride(1))
-    return True
+    return _transpose(dest, value, lib, _NO_CHECK) is not None
+
+
+def copy_checking_finite(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool | None:
+    """dest[...] = value (a transposing copy into an input-major `dest`, or a straight one between tensors
+    laid out alike), checking in the same pass that every value written is finite: one read of `value`.
+
+    `dest` is written before the answer is known, so this is for a destination nothing reads yet (an atomic
+    update's staging buffer).
+
+    Args:
+        lib: the kernels to use (default: those built for this CPU).
+
+    Returns:
+        None where no kernel applies (nothing written); else whether every value written is finite (an
+        infinity or NaN in `value`, or an fp32 value beyond bf16's range rounded to infinity, is not).
+    """
+    mask = _EXPONENT_MASKS.get(dest.dtype)
+    if mask is None:
+        return None
+    seen = _transpose(dest, value, lib, mask)
+    if seen is None:
+        seen = _straight(dest, value, lib, mask)
+    return None if seen is None else not seen
 
 
 @functools.cache

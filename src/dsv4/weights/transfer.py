@@ -8,8 +8,9 @@ finalize once, addresses audited, the version bumped. What this module adds:
 
   - the base-version check and the metadata's validation, both before a byte is received: a refused
     update is refused on every member of the group (see `dsv4.rl.sender` for the protocol);
-  - a checksum per bucket, verified before the bucket is staged: an update that reports success has
-    provably moved the bytes the trainer planned;
+  - a checksum per bucket, verified before any of its bytes reaches a live weight (an atomic session
+    hashes each tensor as it stages it, so hashing, validating and staging read the bytes from memory once;
+    `apply_bucket`): an update that reports success has provably moved the bytes the trainer planned;
   - two receive buffers, so bucket i+1 arrives while bucket i is verified and staged;
   - every engine rank staged every bucket (and holds every tensor a full update needs), or none commits:
     the engine ranks agree before committing, since a bucket may fail on one rank only, and tensor
@@ -23,16 +24,16 @@ finalize once, addresses audited, the version bumped. What this module adds:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from dsv4.errors import WeightUpdateError
-from dsv4.rl.checksum import bucket_checksum
+from dsv4.rl.checksum import BucketHasher, bucket_checksum
 from dsv4.rl.colocated import open_shared_buckets
 from dsv4.rl.group import TransferGroup
-from dsv4.rl.plan import WeightSyncPlan, bucket_views
+from dsv4.rl.plan import BucketEntry, WeightSyncPlan, bucket_views
 from dsv4.weights.loader import LoadedModels
 from dsv4.weights.refit import WeightUpdateSession
 
@@ -65,16 +66,52 @@ def check_plan(plan: WeightSyncPlan, version: int, max_bytes: int) -> None:
 
 
 def apply_bucket(session: WeightUpdateSession, plan: WeightSyncPlan, index: int, buffer: torch.Tensor) -> None:
-    """Verify bucket `index` (flat uint8, exactly its bytes) against its checksum, then stage it."""
+    """Verify bucket `index` (flat uint8, exactly its bytes) against its checksum and stage it.
+
+    A fail-stop session writes live weights as it loads, so its bucket is verified whole first (a read of
+    its own). An atomic session stages into buffers nothing reads before `finish()`: each tensor's bytes
+    (with the padding before them) are hashed right before the session stages them, so the staging copy,
+    which also validates them, finds them in cache, and the bucket is refused at its end when the checksum
+    differs (the caller then aborts the session: nothing was applied). Either way no live byte is written
+    from a bucket whose checksum was not verified.
+    """
     bucket = plan.buckets[index]
-    got = bucket_checksum(buffer)
+    origin = f"update {plan.update_id} bucket {index}"
+    if not session.atomic:
+        _verify(plan, index, bucket_checksum(buffer))
+        session.load(bucket_views(bucket, buffer), origin=origin)
+        return
+    hasher = BucketHasher()
+    try:
+        session.load(_hashed_views(bucket, buffer, hasher), origin=origin)
+    except WeightUpdateError as exc:
+        # Bytes that are not the planned ones can fail validation first: the checksum says what went wrong.
+        _verify(plan, index, bucket_checksum(buffer), cause=exc)
+        raise
+    _verify(plan, index, hasher.hexdigest())
+
+
+def _hashed_views(
+    bucket: BucketEntry, buffer: torch.Tensor, hasher: BucketHasher
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`bucket_views`, hashing each tensor's bytes (and the padding before them) as it is handed out."""
+    hashed = 0
+    for entry, (name, view) in zip(bucket.tensors, bucket_views(bucket, buffer), strict=True):
+        hasher.update(buffer[hashed : entry.end])
+        hashed = entry.end
+        yield name, view
+    hasher.update(buffer[hashed:])
+
+
+def _verify(plan: WeightSyncPlan, index: int, got: str, cause: Exception | None = None) -> None:
+    """Raise unless `got` is bucket `index`'s planned checksum."""
+    bucket = plan.buckets[index]
     if got != bucket.checksum:
         raise WeightUpdateError(
             f"update {plan.update_id} bucket {index}: checksum {got} != planned {bucket.checksum} "
             f"({bucket.nbytes} bytes, first tensor {bucket.tensors[0].name!r}): the bytes received are not "
             f"the bytes planned (changed after plan(), or corrupted in transit)"
-        )
-    session.load(bucket_views(bucket, buffer), origin=f"update {plan.update_id} bucket {index}")
+        ) from cause
 
 
 class WeightReceiver:

@@ -5,7 +5,9 @@ mapping, pairing of weights with their scales, validation and conversion exist o
 
 Cost model (what makes a load or a refit cost what its bytes cost):
   * names resolve through the models' RouteTable: one dict lookup per tensor;
-  * every value check reads the incoming tensor once (convert.py), before anything is written;
+  * every value check reads the incoming tensor once (convert.py), before anything is written; an atomic
+    refit checks float values while it copies them into their staging buffer (nothing reads it before
+    `commit()`), so validating and staging them is one read;
   * a tensor already in the resident format is copied straight into its destination: fail-stop refits
     and loads write in place with no intermediate copy, atomic refits copy once into a staging buffer
     (`staged=True`) and once more at `commit()`;
@@ -44,6 +46,7 @@ from dsv4.weights.convert import (
     check_finite,
     check_fp8_codes,
     check_shape,
+    copy_finite_into,
     copy_into,
     dequantize,
     e8m0_bytes,
@@ -283,6 +286,11 @@ class WeightWriter:
         if self.dry_run:
             return
         if slot.kind in (FLOAT, DENSE):
+            if self.staged:  # checked as it is staged: the staging buffer is not live (one read of the values)
+                buffer = self._staging_buffer(slot.dest)
+                copy_finite_into(buffer, values)
+                self._staging.append((slot.dest, buffer))
+                return
             check_finite(values)
             self._put(slot.dest, values)
             return
