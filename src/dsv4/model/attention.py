@@ -363,7 +363,8 @@ class Attention(nn.Module):
             logits = [torch.baddbmm(bias.unsqueeze(1), q, keys.transpose(1, 2), alpha=scale) for keys, bias in blocks]
         else:
             logits = [torch.bmm(q, keys.transpose(1, 2)).float() * scale + bias.unsqueeze(1) for keys, bias in blocks]
-        probs = softmax_with_sink(logits, self.attn_sink).to(q.dtype)  # [B, H, sum N_i + 1]
+        sink_column = logits[0].new_empty(q.shape[0], q.shape[1], 1)
+        probs = softmax_with_sink(torch.cat((*logits, sink_column), dim=-1), self.attn_sink).to(q.dtype)
         out, start = None, 0
         for keys, _ in blocks:
             block_probs = probs[..., start : start + keys.shape[1]]  # [B, H, N_i]
@@ -397,25 +398,18 @@ class _SideInputs:
         return _SideInputs(*(None if t is None else t[rows] for t in vars(self).values()))
 
 
-def softmax_with_sink(logits: torch.Tensor | list[torch.Tensor], sink: torch.Tensor) -> torch.Tensor:
+def softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """Attention probabilities with a per-head sink logit that takes mass but adds no value.
 
     Args:
-        logits: fp32 scaled, biased scores in one of two layouts: a tensor [..., N + 1] whose last column
-            is reserved for the sink (overwritten here: the scores are not copied), or a list of score
-            blocks [..., N_i], concatenated here with the sink column. Whatever multiplies the probabilities
-            must give the sink's column a zero value (a zero key) or drop it. The list suits a compiled
-            graph: the softmax reads the concatenation as written, where a write into a reserved column
-            becomes a select in each of the softmax's passes and splits them (tiny config, 16 decode rows:
-            the attention softmax took ~2x the instructions).
+        logits: fp32 [..., N + 1] scaled, biased scores whose last column is reserved for the sink
+            (overwritten here); whatever multiplies the probabilities must give that column a zero value
+            (a zero key) or drop it.
         sink: the sink logits, broadcastable to logits[..., -1] (per head).
 
     Returns:
-        fp32 [..., N + 1] softmax over the N scores and the sink (the sink's column last).
+        fp32 [..., N + 1] softmax over the N scores and the sink.
     """
-    if isinstance(logits, list):
-        sink_column = sink.unsqueeze(-1).expand(*logits[0].shape[:-1], 1)
-        return torch.cat((*logits, sink_column), dim=-1).softmax(dim=-1)
     logits[..., -1] = sink
     return logits.softmax(dim=-1)
 

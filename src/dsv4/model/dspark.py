@@ -99,8 +99,8 @@ class DSparkAttention(Attention):
         keys = torch.cat((context.keys.to(kv.dtype), kv.view(n, b, hd)), dim=1)  # [N, window + B, hd]
         bias = torch.cat((context.bias, context.bias.new_zeros(n, b)), dim=1)  # block rows: always visible
         logits = torch.einsum("nqhd,nkd->nhqk", q.view(n, b, heads, hd), keys).float() * hd**-0.5
-        # the sink takes mass, adds no value
-        probs = softmax_with_sink([logits + bias[:, None, None, :]], self.attn_sink.view(heads, 1))[..., :-1]
+        logits = torch.cat((logits + bias[:, None, None, :], logits.new_empty(n, heads, b, 1)), dim=-1)
+        probs = softmax_with_sink(logits, self.attn_sink.view(heads, 1))[..., :-1]  # the sink takes mass, adds no value
         out = torch.einsum("nhqk,nkd->nqhd", probs.to(keys.dtype), keys).reshape(rows, heads, hd)
         out = norm_rope_(out, None, None, pos, self.rope, inverse=True)  # V carried RoPE: de-rotate
         return self._project_out(out)
