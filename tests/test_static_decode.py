@@ -45,9 +45,9 @@ def test_entry_reads_round_up_and_stay_within_capacity():
 ROW_SETS = {"3 rows": {3: 7, 0: 30, 2: 16}, "6 rows": {5: 3, 1: 22, 7: 9, 0: 41, 4: 1, 2: 16}}
 
 
-def test_compiled_step_drops_only_identity_guards_between_paths_to_the_registry_or_parallel_state():
-    """Identity checks between two paths to the kernel registry or the parallel state are dropped; every
-    other guard on them, and identity checks between other objects (tensors), are kept."""
+def test_compiled_step_drops_only_identity_guards_between_paths_to_the_registry_parallel_state_or_a_module():
+    """Identity checks between two paths to the kernel registry, the parallel state or a module are dropped;
+    every other guard on them, and identity checks between other objects (tensors), are kept."""
     def entry(guard_type, value):
         return GuardFilterEntry(name="L['model'].x", has_value=True, value=value, guard_type=guard_type,
                                 derived_guard_types=(), is_global=False, orig_guard=None)
@@ -55,7 +55,9 @@ def test_compiled_step_drops_only_identity_guards_between_paths_to_the_registry_
     registry = KernelRegistry()
     assert not keep_guard(entry("DUPLICATE_INPUT", registry))
     assert not keep_guard(entry("DUPLICATE_INPUT", SINGLE))
+    assert not keep_guard(entry("DUPLICATE_INPUT", torch))
     assert keep_guard(entry("DUPLICATE_INPUT", torch.zeros(1)))
+    assert keep_guard(entry("ID_MATCH", torch))
     assert keep_guard(entry("TYPE_MATCH", registry))
     assert keep_guard(entry("ID_MATCH", SINGLE))
 

@@ -295,54 +295,52 @@ static void store_row(void *y, int act, long offset, const float *v, long n) {
 /* Dense, input-major: acc[r, n0:n1] = sum_k x[r, k] W[k, n] for W rows of ldw elements (fp32 or bf16).  */
 /* ---------------------------------------------------------------------------------------------------- */
 
-static void dense_tile(const float *restrict x, long R, long K, long ldx, const void *w, int wfmt, long ldw,
-                       long n0, long n1, float *restrict acc, long ldacc) {
+/* Weight i of a dense row (fp32 or bf16) as fp32; wfmt is a constant wherever this is inlined. */
+static inline __attribute__((always_inline)) float dense_weight(const void *row, const int wfmt, long i) {
+    return wfmt == FMT_F32 ? ((const float *)row)[i] : bf16_to_f32(((const uint16_t *)row)[i]);
+}
+
+/* Where row k of a dense W starts at column n0. */
+static inline __attribute__((always_inline)) const void *dense_row(const void *w, const int wfmt, long k, long ldw,
+                                                                   long n0) {
+    if (wfmt == FMT_F32) return (const float *)w + k * ldw + n0;
+    return (const uint16_t *)w + k * ldw + n0;
+}
+
+/* dense_tile for one weight format, `wfmt` constant after inlining: each instance's loops read one element
+   type, which the compiler vectorises. */
+static inline __attribute__((always_inline)) void dense_tile_of(const float *restrict x, long R, long K, long ldx,
+                                                                const void *w, const int wfmt, long ldw, long n0,
+                                                                long n1, float *restrict acc, long ldacc) {
     const long width = n1 - n0;
     for (long r = 0; r < R; ++r) memset(acc + r * ldacc, 0, sizeof(float) * (size_t)width);
     long k = 0;
-    if (wfmt == FMT_F32) {
-        const float *W = (const float *)w;
-        for (; k + K_UNROLL <= K; k += K_UNROLL) {
-            const float *restrict w0 = W + k * ldw + n0, *restrict w1 = w0 + ldw, *restrict w2 = w1 + ldw,
-                                  *restrict w3 = w2 + ldw;
-            for (long r = 0; r < R; ++r) {
-                const float a0 = x[r * ldx + k], a1 = x[r * ldx + k + 1], a2 = x[r * ldx + k + 2],
-                            a3 = x[r * ldx + k + 3];
-                float *restrict out = acc + r * ldacc;
-                for (long n = 0; n < width; ++n) out[n] += a0 * w0[n] + a1 * w1[n] + a2 * w2[n] + a3 * w3[n];
-            }
-        }
-        for (; k < K; ++k) {
-            const float *restrict w0 = W + k * ldw + n0;
-            for (long r = 0; r < R; ++r) {
-                const float a0 = x[r * ldx + k];
-                float *restrict out = acc + r * ldacc;
-                for (long n = 0; n < width; ++n) out[n] += a0 * w0[n];
-            }
-        }
-    } else {
-        const uint16_t *W = (const uint16_t *)w;
-        for (; k + K_UNROLL <= K; k += K_UNROLL) {
-            const uint16_t *restrict w0 = W + k * ldw + n0, *restrict w1 = w0 + ldw, *restrict w2 = w1 + ldw,
-                                     *restrict w3 = w2 + ldw;
-            for (long r = 0; r < R; ++r) {
-                const float a0 = x[r * ldx + k], a1 = x[r * ldx + k + 1], a2 = x[r * ldx + k + 2],
-                            a3 = x[r * ldx + k + 3];
-                float *restrict out = acc + r * ldacc;
-                for (long n = 0; n < width; ++n)
-                    out[n] += a0 * bf16_to_f32(w0[n]) + a1 * bf16_to_f32(w1[n]) + a2 * bf16_to_f32(w2[n]) +
-                              a3 * bf16_to_f32(w3[n]);
-            }
-        }
-        for (; k < K; ++k) {
-            const uint16_t *restrict w0 = W + k * ldw + n0;
-            for (long r = 0; r < R; ++r) {
-                const float a0 = x[r * ldx + k];
-                float *restrict out = acc + r * ldacc;
-                for (long n = 0; n < width; ++n) out[n] += a0 * bf16_to_f32(w0[n]);
-            }
+    for (; k + K_UNROLL <= K; k += K_UNROLL) {
+        const void *restrict w0 = dense_row(w, wfmt, k, ldw, n0), *restrict w1 = dense_row(w, wfmt, k + 1, ldw, n0),
+                            *restrict w2 = dense_row(w, wfmt, k + 2, ldw, n0),
+                            *restrict w3 = dense_row(w, wfmt, k + 3, ldw, n0);
+        for (long r = 0; r < R; ++r) {
+            const float a0 = x[r * ldx + k], a1 = x[r * ldx + k + 1], a2 = x[r * ldx + k + 2], a3 = x[r * ldx + k + 3];
+            float *restrict out = acc + r * ldacc;
+            for (long n = 0; n < width; ++n)
+                out[n] += a0 * dense_weight(w0, wfmt, n) + a1 * dense_weight(w1, wfmt, n) +
+                          a2 * dense_weight(w2, wfmt, n) + a3 * dense_weight(w3, wfmt, n);
         }
     }
+    for (; k < K; ++k) {
+        const void *restrict w0 = dense_row(w, wfmt, k, ldw, n0);
+        for (long r = 0; r < R; ++r) {
+            const float a0 = x[r * ldx + k];
+            float *restrict out = acc + r * ldacc;
+            for (long n = 0; n < width; ++n) out[n] += a0 * dense_weight(w0, wfmt, n);
+        }
+    }
+}
+
+static void dense_tile(const float *x, long R, long K, long ldx, const void *w, int wfmt, long ldw, long n0, long n1,
+                       float *acc, long ldacc) {
+    if (wfmt == FMT_F32) dense_tile_of(x, R, K, ldx, w, FMT_F32, ldw, n0, n1, acc, ldacc);
+    else dense_tile_of(x, R, K, ldx, w, FMT_BF16, ldw, n0, n1, acc, ldacc);
 }
 
 /* acc[R, n0:n1) for a dense input-major W, a TILE_N-column tile at a time (acc rows of ldacc floats). */
@@ -352,41 +350,6 @@ static void dense_range(const float *x, long R, long K, long ldx, const void *w,
         long t1 = t0 + TILE_N < n1 ? t0 + TILE_N : n1;
         dense_tile(x, R, K, ldx, w, wfmt, ldw, t0, t1, acc + (t0 - n0), ldacc);
     }
-}
-
-typedef struct {
-    const float *x;
-    long R, K, N, ldw, chunk;
-    const void *w;
-    int wfmt, act;
-    float *acc; /* [R, N]: y itself for fp32 outputs, else scratch rounded into y per chunk */
-    void *y;
-} dense_job;
-
-static void dense_chunk(const void *arg, long c) {
-    const dense_job *j = arg;
-    const long n0 = c * j->chunk, n1 = n0 + j->chunk < j->N ? n0 + j->chunk : j->N;
-    dense_range(j->x, j->R, j->K, j->K, j->w, j->wfmt, j->ldw, n0, n1, j->acc + n0, j->N);
-    if (j->act != ACT_F32)
-        for (long r = 0; r < j->R; ++r) store_row(j->y, j->act, r * j->N + n0, j->acc + r * j->N + n0, n1 - n0);
-}
-
-int dense_xw(pool *p, const void *x, int act, long R, long K, const void *w, int wfmt, long ldw, long N, void *y,
-             int nthreads) {
-    if ((wfmt != FMT_F32 && wfmt != FMT_BF16) || R <= 0 || K <= 0 || N <= 0 || ldw < N) return ERR_ARGS;
-    float *xf = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
-    float *acc = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * N)) : (float *)y;
-    int status = OK;
-    if (act == ACT_BF16 && (!xf || !acc)) {
-        status = ERR_ALLOC;
-    } else {
-        const long chunk = chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_COLS, SPLIT_ALIGN);
-        dense_job job = {rows_f32(x, act, R * K, xf), R, K, N, ldw, chunk, w, wfmt, act, acc, y};
-        pool_run(p, (N + chunk - 1) / chunk, dense_chunk, &job, nthreads);
-    }
-    free(xf);
-    if (act == ACT_BF16) free(acc);
-    return status;
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -418,36 +381,37 @@ static void fp4_order_rows(const float *x, long R, long K, float *xp) {
    array indexed at run time would live in memory, and each FMA would wait on a store-to-load round trip). */
 #define ROW_BLOCK 4
 
+/* The vector paths below are written once over a few per-ISA primitives: `vec` (fp32 lanes), vec_zero,
+   vec_set1, vec_total (the lanes of two vectors summed), fma_step32 (one x row's 32 inputs of a step times
+   the step's decoded weights) and the decoders fp4_decode32 / fp8_decode32 (the 32 weights of a step
+   times their scale). */
 #if defined(__AVX512F__)
+typedef __m512 vec; /* 16 lanes: a 32-input step is 2 vectors */
+#define VEC_LANES 16
+
+static inline vec vec_zero(void) { return _mm512_setzero_ps(); }
+static inline vec vec_set1(float v) { return _mm512_set1_ps(v); }
+static inline float vec_total(vec a, vec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+
+/* 32 inputs of one x row (xr) times a step's decoded weights v[0..1]: the first 16 into *first, the last 16
+   into *second. Inlined, the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void fma_step32(const float *xr, const vec *v, vec *first,
+                                                             vec *second) {
+    *first = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xr), *first);
+    *second = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xr + 16), *second);
+}
+
 /* e2m1 magnitudes and signs: the 16 code values as one vector (permutexvar indexes it by code). */
 static inline __m512 e2m1_table(void) {
     return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
                           -4.0f, -6.0f);
 }
 
-/* One FP4 weight row against `rb` (constant after inlining) FP4-ordered x rows: per 32-input step, 16 bytes ->
-   2 x 16 values times the group's scale (exact: a power of two), one FMA per vector and x row, low and high
-   nibbles in separate accumulators. */
-static inline __attribute__((always_inline)) void fp4_row_block(const float *xp, const int rb, long K,
-                                                                const uint8_t *wr, const uint8_t *srow, long group,
-                                                                float *out, long ldout) {
-    const __m512 table = e2m1_table();
-    const __m512i nibble = _mm512_set1_epi32(0xf);
-    __m512 lo_sum[ROW_BLOCK], hi_sum[ROW_BLOCK];
-    for (int r = 0; r < rb; ++r) lo_sum[r] = hi_sum[r] = _mm512_setzero_ps();
-    for (long g = 0, k0 = 0; k0 < K; ++g) {
-        const __m512 s = _mm512_set1_ps(e8m0_to_f32(srow[g]));
-        for (const long end = k0 + group; k0 < end; k0 += FP4_STEP) {
-            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(wr + k0 / 2)));
-            const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, nibble), table), s);
-            const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table), s);
-            for (int r = 0; r < rb; ++r) {
-                lo_sum[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xp + r * K + k0), lo_sum[r]);
-                hi_sum[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xp + r * K + k0 + FP4_STEP / 2), hi_sum[r]);
-            }
-        }
-    }
-    for (int r = 0; r < rb; ++r) out[r * ldout] = _mm512_reduce_add_ps(_mm512_add_ps(lo_sum[r], hi_sum[r]));
+/* 16 bytes = 32 FP4 codes -> v[0] (low nibbles), v[1] (high nibbles), times s. */
+static inline __attribute__((always_inline)) void fp4_decode32(const uint8_t *bytes, vec s, vec *v) {
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
+    v[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(0xf)), e2m1_table()), s);
+    v[1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), e2m1_table()), s);
 }
 
 /* 16 e4m3 bytes -> 16 floats: normals get the exponent bias difference (127 - 7 = 120) added under the fp32
@@ -464,78 +428,58 @@ static inline __m512 e4m3x16(const uint8_t *b) {
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
 }
 
-/* One FP8 weight row against `rb` (constant after inlining) x rows: 16 inputs at a time decoded and
-   multiplied by their block's scale (the reference's dequantised value, rounded the same way), one FMA per x
-   row; even and odd steps in separate accumulators. K and b1 are multiples of 2 * FP8_STEP here. */
-static inline __attribute__((always_inline)) void fp8_row_block(const float *x, const int rb, long K,
-                                                                const uint8_t *wr, const float *srow, long b1,
-                                                                float *out, long ldout) {
-    __m512 even[ROW_BLOCK], odd[ROW_BLOCK];
-    for (int r = 0; r < rb; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    for (long kb = 0, k0 = 0; k0 < K; ++kb) {
-        const __m512 s = _mm512_set1_ps(srow[kb]);
-        for (const long end = k0 + b1 < K ? k0 + b1 : K; k0 < end; k0 += 2 * FP8_STEP) {
-            const __m512 v0 = _mm512_mul_ps(e4m3x16(wr + k0), s), v1 = _mm512_mul_ps(e4m3x16(wr + k0 + FP8_STEP), s);
-            for (int r = 0; r < rb; ++r) {
-                even[r] = _mm512_fmadd_ps(v0, _mm512_loadu_ps(x + r * K + k0), even[r]);
-                odd[r] = _mm512_fmadd_ps(v1, _mm512_loadu_ps(x + r * K + k0 + FP8_STEP), odd[r]);
-            }
-        }
-    }
-    for (int r = 0; r < rb; ++r) out[r * ldout] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+/* 32 e4m3 bytes -> v[0..1] times s. */
+static inline __attribute__((always_inline)) void fp8_decode32(const uint8_t *bytes, vec s, vec *v) {
+    v[0] = _mm512_mul_ps(e4m3x16(bytes), s);
+    v[1] = _mm512_mul_ps(e4m3x16(bytes + 16), s);
 }
 
 #define VECTOR_ISA 512
 #elif defined(__AVX2__) && defined(__FMA__)
-/* Sum of a vector's 8 lanes (a fixed order: results do not depend on the thread count or batch). */
-static inline float hsum256(__m256 v) {
+typedef __m256 vec; /* 8 lanes: a 32-input step is 4 vectors */
+#define VEC_LANES 8
+
+static inline vec vec_zero(void) { return _mm256_setzero_ps(); }
+static inline vec vec_set1(float v) { return _mm256_set1_ps(v); }
+
+/* Sum of the lanes of a + b (a fixed order: results do not depend on the thread count or batch). */
+static inline float vec_total(vec a, vec b) {
+    const __m256 v = _mm256_add_ps(a, b);
     const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
     return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
 }
 
-/* 32 inputs of one x row (xr) times 32 decoded weights (v0..v3, 8 each): the first 16 into *first, the
-   last 16 into *second. Inlined, the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void fma_step32(const float *xr, __m256 v0, __m256 v1, __m256 v2,
-                                                             __m256 v3, __m256 *first, __m256 *second) {
-    *first = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xr + 8), _mm256_fmadd_ps(v0, _mm256_loadu_ps(xr), *first));
-    *second = _mm256_fmadd_ps(v3, _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(v2, _mm256_loadu_ps(xr + 16), *second));
+/* 32 inputs of one x row (xr) times a step's decoded weights v[0..3] (8 each): the first 16 into *first,
+   the last 16 into *second. Inlined, the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void fma_step32(const float *xr, const vec *v, vec *first,
+                                                             vec *second) {
+    *first = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xr + 8), _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xr), *first));
+    *second =
+        _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), *second));
 }
 
-/* AVX2 (no AVX-512): 8-wide vectors. e2m1 codes: the magnitude from an 8-entry table (permutevar8x32 on the
-   low 3 bits), the sign bit (bit 3) moved to the float's sign. */
-static inline __m256 e2m1x8(__m256i codes, __m256 table) {
+/* e2m1 codes: the magnitude from an 8-entry table (permutevar8x32 on the low 3 bits), the sign bit (bit 3)
+   moved to the float's sign. */
+static inline __m256 e2m1x8(__m256i codes) {
+    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
     const __m256 mag = _mm256_permutevar8x32_ps(table, _mm256_and_si256(codes, _mm256_set1_epi32(7)));
     const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
     return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
 }
 
-/* One FP4 weight row against `rb` (constant after inlining) FP4-ordered x rows: per 32-input step, 16 bytes ->
-   4 x 8 values (low nibbles of bytes 0-7, 8-15, then high nibbles) times the group's scale (exact: a power of
-   two), one FMA per vector and x row, low and high nibbles in separate accumulators. */
-static inline __attribute__((always_inline)) void fp4_row_block(const float *xp, const int rb, long K,
-                                                                const uint8_t *wr, const uint8_t *srow, long group,
-                                                                float *out, long ldout) {
-    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+/* 16 bytes = 32 FP4 codes -> v[0..1] (low nibbles of bytes 0-7, 8-15), v[2..3] (their high nibbles), times s. */
+static inline __attribute__((always_inline)) void fp4_decode32(const uint8_t *bytes, vec s, vec *v) {
     const __m256i nibble = _mm256_set1_epi32(0xf);
-    __m256 lo_sum[ROW_BLOCK], hi_sum[ROW_BLOCK];
-    for (int r = 0; r < rb; ++r) lo_sum[r] = hi_sum[r] = _mm256_setzero_ps();
-    for (long g = 0, k0 = 0; k0 < K; ++g) {
-        const __m256 s = _mm256_set1_ps(e8m0_to_f32(srow[g]));
-        for (const long end = k0 + group; k0 < end; k0 += FP4_STEP) {
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(wr + k0 / 2));
-            const __m256i c0 = _mm256_cvtepu8_epi32(bytes), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-            const __m256 lo0 = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c0, nibble), table), s);
-            const __m256 lo1 = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c1, nibble), table), s);
-            const __m256 hi0 = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c0, 4), table), s);
-            const __m256 hi1 = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c1, 4), table), s);
-            for (int r = 0; r < rb; ++r) fma_step32(xp + r * K + k0, lo0, lo1, hi0, hi1, &lo_sum[r], &hi_sum[r]);
-        }
-    }
-    for (int r = 0; r < rb; ++r) out[r * ldout] = hsum256(_mm256_add_ps(lo_sum[r], hi_sum[r]));
+    const __m128i b = _mm_loadu_si128((const __m128i *)bytes);
+    const __m256i c0 = _mm256_cvtepu8_epi32(b), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    v[0] = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c0, nibble)), s);
+    v[1] = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c1, nibble)), s);
+    v[2] = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c0, 4)), s);
+    v[3] = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c1, 4)), s);
 }
 
-/* 8 e4m3 bytes -> 8 floats, as e4m3x16 does for 16. */
+/* 8 e4m3 bytes -> 8 floats, as the AVX-512 path's e4m3x16 does for 16. */
 static inline __m256 e4m3x8(const uint8_t *b) {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
     const __m256i em = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
@@ -548,65 +492,75 @@ static inline __m256 e4m3x8(const uint8_t *b) {
     return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
 }
 
-/* One FP8 weight row against `rb` x rows, as the AVX-512 version: 2 x 16 inputs a step, each 16 as two
-   8-wide halves, even and odd 16-input steps in separate accumulators. */
-static inline __attribute__((always_inline)) void fp8_row_block(const float *x, const int rb, long K,
-                                                                const uint8_t *wr, const float *srow, long b1,
-                                                                float *out, long ldout) {
-    __m256 even[ROW_BLOCK], odd[ROW_BLOCK];
-    for (int r = 0; r < rb; ++r) even[r] = odd[r] = _mm256_setzero_ps();
-    for (long kb = 0, k0 = 0; k0 < K; ++kb) {
-        const __m256 s = _mm256_set1_ps(srow[kb]);
-        for (const long end = k0 + b1 < K ? k0 + b1 : K; k0 < end; k0 += 2 * FP8_STEP) {
-            const __m256 v0 = _mm256_mul_ps(e4m3x8(wr + k0), s), v1 = _mm256_mul_ps(e4m3x8(wr + k0 + 8), s);
-            const __m256 v2 = _mm256_mul_ps(e4m3x8(wr + k0 + 16), s), v3 = _mm256_mul_ps(e4m3x8(wr + k0 + 24), s);
-            for (int r = 0; r < rb; ++r) fma_step32(x + r * K + k0, v0, v1, v2, v3, &even[r], &odd[r]);
-        }
-    }
-    for (int r = 0; r < rb; ++r) out[r * ldout] = hsum256(_mm256_add_ps(even[r], odd[r]));
+/* 32 e4m3 bytes -> v[0..3] times s. */
+static inline __attribute__((always_inline)) void fp8_decode32(const uint8_t *bytes, vec s, vec *v) {
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(e4m3x8(bytes + 8 * i), s);
 }
+
 #define VECTOR_ISA 256
 #else
 #define VECTOR_ISA 0
 #endif
 
 #if VECTOR_ISA
-/* FP4 rows [n0, n1) against R FP4-ordered x rows (xp), ROW_BLOCK x rows per pass. */
-static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const uint8_t *scale, long group, long n0,
-                     long n1, float *acc, long ldacc) {
-    const long half = K / 2, groups = K / group;
+/* Inputs of one vector step (fma_step32, fp4_decode32, fp8_decode32). */
+#define VEC_STEP 32
+
+/* One quantized weight row (wfmt FMT_FP4 or FMT_FP8) against `rb` x rows, wfmt and rb constant after
+   inlining: per 32-input step the weights decoded in registers and multiplied by their block's scale
+   (FP4: a power of two, exact; FP8: the reference's dequantised value, rounded the same way), then one FMA
+   per vector and x row, the step's first and last 16 inputs in separate accumulators. FP4: scales `srow`
+   are ue8m0 bytes, one per `block` inputs (a multiple of the step dividing K), x rows FP4-ordered. FP8: fp32
+   scales, one per `block` inputs (the last block may be shorter); K and block are multiples of the step. */
+static inline __attribute__((always_inline)) void quant_row_block(const int wfmt, const float *x, const int rb,
+                                                                  long K, const uint8_t *wr, const void *srow,
+                                                                  long block, float *out, long ldout) {
+    vec first[ROW_BLOCK], second[ROW_BLOCK];
+    for (int r = 0; r < rb; ++r) first[r] = second[r] = vec_zero();
+    for (long b = 0, k0 = 0; k0 < K; ++b) {
+        const vec s = vec_set1(wfmt == FMT_FP4 ? e8m0_to_f32(((const uint8_t *)srow)[b]) : ((const float *)srow)[b]);
+        for (const long end = k0 + block < K ? k0 + block : K; k0 < end; k0 += VEC_STEP) {
+            vec v[VEC_STEP / VEC_LANES];
+            if (wfmt == FMT_FP4) fp4_decode32(wr + k0 / 2, s, v);
+            else fp8_decode32(wr + k0, s, v);
+            for (int r = 0; r < rb; ++r) fma_step32(x + r * K + k0, v, &first[r], &second[r]);
+        }
+    }
+    for (int r = 0; r < rb; ++r) out[r * ldout] = vec_total(first[r], second[r]);
+}
+
+/* Quantized rows [n0, n1) (wfmt constant after inlining) against R x rows, ROW_BLOCK x rows per pass.
+   FP4: ue8m0 scales [N, K / b1]; FP8: fp32 scales [ceil(N / b0), ceil(K / b1)]. */
+static inline __attribute__((always_inline)) void quant_rows_vec(const int wfmt, const float *x, long R, long K,
+                                                                 const uint8_t *w, const void *scale, long b0,
+                                                                 long b1, long n0, long n1, float *acc, long ldacc) {
+    const long kb_count = (K + b1 - 1) / b1;
     for (long n = n0; n < n1; ++n) {
-        const uint8_t *wr = w + n * half, *srow = scale + n * groups;
+        const uint8_t *wr = w + (wfmt == FMT_FP4 ? n * (K / 2) : n * K);
+        const void *srow = wfmt == FMT_FP4 ? (const void *)((const uint8_t *)scale + n * kb_count)
+                                           : (const void *)((const float *)scale + (n / b0) * kb_count);
         for (long r0 = 0; r0 < R; r0 += ROW_BLOCK) {
-            const float *x = xp + r0 * K;
+            const float *xr = x + r0 * K;
             float *out = acc + r0 * ldacc + (n - n0);
             switch (R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK) {
-            case 1: fp4_row_block(x, 1, K, wr, srow, group, out, ldacc); break;
-            case 2: fp4_row_block(x, 2, K, wr, srow, group, out, ldacc); break;
-            case 3: fp4_row_block(x, 3, K, wr, srow, group, out, ldacc); break;
-            default: fp4_row_block(x, ROW_BLOCK, K, wr, srow, group, out, ldacc); break;
+            case 1: quant_row_block(wfmt, xr, 1, K, wr, srow, b1, out, ldacc); break;
+            case 2: quant_row_block(wfmt, xr, 2, K, wr, srow, b1, out, ldacc); break;
+            case 3: quant_row_block(wfmt, xr, 3, K, wr, srow, b1, out, ldacc); break;
+            default: quant_row_block(wfmt, xr, ROW_BLOCK, K, wr, srow, b1, out, ldacc); break;
             }
         }
     }
 }
 
+/* FP4 rows [n0, n1) against R FP4-ordered x rows (xp). */
+static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const uint8_t *scale, long group, long n0,
+                     long n1, float *acc, long ldacc) {
+    quant_rows_vec(FMT_FP4, xp, R, K, w, scale, 1, group, n0, n1, acc, ldacc);
+}
+
 static void fp8_rows_vec(const float *x, long R, long K, const uint8_t *w, const float *scale, long b0, long b1,
                          long n0, long n1, float *acc, long ldacc) {
-    const long kb_count = (K + b1 - 1) / b1;
-    for (long n = n0; n < n1; ++n) {
-        const uint8_t *wr = w + n * K;
-        const float *srow = scale + (n / b0) * kb_count;
-        for (long r0 = 0; r0 < R; r0 += ROW_BLOCK) {
-            const float *xr = x + r0 * K;
-            float *out = acc + r0 * ldacc + (n - n0);
-            switch (R - r0 < ROW_BLOCK ? R - r0 : ROW_BLOCK) {
-            case 1: fp8_row_block(xr, 1, K, wr, srow, b1, out, ldacc); break;
-            case 2: fp8_row_block(xr, 2, K, wr, srow, b1, out, ldacc); break;
-            case 3: fp8_row_block(xr, 3, K, wr, srow, b1, out, ldacc); break;
-            default: fp8_row_block(xr, ROW_BLOCK, K, wr, srow, b1, out, ldacc); break;
-            }
-        }
-    }
+    quant_rows_vec(FMT_FP8, x, R, K, w, scale, b0, b1, n0, n1, acc, ldacc);
 }
 #define HAVE_FP8_VEC 1
 #else
@@ -708,21 +662,43 @@ static int quant_args_ok(int wfmt, long K, long b0, long b1) {
     return 0;
 }
 
+/* One dense_xw or quant_xw call, cut into chunks of `chunk` output columns. */
 typedef struct {
-    const float *x;
-    long R, K, N, b0, b1, chunk;
+    const float *x; /* [R, K] fp32 (FP4-ordered for FP4 weights) */
+    long R, K, N, ldw, b0, b1, chunk;
     int wfmt, act;
     const void *w, *scale;
     float *acc; /* [R, N]: y itself for fp32 outputs, else scratch rounded into y per chunk */
     void *y;
-} quant_job;
+} product_job;
 
-static void quant_chunk(const void *arg, long c) {
-    const quant_job *j = arg;
+static void product_chunk(const void *arg, long c) {
+    const product_job *j = arg;
     const long n0 = c * j->chunk, n1 = n0 + j->chunk < j->N ? n0 + j->chunk : j->N;
-    quant_range(j->x, j->R, j->K, j->wfmt, j->w, j->scale, j->b0, j->b1, n0, n1, j->acc + n0, j->N);
+    if (j->wfmt == FMT_F32 || j->wfmt == FMT_BF16)
+        dense_range(j->x, j->R, j->K, j->K, j->w, j->wfmt, j->ldw, n0, n1, j->acc + n0, j->N);
+    else
+        quant_range(j->x, j->R, j->K, j->wfmt, j->w, j->scale, j->b0, j->b1, n0, n1, j->acc + n0, j->N);
     if (j->act != ACT_F32)
         for (long r = 0; r < j->R; ++r) store_row(j->y, j->act, r * j->N + n0, j->acc + r * j->N + n0, n1 - n0);
+}
+
+int dense_xw(pool *p, const void *x, int act, long R, long K, const void *w, int wfmt, long ldw, long N, void *y,
+             int nthreads) {
+    if ((wfmt != FMT_F32 && wfmt != FMT_BF16) || R <= 0 || K <= 0 || N <= 0 || ldw < N) return ERR_ARGS;
+    float *xf = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
+    float *acc = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * N)) : (float *)y;
+    int status = OK;
+    if (act == ACT_BF16 && (!xf || !acc)) {
+        status = ERR_ALLOC;
+    } else {
+        const long chunk = chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_COLS, SPLIT_ALIGN);
+        product_job job = {rows_f32(x, act, R * K, xf), R, K, N, ldw, 0, 0, chunk, wfmt, act, w, NULL, acc, y};
+        pool_run(p, (N + chunk - 1) / chunk, product_chunk, &job, nthreads);
+    }
+    free(xf);
+    if (act == ACT_BF16) free(acc);
+    return status;
 }
 
 /* b0, b1: the FP8 block (b0 output rows x b1 inputs); FP4: b1 = inputs per scale (b0 unused). */
@@ -751,8 +727,8 @@ int quant_xw(pool *p, const void *x, int act, long R, long K, int wfmt, const vo
             xs = xf;
         }
         const long chunk = chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_ROWS, 1);
-        quant_job job = {xs, R, K, N, b0, b1, chunk, wfmt, act, w, scale, acc, y};
-        pool_run(p, (N + chunk - 1) / chunk, quant_chunk, &job, nthreads);
+        product_job job = {xs, R, K, N, 0, b0, b1, chunk, wfmt, act, w, scale, acc, y};
+        pool_run(p, (N + chunk - 1) / chunk, product_chunk, &job, nthreads);
     }
 done:
     free(xf);

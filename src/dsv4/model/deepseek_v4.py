@@ -39,7 +39,6 @@ def first_layer_broadcast(layers: nn.ModuleList, cfg: ModelConfig) -> DerivedTen
     """F_b of a model whose first block sees a broadcast input (target, DSpark), from layers[0].hc_attn_fn."""
     return DerivedTensor(
         name=FIRST_LAYER_BROADCAST,
-        sources=("layers.0.hc_attn_fn",),
         compute=lambda: broadcast_fn(layers[0].hc_attn_fn.float(), cfg.hc_mult),
     )
 

@@ -18,8 +18,7 @@ from dsv4.errors import WeightsNotReadyError
 @dataclass(frozen=True)
 class DerivedTensor:
     name: str  # buffer name inside the top-level model
-    sources: tuple[str, ...]  # parameter names it is computed from
-    compute: Callable[[], torch.Tensor]
+    compute: Callable[[], torch.Tensor]  # its value from the model's current parameters
 
 
 class TopLevelModel(nn.Module):

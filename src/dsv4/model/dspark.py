@@ -203,7 +203,6 @@ class DSparkDrafter(TopLevelModel):
     def derived_tensors(self) -> list[DerivedTensor]:
         return [DerivedTensor(
             name=FIRST_LAYER_BROADCAST,
-            sources=("mtp.0.hc_attn_fn",),
             compute=lambda: broadcast_fn(self.mtp[0].hc_attn_fn.float(), self.cfg.hc_mult),
         )]
 

@@ -19,6 +19,8 @@ an in-place refit is seen by the next step with no recompilation (tests/test_sta
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from dsv4.kernels.gathered_experts import GroupedExperts, swiglu
@@ -87,8 +89,10 @@ COMPILE_OPTIONS = {"cpp_wrapper": True, "guard_filter_fn": lambda entries: [keep
 
 def keep_guard(entry) -> bool:
     """Whether the compiled step keeps a dynamo guard (a `torch._dynamo.types.GuardFilterEntry`): all but
-    identities between two paths to the kernel registry or the parallel state."""
-    return not (entry.guard_type == "DUPLICATE_INPUT" and isinstance(entry.value, (KernelRegistry, ParallelState)))
+    identities between two paths to the kernel registry, the parallel state or a Python module (such as
+    each source module's `torch`, which the process imports once)."""
+    return not (entry.guard_type == "DUPLICATE_INPUT"
+                and isinstance(entry.value, (KernelRegistry, ParallelState, types.ModuleType)))
 
 
 class StaticDecode:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+from pydantic import BaseModel
 
 from dsv4.engine.outputs import CompletionOutput, RequestOutput
 from dsv4.engine.sampling_params import SamplingParams
@@ -226,48 +228,40 @@ class CompletionRenderer:
             weights_version=max(o.weights_version for o in outputs),
         )
 
-    async def chunks(self, stream: OutputStream, include_usage: bool) -> AsyncIterator[str]:
+    def chunks(self, stream: OutputStream, include_usage: bool) -> AsyncIterator[str]:
         """Server-sent events: one chunk per engine step with news, the usage chunk if asked, [DONE]."""
         state = _Choices(len(self.plan.inputs) * self.plan.n)
         offsets = [0] * len(state.finished)
-        completion_tokens = 0
-        version = None
-        exclude = None if include_usage else {"usage"}
-        try:
-            while not stream.done:
-                try:
-                    p, out = await stream.next()
-                except ApiError as exc:
-                    yield sse_event(exc.body())
-                    break
-                version = out.weights_version
-                choices = []
-                for c in out.outputs:
-                    index = p * self.plan.n + c.index
-                    if state.finished[index]:
-                        continue
-                    first = not state.started[index]
-                    if not (c.token_ids or c.finish_reason or (first and self.plan.echo_texts[p] is not None)):
-                        continue
-                    choice = self._choice(p, out, c, first, offsets[index])
-                    state.started[index] = True
-                    offsets[index] += len(choice.text)
-                    state.finished[index] = c.finish_reason is not None
-                    choices.append(choice)
-                if not self.plan.score_only:
-                    completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-                if choices:
-                    chunk = CompletionResponse(id=self.id, created=self.created, model=self.model.name,
-                                               choices=choices, weights_version=version)
-                    yield sse_event(chunk, exclude)
-            if include_usage and stream.done:
-                chunk = CompletionResponse(id=self.id, created=self.created, model=self.model.name, choices=[],
-                                           usage=_usage(self.plan.prompt_tokens, completion_tokens),
-                                           weights_version=version if version is not None else 0)
-                yield sse_event(chunk)
-            yield DONE_EVENT
-        finally:
-            stream.close()
+
+        def news(p: int, out: RequestOutput) -> CompletionResponse | None:
+            choices = []
+            for c in out.outputs:
+                index = p * self.plan.n + c.index
+                if state.finished[index]:
+                    continue
+                first = not state.started[index]
+                if not (c.token_ids or c.finish_reason or (first and self.plan.echo_texts[p] is not None)):
+                    continue
+                choice = self._choice(p, out, c, first, offsets[index])
+                state.started[index] = True
+                offsets[index] += len(choice.text)
+                state.finished[index] = c.finish_reason is not None
+                choices.append(choice)
+            if not choices:
+                return None
+            return CompletionResponse(id=self.id, created=self.created, model=self.model.name, choices=choices,
+                                      weights_version=out.weights_version)
+
+        def tokens(out: RequestOutput) -> int:
+            return 0 if self.plan.score_only else sum(len(c.token_ids) for c in out.outputs)
+
+        def usage_chunk(completion_tokens: int, version: int) -> CompletionResponse:
+            return CompletionResponse(id=self.id, created=self.created, model=self.model.name, choices=[],
+                                      usage=_usage(self.plan.prompt_tokens, completion_tokens),
+                                      weights_version=version)
+
+        # Version 0 names the usage chunk of a stream that ended before any output.
+        return _events(stream, include_usage, 0, news, tokens, usage_chunk)
 
 
 class ChatRenderer:
@@ -307,51 +301,88 @@ class ChatRenderer:
             else None,
         )
 
-    async def chunks(self, stream: OutputStream, include_usage: bool, version: int) -> AsyncIterator[str]:
+    def chunks(self, stream: OutputStream, include_usage: bool, version: int) -> AsyncIterator[str]:
         """Server-sent events: the assistant role first, then one chunk per engine step with news, the
         usage chunk if asked, [DONE]. `version`: the weights version serving when the request came in
         (named by the role chunks, which carry no tokens)."""
         state = _Choices(self.plan.n)
-        exclude = None if include_usage else {"usage"}
-        completion_tokens = 0
-        try:
-            role = ChatDelta(role="assistant", content="")
-            roles = [ChatStreamChoice(index=i, delta=role) for i in range(self.plan.n)]
-            yield sse_event(self._chunk(roles, version), exclude)
-            while not stream.done:
-                try:
-                    _, out = await stream.next()
-                except ApiError as exc:
-                    yield sse_event(exc.body())
-                    break
-                version = out.weights_version
-                choices = []
-                for c in out.outputs:
-                    if state.finished[c.index] or not (c.token_ids or c.finish_reason):
-                        continue
-                    choices.append(ChatStreamChoice(
-                        index=c.index, delta=ChatDelta(content=c.text or ""), logprobs=self._logprobs(c),
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                        weights_versions=stretches(c),
-                    ))
-                    state.finished[c.index] = c.finish_reason is not None
-                completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-                if choices:
-                    chunk = self._chunk(choices, version)
-                    if out.prompt_logprobs is not None and self.plan.prompt_logprobs is not None:
-                        chunk.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
-                    yield sse_event(chunk, exclude)
-            if include_usage and stream.done:
-                chunk = self._chunk([], version)
-                chunk.usage = _usage(self.plan.prompt_tokens, completion_tokens)
-                yield sse_event(chunk)
-            yield DONE_EVENT
-        finally:
-            stream.close()
+
+        def news(_: int, out: RequestOutput) -> ChatCompletionChunk | None:
+            choices = []
+            for c in out.outputs:
+                if state.finished[c.index] or not (c.token_ids or c.finish_reason):
+                    continue
+                choices.append(ChatStreamChoice(
+                    index=c.index, delta=ChatDelta(content=c.text or ""), logprobs=self._logprobs(c),
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    weights_versions=stretches(c),
+                ))
+                state.finished[c.index] = c.finish_reason is not None
+            if not choices:
+                return None
+            chunk = self._chunk(choices, out.weights_version)
+            if out.prompt_logprobs is not None and self.plan.prompt_logprobs is not None:
+                chunk.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
+            return chunk
+
+        def tokens(out: RequestOutput) -> int:
+            return sum(len(c.token_ids) for c in out.outputs)
+
+        def usage_chunk(completion_tokens: int, version: int) -> ChatCompletionChunk:
+            chunk = self._chunk([], version)
+            chunk.usage = _usage(self.plan.prompt_tokens, completion_tokens)
+            return chunk
+
+        role = ChatDelta(role="assistant", content="")
+        opening = self._chunk([ChatStreamChoice(index=i, delta=role) for i in range(self.plan.n)], version)
+        return _events(stream, include_usage, version, news, tokens, usage_chunk, opening)
 
     def _chunk(self, choices: list[ChatStreamChoice], version: int) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model.name, choices=choices,
                                    weights_version=version)
+
+
+async def _events(
+    stream: OutputStream, include_usage: bool, version: int,
+    news: Callable[[int, RequestOutput], BaseModel | None], tokens: Callable[[RequestOutput], int],
+    usage_chunk: Callable[[int, int], BaseModel], opening: BaseModel | None = None,
+) -> AsyncIterator[str]:
+    """The server-sent events of one streamed response, for either renderer.
+
+    Args:
+        stream: the request's engine outputs; closed however the events end.
+        include_usage: whether a usage chunk ends the stream (and chunks carry a `usage` field).
+        version: the weights version the usage chunk names if no output arrives.
+        news: (prompt index, output) -> the chunk of what the output adds, or None when it adds nothing.
+        tokens: the completion tokens an output counts for the usage chunk.
+        usage_chunk: (completion tokens, weights version) -> the usage chunk.
+        opening: a chunk sent before any output (the chat role chunk).
+
+    Yields:
+        `opening`, a chunk per output with news, an error event if the engine failed the request, the usage
+        chunk if asked and the stream completed, then [DONE].
+    """
+    exclude = None if include_usage else {"usage"}
+    completion_tokens = 0
+    try:
+        if opening is not None:
+            yield sse_event(opening, exclude)
+        while not stream.done:
+            try:
+                p, out = await stream.next()
+            except ApiError as exc:
+                yield sse_event(exc.body())
+                break
+            version = out.weights_version
+            chunk = news(p, out)
+            completion_tokens += tokens(out)
+            if chunk is not None:
+                yield sse_event(chunk, exclude)
+        if include_usage and stream.done:
+            yield sse_event(usage_chunk(completion_tokens, version))
+        yield DONE_EVENT
+    finally:
+        stream.close()
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> Usage:
