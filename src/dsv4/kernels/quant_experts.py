@@ -23,7 +23,9 @@ from dsv4.kernels.gathered_experts import loop_experts, swiglu
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
 
 
-def dequantized_expert(weight: torch.Tensor, scale: torch.Tensor, block: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def dequantized_expert(
+    weight: torch.Tensor, scale: torch.Tensor, block: Sequence[int], dtype: torch.dtype,
+) -> torch.Tensor:
     """One expert's matrix in `dtype`: FP8 [out, in] (float8_e4m3fn) with fp32 block scales of `block`, or FP4
     [out, in/2] (two e2m1 codes per int8 byte) with ue8m0 scale bytes, one per block[1] inputs of a row."""
     if weight.dtype == torch.float8_e4m3fn:
