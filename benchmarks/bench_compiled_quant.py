@@ -130,7 +130,8 @@ def mixed(checkpoint: Path, args, eager: LLM, compiled: LLM) -> dict:
             "kinds": {k: sum(kind == k for kind, _, _ in record) for k in ("prefill", "mixed", "decode")}}
 
 
-def run(args) -> dict:
+def run(args, stem: Path) -> dict:
+    """Every workload; the results so far are written to `stem` after each."""
     torch.set_num_threads(args.threads)
     results: dict = {"config": args.config, "experts": "fp4", "dtype": "float32", "threads": args.threads,
                      "repeats": args.repeats, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
@@ -147,6 +148,7 @@ def run(args) -> dict:
                 results["warmup"][name] = {"cold": warmup(checkpoint, args, compile, caches),
                                            "warm": warmup(checkpoint, args, compile, caches)}
                 print(f"warmup {name}: {results['warmup'][name]}", flush=True)
+                write_report(stem, results)  # so far
             # This process compiles from the cache the warm-up left (as a warm restart would).
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "caches_compiled" / "inductor")
         eager, compiled = _engine(checkpoint, args, False), _engine(checkpoint, args, True)
@@ -160,6 +162,7 @@ def run(args) -> dict:
             results["step"].append(row)
             print(f"step b={batch}: eager {row['eager_ms']:.2f} ms, compiled {row['compiled_ms']:.2f} ms, "
                   f"x{t.ratio:.3f} [{min(t.ratios):.3f}, {max(t.ratios):.3f}]", flush=True)
+            write_report(stem, results)  # so far
         results["mixed"] = mixed(checkpoint, args, eager, compiled)
         print(f"mixed: {results['mixed']}", flush=True)
     results["load_average_end"] = os.getloadavg()
@@ -185,8 +188,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.warmup_child:
         return warmup_child(args)
-    results = run(args)
-    write_report(args.out / f"bench_compiled_quant_{args.config}_t{args.threads}", results)
+    stem = args.out / f"bench_compiled_quant_{args.config}_t{args.threads}"
+    write_report(stem, run(args, stem))
     return 0
 
 
