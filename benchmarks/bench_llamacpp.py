@@ -11,6 +11,7 @@ GGUF holding the same values:
   fp4            dsv4 fp32, experts FP4 (resident as FP4)           vs  llama.cpp with MXFP4 experts (same bytes)
   bf16           dsv4 bf16, experts dense                            vs  llama.cpp F32
   fp32-compiled  dsv4 fp32, experts dense, LLM(compile=True)         vs  llama.cpp F32
+  fp4-compiled   dsv4 fp32, experts FP4, LLM(compile=True)           vs  llama.cpp with MXFP4 experts
 
 Before anything is timed, both engines compute the logits of every position of a prompt and the run
 records their max abs difference (a comparison of engines that compute different things is meaningless):
@@ -118,6 +119,8 @@ VARIANTS = {
                     same_computation=False),
     "fp32-compiled": Variant("dsv4 fp32, dense experts, compile=True / llama.cpp F32", "f32",
                              {"dtype": "float32", "expert_dtype": "dense", "compile": True}),
+    "fp4-compiled": Variant("dsv4 fp32, FP4 experts, compile=True / llama.cpp MXFP4 experts", "mxfp4",
+                            {"dtype": "float32", "expert_dtype": "fp4", "compile": True}, same_computation=False),
 }
 PEER_ATTENTION = {"default": DEFAULT_ATTENTION, "exact": EXACT_ATTENTION}
 

@@ -165,7 +165,7 @@ def _print(result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", choices=("fp4", "dense"), default="fp4")
-    parser.add_argument("--compile", action="store_true", help="LLM(compile=True) (dense experts only)")
+    parser.add_argument("--compile", action="store_true", help="LLM(compile=True)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)

@@ -125,11 +125,12 @@ class LLM:
         max_num_batched_tokens: tokens per forward step; prompt chunks fill what decodes leave.
         max_model_len: prompt + output tokens per sequence (None: the model's maximum, reduced
             until one sequence's cache fits the memory budget).
-        compile: run decode steps as one `torch.compile`d graph (`model/static_decode.py`): several
-            times fewer framework calls per step. Needs a C++ compiler and dense routed experts (bf16 /
-            fp32, e.g. `expert_dtype="dense"`); the first steps at new shapes compile (about a minute
-            on a small CPU, cached on disk by torch across processes). Refits stay in place: the compiled
-            graph reads the weights by address and sees the new values without recompiling.
+        compile: run pure-decode steps as one `torch.compile`d graph (`model/static_decode.py`): several
+            times fewer framework calls per step; steps with prompt chunks run eager. Needs a C++ compiler;
+            routed experts in any format (FP8 / FP4 experts stay quantized and run the fused kernels as
+            eager does). The first steps at new shapes compile (minutes on a small CPU, cached on disk by
+            torch across processes). Refits stay in place: the compiled graph reads the weights by address
+            and sees the new values without recompiling.
         num_speculative_tokens: draft tokens per sequence and step (k, 1 to
             `speculation.MAX_SPECULATIVE_TOKENS`; None: the drafter's default, `DEFAULT_MTP_TOKENS` for MTP,
             DSpark's whole block).

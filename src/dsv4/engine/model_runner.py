@@ -59,7 +59,7 @@ class ModelRunner:
         compile_decode: run pure-decode steps through `StaticDecode` compiled with torch.compile.
 
     Raises:
-        ValueError: compile_decode for a model the static step cannot run (e.g. FP8/FP4 routed experts).
+        ValueError: compile_decode for a model the static step cannot run (e.g. activation_dtype != dtype).
     """
 
     def __init__(self, model: DeepseekV4, limits: EngineLimits, compile_decode: bool = False):

@@ -10,11 +10,11 @@ from torch import nn
 
 from dsv4.config import DENSE, EXPERT_FORMATS, FP8, HASH_MOE, ModelConfig, QuantConfig
 from dsv4.kernels.gathered_experts import loop_experts, swiglu
+from dsv4.kernels.quant_experts import dequantized_expert, dequantizing_loop, quant_experts
 from dsv4.kernels.registry import FEW_ROW_EXPERTS, MOE_EXPERTS, QUANT_EXPERTS, KernelRegistry, default_registry
 from dsv4.model.linear import Linear, compute_weight, input_major
 from dsv4.parallel.collectives import all_reduce
 from dsv4.parallel.state import SINGLE, ParallelState
-from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise
 
 # Keeps the normalisation well-defined when every selected score underflows to zero.
 _ROUTING_NORM_EPS = 1e-20
@@ -116,10 +116,7 @@ class RoutedExperts(nn.Module):
         weight = getattr(self, name)[e]
         if self.format == DENSE:
             return compute_weight(weight, dtype)
-        scale = getattr(self, f"{name}_scale")[e]
-        if self.format == FP8:
-            return dequantize_fp8_blockwise(weight, scale, self.block, out_dtype=dtype)
-        return dequantize_fp4(weight, scale, self.group, out_dtype=dtype)
+        return dequantized_expert(weight, getattr(self, f"{name}_scale")[e], self.quant_block, dtype)
 
     @property
     def quant_block(self) -> tuple[int, int]:
@@ -129,8 +126,9 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]. The registry's fused C kernels
         serve the few-token calls (dense: FEW_ROW_EXPERTS; FP8/FP4: QUANT_EXPERTS, decoded in registers), its
-        grouped/gathered GEMMs larger dense batches; otherwise the reference loop. Expert parallel: the sum
-        over the experts this rank holds (ids are global)."""
+        grouped/gathered GEMMs larger dense batches; otherwise the reference loop. Inside a compiled graph
+        FP8/FP4 experts run as one op making the same choice per call (kernels/quant_experts.py). Expert
+        parallel: the sum over the experts this rank holds (ids are global)."""
         if self.parallel.expert_parallel:
             return self._forward_held(x, ids, weights)
         return self._forward_local(x, ids, weights)
@@ -159,15 +157,24 @@ class RoutedExperts(nn.Module):
             if fast is not None:
                 return fast(*args)
         else:
-            args = (x, ids, weights, self.w1, self.w1_scale, self.w3, self.w3_scale, self.w2, self.w2_scale,
-                    self.quant_block, self.limit)
+            args = self._quant_args(x, ids, weights)
+            if torch.compiler.is_compiling():
+                c_kernel = not self.kernels.choose(QUANT_EXPERTS).is_reference
+                return quant_experts(*args[:-2], list(self.quant_block), self.limit, c_kernel)
             fused = self.kernels.kernel(QUANT_EXPERTS, *args)
             if fused is not None:
                 return fused(*args)
         return self.forward_reference(x, ids, weights)
 
+    def _quant_args(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
+        """The arguments of QUANT_EXPERTS and `dequantizing_loop` over this layer's FP8 / FP4 stacks."""
+        return (x, ids, weights, self.w1, self.w1_scale, self.w3, self.w3_scale, self.w2, self.w2_scale,
+                self.quant_block, self.limit)
+
     def forward_reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """One expert at a time, dequantising (or widening) only the experts in use, to x's dtype."""
+        if self.format != DENSE:
+            return dequantizing_loop(*self._quant_args(x, ids, weights))
         return loop_experts(x, ids, weights, lambda name, e: self.expert_weight(name, e, x.dtype), self.num_experts,
                             self.limit, swiglu)
 

@@ -10,8 +10,10 @@ which has what would break a compiled graph taken out:
 - each layer reads `entry_reads[rate]` compressed entries per row, masked by the row's own count: an
   int the host rounds up to a power of two, so a compiled graph sees few distinct values;
 - the C kernels decline inside the graph (their `supports`), so norms, RoPE and mHC run the readable
-  torch formulas, which the compiler fuses into a few loops; routed experts pick a fixed-shape strategy
-  or one opaque op by shape (`kernels/gathered_experts.py`).
+  torch formulas, which the compiler fuses into a few loops; dense routed experts pick a fixed-shape
+  strategy or one opaque op by shape (`kernels/gathered_experts.py`); FP8 / FP4 experts run as one opaque
+  op that calls the fused C kernel where the eager step would and dequantizes the used experts elsewhere
+  (`kernels/quant_experts.py`), the stacks staying quantized.
 
 Compiled (`torch.compile(fullgraph=True)`), parameters and cache tensors are graph inputs read by address:
 an in-place refit is seen by the next step with no recompilation (tests/test_static_decode.py).
@@ -40,9 +42,8 @@ def unsupported_reason(model: DeepseekV4) -> str | None:
                 f"take the routed experts off the static step's paths): compile needs activation_dtype == dtype")
     for i, layer in enumerate(model.layers):
         experts = layer.ffn.experts
-        if experts.format != DENSE:
-            return (f"layer {i}: {experts.format} routed experts (the static step needs dense experts: "
-                    f"load with expert_dtype=\"dense\" to compile)")
+        if experts.format != DENSE:  # FP8 / FP4 stacks run as one op whatever their shapes (quant_experts.py)
+            continue
         probe = torch.empty(0, dtype=model.dtype)
         if not GroupedExperts.supports(probe, probe, probe, experts.w1, experts.w3, experts.w2, experts.limit, swiglu):
             return f"layer {i}: expert shapes {tuple(experts.w1.shape)} are not 16-byte aligned for _grouped_mm"
