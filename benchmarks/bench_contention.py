@@ -38,6 +38,7 @@ from bench_llamacpp import (  # noqa: E402
     PeerBuild,
     _background_load,
     _ctx_cells,
+    add_workload_arguments,
     prepare_models,
 )
 from dsv4 import LLM  # noqa: E402
@@ -126,12 +127,8 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
-    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fp32", "fp4"])
+    add_workload_arguments(parser, new_tokens=32)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2, help="threads for both engines")
     parser.add_argument("--load", type=int, default=1, help="busy-looping processes in the loaded half")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=PeerBuild().workdir, help="build_llamacpp.sh's --workdir")

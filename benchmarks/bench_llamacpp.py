@@ -291,15 +291,20 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_arguments(parser: argparse.ArgumentParser, new_tokens: int) -> None:
+    """The options every dsv4-vs-llama.cpp benchmark shares: model config, variants, prompt, threads."""
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fp32", "fp4"])
-    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--prefill-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--threads", type=int, default=2, help="threads for both engines")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(parser, new_tokens=48)
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--prefill-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--background-load", type=int, default=0, metavar="N",
                         help="busy-looping processes kept running through the timed workloads")
