@@ -204,14 +204,14 @@ def test_tensors_read_straight_into_their_destination_equal_safetensors_own_read
     from dsv4.weights import checkpoint as checkpoint_module
     from dsv4.weights.loader import load_models
 
-    direct: list[str] = []
-    original = checkpoint_module._read_into
+    direct: set[str] = set()
+    original = checkpoint_module._writable_bytes
 
-    def recording(file, fd, info, dest):
-        direct.append(info.name)
-        return original(file, fd, info, dest)
+    def recording(info, dest):
+        direct.add(info.name)
+        return original(info, dest)
 
-    monkeypatch.setattr(checkpoint_module, "_read_into", recording)
+    monkeypatch.setattr(checkpoint_module, "_writable_bytes", recording)
     loaded = load_models(tiny_release_dir, dtype=torch.float32)
     want = load_file(tiny_release_dir / "model.safetensors")
     routes = loaded.routes()
@@ -303,3 +303,23 @@ def test_only_fresh_unsharded_loads_place_tensors(tiny_release_dir):
                   WeightWriter(routes, loaded.layout, CheckpointError, staged=True, fresh=True),
                   WeightWriter(routes, loaded.layout, CheckpointError, dry_run=True, fresh=True)):
         assert refit.destination(expert.native, torch.int8, tuple(expert.dest.shape)) is None
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "sliced", "transposed"])
+def test_the_e8m0_check_finds_the_nan_byte_wherever_it_lies(layout):
+    """A memchr over contiguous bytes, a max reduction over strided ones: both find a lone 0xFF at any place and
+    pass every other byte (254 included)."""
+    from dsv4.weights.convert import ConversionError, e8m0_bytes
+
+    shape = (6, 40)
+    arrange = {"contiguous": lambda t: t, "sliced": lambda t: t[:, 8:], "transposed": lambda t: t.t()}[layout]
+    clean = torch.full(shape, 254, dtype=torch.uint8)
+    assert e8m0_bytes(arrange(clean).view(torch.float8_e8m0fnu)).dtype == torch.uint8
+    for index in (0, 17, 40 + 7, 6 * 40 - 1):
+        bad = clean.clone()
+        bad.view(-1)[index] = 0xFF
+        view = arrange(bad)
+        if int(view.max()) != 0xFF:
+            continue  # sliced off
+        with pytest.raises(ConversionError, match="NaN byte 0xFF"):
+            e8m0_bytes(view)
