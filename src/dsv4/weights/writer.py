@@ -188,9 +188,9 @@ class WeightWriter:
             dest = slot.scale_dest if dtype in E8M0_DTYPES else None
         else:
             return None
-        if dest is None or tuple(dest.shape) != tuple(shape) or not dest.is_contiguous():
+        if dest is None or dest.shape != shape or not dest.is_contiguous():
             return None
-        return dest.view(dtype)
+        return dest if dest.dtype == dtype else dest.view(dtype)
 
     def load(self, name: str, tensor: torch.Tensor, origin: str) -> int:
         """Map, pair, validate, convert and write (or stage) one incoming tensor.
