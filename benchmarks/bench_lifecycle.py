@@ -4,10 +4,12 @@ For each size (a DeepSeek-V4-shaped config; dummy weights written once to checkp
 layout, FP8 dense linears + FP4 experts, and in transformers' HF layout, bf16 with stacked experts):
 
   load        `load_models` (build, read, validate, convert, write, finalize) against reading the same files
-              (read(2) in 64 MiB chunks), page cache warm and cold (each file dropped from the page cache with
-              posix_fadvise(DONTNEED) before every cold run). The HF bf16 load quantizes every expert to FP4, so
-              its baseline is the read plus the quantizer alone on those experts. The model build alone (part of
-              every load, none of the file's bytes) is reported beside it.
+              (read(2) in 64 MiB chunks into one reused buffer), page cache warm and cold (each file dropped from
+              the page cache with posix_fadvise(DONTNEED) before every cold run); the warm load is also paired
+              with reading the files into freshly allocated memory (`load_native_warm_vs_fresh_read`: what
+              placing the bytes in new weights costs, a fault per page; reported, no target). The HF bf16 load
+              quantizes every expert to FP4, so its baseline is the read plus the quantizer alone on those
+              experts. The model build alone (part of every load, none of the file's bytes) is reported beside it.
   peak RSS    a native load in a fresh interpreter: VmHWM growth against resident + the largest tensor.
   start-up    `LLM(...)` with its default limits (max_num_seqs, max_model_len sized from the model and the
               memory) against `load_models` of the same checkpoint: the engine set-up on top of the load.
@@ -31,9 +33,10 @@ same bound for the RSS growth of `LLM(...)` start-up (its cache takes no memory 
 by per-tensor overhead (~300 tensors of a few KiB against a cache-resident memcpy) and is reported, not held to the
 targets.
 
-Writes <out>/bench_lifecycle[_quick].json and .png.
+Writes <out>/bench_lifecycle[_quick].json and .png (`--figures` a subset: bench_lifecycle[_quick]_<groups>.*).
 Usage: PYTHONPATH=src python benchmarks/bench_lifecycle.py [--sizes tiny small medium large] [--repeats 3]
                                                            [--workdir DIR] [--threads 1] [--quick]
+                                                           [--figures load hf rss startup refit]
 Needs the `bench` extra (matplotlib).
 """
 
@@ -132,10 +135,10 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def paired(baseline: Callable[[], object], dsv4: Callable[[], object], repeats: int, target: float,
+def paired(baseline: Callable[[], object], dsv4: Callable[[], object], repeats: int, target: float | None,
            prepare: Callable[[], object] = lambda: None) -> dict:
     """Alternate baseline and dsv4 `repeats` times after one untimed warm-up each; `prepare` runs untimed
-    before every timed call (e.g. dropping the page cache)."""
+    before every timed call (e.g. dropping the page cache). `target`: None for a figure only reported."""
     prepare()
     baseline()
     prepare()
@@ -151,7 +154,7 @@ def paired(baseline: Callable[[], object], dsv4: Callable[[], object], repeats: 
     ratio = statistics.median(ratios)
     return {"baseline_s": statistics.median(b for b, _ in pairs), "dsv4_s": statistics.median(m for _, m in pairs),
             "ratio": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios), "target": target,
-            "meets_target": ratio <= target}
+            "meets_target": None if target is None else ratio <= target}
 
 
 # ---- checkpoints ----
@@ -163,12 +166,13 @@ def _checkpoint_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in _files(path))
 
 
-def make_checkpoints(name: str, size: Size, workdir: Path) -> dict[str, Path]:
-    """Native and (if the size has it) HF bf16 checkpoints of seeded dummy weights; reused when present."""
+def make_checkpoints(name: str, size: Size, workdir: Path, hf: bool = True) -> dict[str, Path]:
+    """Native and (if the size has it and `hf`) HF bf16 checkpoints of seeded dummy weights; reused when present."""
     root = workdir / name
     config_dir = root / "config"
     out = {"native": root / "native"}
-    if size.hf:
+    hf = hf and size.hf
+    if hf:
         out["hf"] = root / "hf_bf16"
     if all((p / "config.json").exists() for p in out.values()):
         return out
@@ -180,7 +184,7 @@ def make_checkpoints(name: str, size: Size, workdir: Path) -> dict[str, Path]:
     if not (out["native"] / "config.json").exists():
         save_checkpoint(source, out["native"], layout="native", dense="fp8", experts="fp4")
     del source
-    if size.hf and not (out["hf"] / "config.json").exists():
+    if hf and not (out["hf"] / "config.json").exists():
         bf16 = load_models(out["native"], dtype=torch.bfloat16)
         save_checkpoint(bf16, out["hf"], layout="hf")
     return out
@@ -198,7 +202,8 @@ def read_files(path: Path, buffer: memoryview) -> int:
 
 def read_into_fresh_memory(path: Path) -> int:
     """Reading the files into newly allocated memory, as any load must place them: the read plus the first
-    touch of every page (page faults cost ~2 us each on the development VM), the floor a loader can reach."""
+    touch of every page (page faults cost ~2 us each on the development VM, and fresh memory ~0.5-2 s per GiB
+    under load there), the floor a loader into new weights can reach."""
     total = 0
     for file in _files(path):
         target = torch.empty(file.stat().st_size, dtype=torch.uint8)
@@ -364,8 +369,12 @@ def startup_rss(path: Path) -> dict:
 
 
 # ---- one size ----
-def measure(name: str, size: Size, workdir: Path, repeats: int) -> dict:
-    paths = make_checkpoints(name, size, workdir)
+# Groups of figures `--figures` selects (all by default).
+FIGURES = ("load", "hf", "rss", "startup", "refit")
+
+
+def measure(name: str, size: Size, workdir: Path, repeats: int, figures: tuple[str, ...] = FIGURES) -> dict:
+    paths = make_checkpoints(name, size, workdir, hf="hf" in figures or "refit" in figures)
     buffer = memoryview(bytearray(READ_CHUNK_BYTES))
     out: dict = {"checkpoint_bytes": {layout: _checkpoint_bytes(p) for layout, p in paths.items()}}
     native = paths["native"]
@@ -373,36 +382,44 @@ def measure(name: str, size: Size, workdir: Path, repeats: int) -> dict:
     def cold(path: Path) -> Callable[[], None]:
         return lambda: drop_page_cache(path)
 
-    loaded = load_models(native, dtype=DTYPE)
+    def load_native() -> LoadedModels:
+        return load_models(native, dtype=DTYPE)
+
+    loaded = load_native()
     cfg, fmt = loaded.config, loaded.expert_format
     # The model build (module construction, parameter allocation) is part of every load and of none of the
     # file's bytes: reported apart, and each load ratio also without it.
     out["build_s"] = statistics.median(_timed(lambda: build_models(cfg, fmt, DTYPE, "cpu", None))
                                        for _ in range(max(1, repeats)))
-    out["load_native_warm"] = paired(lambda: read_files(native, buffer), lambda: load_models(native, dtype=DTYPE),
-                                     repeats, TARGETS["load_native_warm"])
-    out["load_native_cold"] = paired(lambda: read_files(native, buffer), lambda: load_models(native, dtype=DTYPE),
-                                     repeats, TARGETS["load_native_cold"], prepare=cold(native))
-    fresh = statistics.median(_timed(lambda: read_into_fresh_memory(native)) for _ in range(max(1, repeats)))
-    out["read_into_fresh_memory_s"] = fresh
-    out["load_native_warm"]["ratio_vs_read_into_fresh_memory"] = out["load_native_warm"]["dsv4_s"] / fresh
-    out["peak_rss"] = peak_rss(native)
-    out["startup"] = paired(lambda: load_models(native, dtype=DTYPE), lambda: LLM(native, dtype="float32"), repeats,
-                            TARGETS["startup"])
-    out["startup_rss"] = startup_rss(native)
+    if "load" in figures:
+        out["load_native_warm"] = paired(lambda: read_files(native, buffer), load_native, repeats,
+                                         TARGETS["load_native_warm"])
+        out["load_native_cold"] = paired(lambda: read_files(native, buffer), load_native, repeats,
+                                         TARGETS["load_native_cold"], prepare=cold(native))
+        # Against reading into fresh memory (what placing the bytes in new weights costs), paired the same way.
+        fresh = paired(lambda: read_into_fresh_memory(native), load_native, repeats, None)
+        out["load_native_warm_vs_fresh_read"] = fresh
+        out["read_into_fresh_memory_s"] = fresh["baseline_s"]
+        out["load_native_warm"]["ratio_vs_read_into_fresh_memory"] = fresh["ratio"]
+    if "rss" in figures:
+        out["peak_rss"] = peak_rss(native)
+    if "startup" in figures:
+        out["startup"] = paired(load_native, lambda: LLM(native, dtype="float32"), repeats, TARGETS["startup"])
+        out["startup_rss"] = startup_rss(native)
 
-    resident = [(n, t.clone()) for n, t in iter_weights(loaded)]
-    nbytes = _tensor_bytes(resident)
-    out["refit_bytes"] = nbytes
-    out["refit_tensors"] = len(resident)
-    memcpy = memcpy_of(nbytes)
-    out.update(refit_pairs("native", loaded, resident, memcpy, repeats))
-    resident.clear()  # one set of incoming tensors at a time
-    trainer = [(n, t.contiguous()) for n, t in iter_weights(loaded)]
-    out.update(refit_pairs("trainer", loaded, trainer, memcpy, repeats))
-    trainer.clear()
+    if "refit" in figures:
+        resident = [(n, t.clone()) for n, t in iter_weights(loaded)]
+        nbytes = _tensor_bytes(resident)
+        out["refit_bytes"] = nbytes
+        out["refit_tensors"] = len(resident)
+        memcpy = memcpy_of(nbytes)
+        out.update(refit_pairs("native", loaded, resident, memcpy, repeats))
+        resident.clear()  # one set of incoming tensors at a time
+        trainer = [(n, t.contiguous()) for n, t in iter_weights(loaded)]
+        out.update(refit_pairs("trainer", loaded, trainer, memcpy, repeats))
+        trainer.clear()
 
-    if size.hf:
+    if "hf" in paths:
         hf = paths["hf"]
         bf16 = [(n, t.clone()) for n, t, _ in CheckpointDir(hf).iter_tensors()]
         experts = list(hf_experts(bf16))
@@ -411,11 +428,13 @@ def measure(name: str, size: Size, workdir: Path, repeats: int) -> dict:
         def load_hf() -> LoadedModels:
             return load_models(hf, dtype=DTYPE, expert_dtype="fp4")
 
-        out["load_hf_warm"] = paired(lambda: (read_files(hf, buffer), kernel()), load_hf, repeats,
-                                     TARGETS["load_hf_warm"])
-        out["load_hf_cold"] = paired(lambda: (read_files(hf, buffer), kernel()), load_hf, repeats,
-                                     TARGETS["load_hf_cold"], prepare=cold(hf))
-        out.update(refit_pairs("bf16", loaded, bf16, kernel, repeats))
+        if "hf" in figures:
+            out["load_hf_warm"] = paired(lambda: (read_files(hf, buffer), kernel()), load_hf, repeats,
+                                         TARGETS["load_hf_warm"])
+            out["load_hf_cold"] = paired(lambda: (read_files(hf, buffer), kernel()), load_hf, repeats,
+                                         TARGETS["load_hf_cold"], prepare=cold(hf))
+        if "refit" in figures:
+            out.update(refit_pairs("bf16", loaded, bf16, kernel, repeats))
     for key in ("load_native_warm", "load_native_cold", "load_hf_warm", "load_hf_cold"):
         if key in out:
             figure = out[key]
@@ -458,12 +477,13 @@ def plot(results: dict, path: Path) -> None:
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     results = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": args.threads,
-               "repeats": args.repeats, "torch": torch.__version__, "sizes": {}}
+               "repeats": args.repeats, "figures": list(args.figures), "torch": torch.__version__,
+               "load_average": os.getloadavg(), "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="bench_lifecycle_") as tmp:
         workdir = args.workdir or Path(tmp)
         for name in args.sizes:
             print(f"[bench_lifecycle] {name} ...", flush=True)
-            results["sizes"][name] = measure(name, SIZES[name], workdir, args.repeats)
+            results["sizes"][name] = measure(name, SIZES[name], workdir, args.repeats, tuple(args.figures))
             row = results["sizes"][name]
             print("  " + ", ".join(f"{m} x{row[m]['ratio']:.2f}" for m in TARGETS if m in row), flush=True)
     return results
@@ -476,13 +496,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (baselines and dsv4 alike)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the generated checkpoints here and reuse them (default: a temporary directory)")
+    parser.add_argument("--figures", nargs="+", choices=FIGURES, default=list(FIGURES),
+                        help="which groups of figures to measure (a subset is written as bench_lifecycle[_quick]_"
+                             "<groups>.json, beside the full run's)")
     parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, one pair per figure (smoke test)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.repeats = list(QUICK_SIZES), 1
     results = run(args)
-    write_report(args.out / ("bench_lifecycle_quick" if args.quick else "bench_lifecycle"), results, plot)
+    stem = "bench_lifecycle_quick" if args.quick else "bench_lifecycle"
+    if list(args.figures) != list(FIGURES):
+        stem += "_" + "_".join(f for f in FIGURES if f in args.figures)
+    write_report(args.out / stem, results, plot)
     return 0
 
 

@@ -76,6 +76,18 @@ MUTATIONS = (
         "        if False:\n",
     ),
     Mutation(
+        "a tensor placed in the model's storage is never read from its file",
+        "weights/checkpoint.py",
+        "        done = start + os.preadv(fd, [_writable_bytes(info, dest) for info, dest in run], start)\n",
+        "        done = end\n",
+    ),
+    Mutation(
+        "the writer takes every value for one already in its destination",
+        "weights/writer.py",
+        "        if not _in_place(dest, value):\n            copy_into(dest, value)\n",
+        "        pass\n",
+    ),
+    Mutation(
         "forward does not check readiness",
         "model/deepseek_v4.py",
         "        self.require_ready()\n        cache.begin_step",

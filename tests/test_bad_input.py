@@ -157,7 +157,7 @@ FP32_CASES = {
 
 # Cases a load can only detect by reading values: `dsv4 inspect` (headers only) cannot see them.
 VALUE_CASES = {"nan_in_linear", "nan_in_expert", "inf_in_ape", "tid2eid_out_of_range", "tid2eid_negative",
-               "tid2eid_repeated_expert_in_row", "fp8_scale_nan_byte", "fp8_nan_code"}
+               "tid2eid_repeated_expert_in_row", "fp8_scale_nan_byte", "fp8_nan_code", "fp4_scale_nan_byte"}
 
 
 def _inspection_agrees(case: str, path: Path, load_message: str, needles: list[str]) -> None:
@@ -206,6 +206,9 @@ FP8_CASES = {
     "fp8_scale_nan_byte": (_set("layers.1.attn.wo_b.scale", lambda s: torch.full_like(s.view(torch.uint8), 255)
                                 .view(torch.float8_e8m0fnu)), ["layers.1.attn.wo_b"]),
     "fp8_nan_code": (_set("layers.3.attn.wq_b.weight", _with_fp8_nan_code), ["layers.3.attn.wq_b", "non-finite"]),
+    # Read straight into the model's own storage (an FP4 expert's scale is its resident bytes): checked there.
+    "fp4_scale_nan_byte": (_set("layers.2.ffn.experts.1.w3.scale", lambda s: torch.full_like(s.view(torch.uint8), 255)
+                                .view(torch.float8_e8m0fnu)), ["layers.2.ffn.experts.1.w3.scale", "0xFF"]),
 }
 
 

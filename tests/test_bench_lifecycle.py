@@ -28,3 +28,19 @@ def test_quick_mode_writes_every_figure(tmp_path, benchmark_script):
     for phase in ("before", "started", "served"):
         assert phases[phase]["VmRSS"] > 0 and phases[phase]["RssAnon"] > 0
     assert (tmp_path / "bench_lifecycle_quick.png").stat().st_size > 0
+
+
+def test_a_subset_of_figures_measures_only_those(tmp_path, benchmark_script):
+    """`--figures load`: the native load figures (warm, cold, and paired with a read into fresh memory), written
+    beside a full run's results instead of over them."""
+    module = benchmark_script("bench_lifecycle")
+    assert module.main(["--quick", "--figures", "load", "--out", str(tmp_path)]) == 0
+    assert not (tmp_path / "bench_lifecycle_quick.json").exists()
+    results = json.loads((tmp_path / "bench_lifecycle_quick_load.json").read_text())
+    row = results["sizes"]["tiny"]
+    assert {"load_native_warm", "load_native_cold", "load_native_warm_vs_fresh_read"} <= set(row)
+    assert not {"peak_rss", "startup", "refit_native_fail_stop", "load_hf_warm"} & set(row)
+    fresh = row["load_native_warm_vs_fresh_read"]
+    assert fresh["target"] is None and fresh["meets_target"] is None and fresh["baseline_s"] > 0
+    assert row["load_native_warm"]["ratio_vs_read_into_fresh_memory"] == fresh["ratio"]
+    assert results["figures"] == ["load"] and (tmp_path / "bench_lifecycle_quick_load.png").stat().st_size > 0

@@ -189,3 +189,137 @@ def test_header_parse_leaves_the_collector_as_it_found_it(tmp_path, enabled):
         assert gc.isenabled() == enabled
     finally:
         gc.enable() if was else gc.disable()
+
+
+def _resident_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_tensors_read_straight_into_their_destination_equal_safetensors_own_reader(tiny_release_dir, monkeypatch):
+    """FP4 expert bytes, their ue8m0 scales and float tensors already in the resident dtype and layout are read
+    from the file into the model's own storage (no mapped view, no copy): each holds exactly the bytes
+    safetensors' own reader reads, and every other tensor still streams through the mapping."""
+    from safetensors.torch import load_file
+
+    from dsv4.weights import checkpoint as checkpoint_module
+    from dsv4.weights.loader import load_models
+
+    direct: set[str] = set()
+    original = checkpoint_module._writable_bytes
+
+    def recording(info, dest):
+        direct.add(info.name)
+        return original(info, dest)
+
+    monkeypatch.setattr(checkpoint_module, "_writable_bytes", recording)
+    loaded = load_models(tiny_release_dir, dtype=torch.float32)
+    want = load_file(tiny_release_dir / "model.safetensors")
+    routes = loaded.routes()
+    kinds = set()
+    for name in direct:
+        route = routes.resolve(name)
+        dest = route.slot.dest if route.kind == "weight" else route.slot.scale_dest
+        kinds.add((route.kind, route.slot.kind, want[name].dtype))
+        assert torch.equal(_resident_bytes(dest), _resident_bytes(want[name])), name
+    assert {("weight", "fp4", torch.int8), ("scale", "fp4", torch.float8_e8m0fnu),
+            ("weight", "float", torch.float32)} <= kinds, kinds
+    # FP8 linears (dequantized into fp32) and row-major matrices of input-major weights are converted, not placed.
+    assert not any(want[name].dtype == torch.float8_e4m3fn for name in direct)
+    assert len(direct) < len(want)
+
+
+def test_a_file_cut_short_after_its_header_was_read_names_the_file_and_tensor(tiny_release_dir, tmp_path):
+    """A read straight into a destination that finds the file shorter than its header promised (cut while the
+    load ran) fails with a CheckpointError naming the file and the tensor, where a mapped view would fault."""
+    import shutil
+
+    from dsv4.errors import CheckpointError
+    from dsv4.weights.checkpoint import TORCH_DTYPES, CheckpointDir
+
+    shutil.copytree(tiny_release_dir, tmp_path / "ckpt")
+    checkpoint = CheckpointDir(tmp_path / "ckpt")
+    last = max(checkpoint.tensors.values(), key=lambda info: info.offset)
+    with last.file.open("r+b") as f:
+        f.truncate(last.offset + last.nbytes // 2)
+
+    def everything(name, dtype, shape):
+        info = checkpoint.tensors[name]
+        return torch.empty(info.nbytes, dtype=torch.uint8).view(TORCH_DTYPES[info.dtype]).view(shape)
+
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(last.file))}: tensor {re.escape(last.name)}: "
+                                              r"the file ends inside its data \(truncated\)"):
+        for _ in checkpoint.iter_tensors(destination=everything):
+            pass
+
+
+def test_values_read_into_place_are_still_checked(tiny_release_dir, tmp_path):
+    """A bad value in a tensor read straight into the model (a NaN in a float tensor kept as it is, the e8m0 NaN
+    byte in an FP4 expert's scale) is refused with the file and the tensor named, and no model is returned."""
+    from safetensors.torch import load_file, save_file
+
+    from dsv4.errors import CheckpointError
+    from dsv4.weights.loader import load_models
+
+    tensors = load_file(tiny_release_dir / "model.safetensors")
+    cases = {"norm.weight": ("non-finite", lambda t: t.index_fill(0, torch.tensor([1]), float("nan"))),
+             "layers.2.ffn.experts.1.w1.scale": ("0xFF", lambda t: torch.full_like(t.view(torch.uint8), 0xFF)
+                                                 .view(torch.float8_e8m0fnu))}
+    for name, (needle, corrupt) in cases.items():
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "config.json").write_text((tiny_release_dir / "config.json").read_text())
+        save_file({**tensors, name: corrupt(tensors[name])}, bad / "model.safetensors")
+        with pytest.raises(CheckpointError) as excinfo:
+            load_models(bad, dtype=torch.float32)
+        message = str(excinfo.value)
+        assert str(bad / "model.safetensors") in message and f"tensor {name}" in message and needle in message
+
+
+def test_only_fresh_unsharded_loads_place_tensors(tiny_release_dir):
+    """`WeightWriter.destination` offers a destination only for a fresh load's tensors that are their resident
+    bytes as they are: never to a refit (atomic or fail-stop: values are checked before they land), never to a
+    tensor that needs a conversion, a transpose or another dtype."""
+    from dsv4.errors import CheckpointError
+    from dsv4.weights.loader import load_models
+    from dsv4.weights.writer import WeightWriter
+
+    loaded = load_models(tiny_release_dir, dtype=torch.float32)
+    routes = loaded.routes()
+    fresh = WeightWriter(routes, loaded.layout, CheckpointError, fresh=True)
+    expert = routes.resolve("layers.2.ffn.experts.1.w1.weight").slot
+    assert fresh.destination(expert.native, torch.int8, tuple(expert.dest.shape)).data_ptr() == expert.dest.data_ptr()
+    assert fresh.destination("layers.2.ffn.experts.1.w1.scale", torch.float8_e8m0fnu,
+                             tuple(expert.scale_dest.shape)) is not None
+    assert fresh.destination(expert.native, torch.int8, (1, *expert.dest.shape)) is None  # another shape
+    norm = routes.resolve("norm.weight").slot
+    assert fresh.destination("norm.weight", torch.float32, tuple(norm.dest.shape)) is not None
+    assert fresh.destination("norm.weight", torch.bfloat16, tuple(norm.dest.shape)) is None  # converted
+    linear = routes.resolve("layers.1.attn.wq_b.weight").slot
+    assert not linear.dest.is_contiguous()  # input-major: a transposing copy
+    assert fresh.destination(linear.native, torch.float32, tuple(linear.dest.shape)) is None
+    assert fresh.destination(linear.native, torch.float8_e4m3fn, tuple(linear.dest.shape)) is None  # dequantized
+    assert fresh.destination("no.such.weight", torch.float32, (4,)) is None
+    for refit in (WeightWriter(routes, loaded.layout, CheckpointError),
+                  WeightWriter(routes, loaded.layout, CheckpointError, staged=True, fresh=True),
+                  WeightWriter(routes, loaded.layout, CheckpointError, dry_run=True, fresh=True)):
+        assert refit.destination(expert.native, torch.int8, tuple(expert.dest.shape)) is None
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "sliced", "transposed"])
+def test_the_e8m0_check_finds_the_nan_byte_wherever_it_lies(layout):
+    """A memchr over contiguous bytes, a max reduction over strided ones: both find a lone 0xFF at any place and
+    pass every other byte (254 included)."""
+    from dsv4.weights.convert import ConversionError, e8m0_bytes
+
+    shape = (6, 40)
+    arrange = {"contiguous": lambda t: t, "sliced": lambda t: t[:, 8:], "transposed": lambda t: t.t()}[layout]
+    clean = torch.full(shape, 254, dtype=torch.uint8)
+    assert e8m0_bytes(arrange(clean).view(torch.float8_e8m0fnu)).dtype == torch.uint8
+    for index in (0, 17, 40 + 7, 6 * 40 - 1):
+        bad = clean.clone()
+        bad.view(-1)[index] = 0xFF
+        view = arrange(bad)
+        if int(view.max()) != 0xFF:
+            continue  # sliced off
+        with pytest.raises(ConversionError, match="NaN byte 0xFF"):
+            e8m0_bytes(view)

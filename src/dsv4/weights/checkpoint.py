@@ -3,10 +3,14 @@
 Headers are validated up front so a corrupt or truncated file fails before any weight is written. Only
 safetensors are read: never pickle.
 
-Tensors stream one at a time as zero-copy views of the memory-mapped file, so reading costs the one copy
-the loader makes into resident storage. safetensors' own reader keeps every page of a file mapped until the
-file is closed (RSS would grow by a whole shard); here the pages already read are released from the process
-every few MiB (they stay in the page cache), so a load holds the resident model plus about one tensor.
+Tensors stream one at a time, in file order, and reading costs the one copy into resident storage. A tensor
+whose bytes go into the model as they are (FP4 expert bytes and scales, float tensors in the resident dtype
+and layout: `WeightWriter.destination`) is read with preadv(2) straight into its destination: the kernel
+copies it out of the page cache, and none of its pages is ever mapped (a mapped copy also pays a fault per
+mapped page and the release of the mapping). Every other tensor is a zero-copy view of the memory-mapped
+file, which the loader converts from. safetensors' own reader keeps every page of a file mapped until the
+file is closed (RSS would grow by a whole shard); here the mapped pages already read are released from the
+process every few MiB (they stay in the page cache), so a load holds the resident model plus about one tensor.
 
 What a streamed tensor costs beyond its bytes, kept to a few microseconds: one `as_strided` of a per-dtype
 view of the whole file (slicing and re-viewing the bytes took three tensor ops, ~10 us), and one `madvise`
@@ -18,9 +22,11 @@ on the loader's critical path), and MADV_SEQUENTIAL several times slower.
 """
 
 import contextlib
+import ctypes
 import gc
 import json
 import mmap
+import os
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,6 +52,13 @@ DTYPE_BYTES = {name: dtype.itemsize for name, dtype in TORCH_DTYPES.items()}
 # of one splits it into 512 small entries first (a release per tensor split ~500 of them per large load).
 # It bounds the RSS a load holds beyond its current tensor to about two of them, in few system calls.
 _RELEASE_BYTES = 2 * 1024 * 1024
+# Placed tensors back to back in a file are read by one preadv(2) of at most this many buffers (the system's
+# limit on one call's) or, once past this many bytes, the next tensor starts a new read (reads of the
+# baseline's size: the progress bar moves, the cold read-ahead is the same).
+_RUN_TENSORS = os.sysconf("SC_IOV_MAX")
+_RUN_BYTES = 64 * 1024 * 1024
+# (name, dtype, shape) -> the tensor a checkpoint tensor's bytes may be read straight into, or None.
+Destination = Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -168,19 +181,30 @@ class CheckpointDir:
                 raise CheckpointError(f"{index}: tensor {name} is listed in {file} but not found there")
 
     def iter_tensors(
-        self, wanted: Callable[[str], bool] = lambda name: True
+        self, wanted: Callable[[str], bool] = lambda name: True, destination: Destination | None = None
     ) -> Iterator[tuple[str, torch.Tensor, str]]:
         """Yield (name, tensor, file) one tensor at a time, file by file, in file order.
 
         Each tensor is a read-only-by-contract view of the mapped file: copy out of it, never write into
         it. Its pages leave the process within _RELEASE_BYTES of the iterator moving past it; a view kept
-        longer still reads the right bytes (they fault back in from the file)."""
+        longer still reads the right bytes (they fault back in from the file).
+
+        Args:
+            wanted: which names to read (the others' bytes are never touched).
+            destination: where a tensor's bytes may go as they are, given (name, dtype, shape): a contiguous
+                tensor of that dtype and shape, or None. A tensor given one is read from the file straight
+                into it (one kernel copy out of the page cache: no mapping of its pages, no copy out of a
+                view) and yielded as that tensor.
+
+        Raises:
+            CheckpointError: a read failed, or the file ends inside a tensor's data (naming both).
+        """
         by_file: dict[Path, list[TensorInfo]] = {file: [] for file in self.files}
         for info in self.tensors.values():
             by_file[info.file].append(info)
         for file in self.files:
             infos = sorted((i for i in by_file[file] if wanted(i.name)), key=lambda i: i.offset)
-            for info, tensor in _stream(file, infos):
+            for info, tensor in _stream(file, infos, destination):
                 yield info.name, tensor, str(file)
 
 
@@ -196,22 +220,111 @@ def map_file(path: Path) -> mmap.mmap | None:
         raise CheckpointError(f"{path}: cannot read tensors ({exc})") from None
 
 
-def _stream(file: Path, infos: list[TensorInfo]) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+def _stream(
+    file: Path, infos: list[TensorInfo], destination: Destination | None
+) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
     mapping = map_file(file) if infos else None
     if mapping is None:
         for info in infos:
             yield info, torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
         return
     views = _FileViews(mapping)
+    with _open_for_reads(file) as fd:
+        yield from _streamed(file, fd, mapping, views, infos, destination)
+
+
+@contextlib.contextmanager
+def _open_for_reads(file: Path) -> Iterator[int]:
+    try:
+        fd = os.open(file, os.O_RDONLY)
+    except OSError as exc:
+        raise CheckpointError(f"{file}: cannot read tensors ({exc})") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _streamed(
+    file: Path, fd: int, mapping: mmap.mmap, views: "_FileViews", infos: list[TensorInfo],
+    destination: Destination | None,
+) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
     released_to = 0  # the mapping's pages below this offset are not held by the process
+    run: list[tuple[TensorInfo, torch.Tensor]] = []  # placed tensors that follow each other in the file, unread
+    run_end = run_bytes = 0
     for info in infos:
+        dest = None if destination is None or info.nbytes == 0 else destination(
+            info.name, TORCH_DTYPES[info.dtype], info.shape)
+        if dest is not None and run and info.offset == run_end and len(run) < _RUN_TENSORS and run_bytes < _RUN_BYTES:
+            run.append((info, dest))
+            run_end += info.nbytes
+            run_bytes += info.nbytes
+            continue
+        if run:
+            yield from _read_run(file, fd, run, run_end)
+            released_to = _release(mapping, released_to, run_end)
+            run = []
+        if dest is not None:
+            run = [(info, dest)]
+            run_end = info.offset + info.nbytes
+            run_bytes = info.nbytes
+            continue
         yield info, views.tensor(info)
-        release_to = _release_floor(info.offset + info.nbytes)
-        if release_to > released_to:
-            mapping.madvise(mmap.MADV_DONTNEED, released_to, release_to - released_to)
-            released_to = release_to
+        released_to = _release(mapping, released_to, info.offset + info.nbytes)
+    if run:
+        yield from _read_run(file, fd, run, run_end)
     if len(mapping) > released_to:
         mapping.madvise(mmap.MADV_DONTNEED, released_to, len(mapping) - released_to)
+
+
+def _release(mapping: mmap.mmap, released_to: int, read_to: int) -> int:
+    """Release the mapping's whole _RELEASE_BYTES stretches below `read_to` not released yet; the new floor."""
+    release_to = _release_floor(read_to)
+    if release_to <= released_to:
+        return released_to
+    mapping.madvise(mmap.MADV_DONTNEED, released_to, release_to - released_to)
+    return release_to
+
+
+def _read_run(
+    file: Path, fd: int, run: list[tuple[TensorInfo, torch.Tensor]], end: int
+) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+    """Read placed tensors lying back to back in the file [run[0].offset, end) with one preadv(2) that scatters
+    them into their destinations, then yield them. A short or failed read is redone tensor by tensor from the
+    first one it left incomplete (which names the tensor at fault)."""
+    start = run[0][0].offset
+    try:
+        done = start + os.preadv(fd, [_writable_bytes(info, dest) for info, dest in run], start)
+    except OSError:
+        done = start
+    if done < end:
+        for info, dest in run:
+            if info.offset + info.nbytes > done:
+                _read_into(file, fd, info, dest)
+    yield from run
+
+
+def _writable_bytes(info: TensorInfo, dest: torch.Tensor) -> memoryview:
+    """A buffer over `dest`'s memory (no copy; dest outlives the read), the cheapest one to build (~1 us)."""
+    if dest.nbytes != info.nbytes or not dest.is_contiguous():
+        raise ValueError(f"{info.name}: a destination of {dest.nbytes} bytes (contiguous: {dest.is_contiguous()}) "
+                         f"cannot take its {info.nbytes} bytes")
+    return memoryview((ctypes.c_char * info.nbytes).from_address(dest.data_ptr())).cast("B")
+
+
+def _read_into(file: Path, fd: int, info: TensorInfo, dest: torch.Tensor) -> None:
+    """The tensor's bytes from the file into `dest` (contiguous, info.nbytes long) with preadv(2): the kernel
+    copies them out of the page cache (reading them in first when cold), a short read is continued."""
+    buffer = _writable_bytes(info, dest)
+    done = 0
+    while done < info.nbytes:
+        try:
+            n = os.preadv(fd, [buffer[done:]], info.offset + done)
+        except OSError as exc:
+            raise CheckpointError(f"{file}: tensor {info.name}: read failed ({exc})") from None
+        if n == 0:
+            raise CheckpointError(f"{file}: tensor {info.name}: the file ends inside its data (truncated)")
+        done += n
 
 
 def _release_floor(offset: int) -> int:

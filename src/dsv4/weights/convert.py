@@ -10,14 +10,18 @@ dense / fp8 / fp4 layout. ue8m0 bytes are only ever reinterpreted (`.view(uint8)
 Every check reads its tensor at most once, in memory order, and allocates nothing the size of it:
 finiteness is one sum (a NaN or infinity anywhere makes the sum non-finite; a finite sum proves every
 value finite, and only a non-finite one is looked at element by element, which also tells a real NaN from
-an overflowing sum of large values); FP8 NaN codes and ue8m0 NaN bytes are integer max reductions over the
-raw bytes. Counting the bad values (for the message) runs only once a check has failed.
+an overflowing sum of large values); FP8 NaN codes are integer max reductions over the raw bytes, and ue8m0
+NaN bytes a memchr (a max reduction off the CPU). Counting the bad values (for the message) runs only once a
+check has failed.
 
 Nothing here enters `torch.no_grad()` per tensor (that costs more than copying a small tensor): resident
 parameters never require grad and the writer detaches incoming tensors that do, so autograd records nothing.
 """
 
+import ctypes
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +102,26 @@ def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype not in E8M0_DTYPES:
         raise ConversionError(f"ue8m0 scale must be float8_e8m0fnu or uint8 bytes, got {scale.dtype}")
     raw = as_e8m0_bytes(scale)
-    if raw.numel() and int(raw.max()) == E8M0_NAN_BYTE:
+    if raw.numel() and _holds_nan_byte(raw):
         raise ConversionError("ue8m0 scale holds the NaN byte 0xFF")
     return raw
+
+
+@functools.cache
+def _memchr() -> Callable[[int, int, int], int | None]:
+    memchr = ctypes.CDLL(None).memchr
+    memchr.restype = ctypes.c_void_p
+    memchr.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    return memchr
+
+
+def _holds_nan_byte(raw: torch.Tensor) -> bool:
+    """Whether uint8 `raw` holds the e8m0 NaN byte. Contiguous CPU bytes are scanned by libc's memchr
+    (vectorized, with no torch dispatch: ~2 us against ~5-12 us for a reduction of a 16 KiB expert scale, and
+    a load checks thousands); elsewhere a max reduction (0xFF is the largest byte)."""
+    if raw.device.type == "cpu" and raw.is_contiguous():
+        return _memchr()(raw.data_ptr(), E8M0_NAN_BYTE, raw.numel()) is not None
+    return int(raw.max()) == E8M0_NAN_BYTE
 
 
 def check_fp8_codes(weight: torch.Tensor) -> None:

@@ -6,7 +6,8 @@
     finalize                                 process_weights_after_loading(): target, then drafters
 
 Any failure raises before the models are returned, so no half-loaded model ever escapes. A checkpoint
-load streams tensors from the mapped files straight into resident storage, and shows a progress bar on a
+load streams tensors from the files straight into resident storage (those kept as they are read into it
+with one kernel copy, the rest converted from mapped views; `checkpoint.py`), and shows a progress bar on a
 terminal when it takes more than a second.
 """
 
@@ -185,15 +186,16 @@ def load_models(
     routes = loaded.routes()
     if checkpoint is not None:
         shard = loaded.shard_slicer(routes)
-        writer = WeightWriter(routes, layout, error_type=CheckpointError, shard=shard)
+        writer = WeightWriter(routes, layout, error_type=CheckpointError, shard=shard, fresh=True)
         wanted = (lambda name: True) if shard is None else (lambda name: not shard.held_elsewhere(name))
         with _progress(checkpoint) as bar:
-            for name, tensor, origin in checkpoint.iter_tensors(wanted):
+            for name, tensor, origin in checkpoint.iter_tensors(wanted, writer.destination):
                 writer.load(name, tensor, origin)
                 bar.update(tensor.numel() * tensor.element_size())
         writer.check_complete(routes.table.names(), f"{path}: incomplete checkpoint")
     else:
-        writer = WeightWriter(routes, layout, error_type=CheckpointError)  # dummy values come in local shapes
+        # Dummy values come in local shapes.
+        writer = WeightWriter(routes, layout, error_type=CheckpointError, fresh=True)
         for name, tensor in dummy_tensors(routes.table, seed):
             writer.load(name, tensor, "dummy")
         writer.check_complete(routes.table.names(), "dummy load")

@@ -10,7 +10,11 @@ Cost model (what makes a load or a refit cost what its bytes cost):
     `commit()`), so validating and staging them is one read;
   * a tensor already in the resident format is copied straight into its destination: fail-stop refits
     and loads write in place with no intermediate copy, atomic refits copy once into a staging buffer
-    (`staged=True`) and once more at `commit()`;
+    (`staged=True`) and once more at `commit()`; a checkpoint load reads such a tensor from its file
+    straight into the destination (`destination()`), and checks its values there;
+  * a fresh load (`fresh=True`: nothing reads the models before it returns, and a failed load discards
+    them) checks float values inside the copy that writes them, as an atomic refit checks them inside its
+    staging copy: one read of the values;
   * resident tensors (allocated by the build) and staging buffers are `WeightArena` memory: never
     zero-filled, faulted in by huge pages on the first write (fresh 4 KiB pages cost more than the copy),
     and staging buffers are kept from one atomic update to the next (`StagingBuffers`);
@@ -124,6 +128,10 @@ class WeightWriter:
         before_first_write: called once, right before the first resident byte is written.
         shard: a tensor / expert parallel rank's slicer: incoming tensors are full, and only this rank's
             part of each is validated and written (`weights/shards.py`).
+        fresh: the models are being loaded, not updated: nothing reads them before the load returns and a
+            failed load discards them, so a value may be checked as it is written (one pass: float values
+            are checked inside the copy), and a tensor that is its resident bytes as they are may be read
+            straight into its destination first (`destination`).
     """
 
     def __init__(
@@ -137,6 +145,7 @@ class WeightWriter:
         dry_run: bool = False,
         before_first_write: Callable[[], None] | None = None,
         shard: ShardSlicer | None = None,
+        fresh: bool = False,
     ):
         self.routes = routes
         self.table = routes.table
@@ -146,6 +155,7 @@ class WeightWriter:
         self.dry_run = dry_run
         self._before_first_write = before_first_write
         self.shard = shard
+        self.fresh = fresh and not staged and not dry_run
         self.wrote = False  # whether any resident byte was written
         self.written: set[str] = set()  # native names of completed slots
         self.ignored: set[str] = set()
@@ -156,6 +166,32 @@ class WeightWriter:
         self._staging_buffers = (StagingBuffers() if staging is None else staging) if staged else None
 
     # ---- loading ----
+    def destination(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """Where an incoming tensor's bytes may be placed as they are, before `load()` sees it: its resident
+        destination viewed as `dtype` and `shape`, when the tensor is that destination's bytes unchanged
+        (resident FP8 / FP4 expert bytes, an FP4 expert's ue8m0 scale, a float tensor of the resident dtype
+        and contiguous layout). The caller fills it, then passes it to `load()`, which checks its values
+        there (FP8 NaN codes, the e8m0 NaN byte, finiteness) and copies nothing. None when the tensor must
+        be converted, transposed, paired first, sliced for a shard, or when the models are not fresh.
+        """
+        if not self.fresh or self.shard is not None:
+            return None
+        route = self.routes.resolve(name)
+        if route is None:
+            return None
+        slot = route.slot
+        if route.kind == WEIGHT and slot.kind in (FLOAT, DENSE):
+            dest = slot.dest if dtype == slot.dest.dtype else None
+        elif route.kind == WEIGHT:
+            dest = slot.dest if dtype in _NATIVE_BYTES.get(slot.kind, ()) else None
+        elif route.kind == SCALE and slot.kind == FP4:
+            dest = slot.scale_dest if dtype in E8M0_DTYPES else None
+        else:
+            return None
+        if dest is None or dest.shape != shape or not dest.is_contiguous():
+            return None
+        return dest if dest.dtype == dtype else dest.view(dtype)
+
     def load(self, name: str, tensor: torch.Tensor, origin: str) -> int:
         """Map, pair, validate, convert and write (or stage) one incoming tensor.
 
@@ -291,6 +327,10 @@ class WeightWriter:
                 copy_finite_into(buffer, values)
                 self._staging.append((slot.dest, buffer))
                 return
+            if self.fresh and not _in_place(slot.dest, values):
+                self._before_writing()
+                copy_finite_into(slot.dest, values)
+                return
             check_finite(values)
             self._put(slot.dest, values)
             return
@@ -379,7 +419,8 @@ class WeightWriter:
 
     def _write(self, dest: torch.Tensor, value: torch.Tensor) -> None:
         self._before_writing()
-        copy_into(dest, value)
+        if not _in_place(dest, value):
+            copy_into(dest, value)
 
     def commit(self) -> None:
         """Apply the staged values (atomic refits): one copy per tensor into its resident storage."""
@@ -450,3 +491,9 @@ class WeightWriter:
             problems.append(f"{len(missing)} missing tensor(s): {shown}")
         if problems:
             raise self.error_type(f"{what}: " + "; ".join(problems))
+
+
+def _in_place(dest: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `value` is `dest`'s own bytes already (read straight into it: `WeightWriter.destination`)."""
+    return (value.data_ptr() == dest.data_ptr() and value.dtype == dest.dtype and value.shape == dest.shape
+            and value.stride() == dest.stride())
