@@ -23,9 +23,11 @@ ratios, so that a neighbour slowing the machine slows both halves of a pair). Re
   speedup_ceiling_free_verify  the plain run's ms over the speculating run's prompt steps alone (from `costs`):
                          the speedup if verify steps and their drafting cost nothing
   speedup_bound_perfect_drafter  (batch 1) the plain run's ms over what a drafter that is free and always right
-                         would leave: per answer its prompt forward (`costs`, plain) plus the fewest verify
-                         forwards that reach its length (chunks of min(k + 1, tokens left) tokens, each at its
-                         `verify_cost` decode-rows ms): the most any drafter could reach with this target
+                         would leave: per answer its prompt forward plus the fewest verify forwards that reach
+                         its length (chunks of min(k + 1, tokens left) tokens), each a decode forward times its
+                         chunk's `verify_cost` decode_rows_over_decode_step (forward ms from the plain `costs`
+                         run, so that the bound's parts come from one run and a paired ratio): the most any
+                         drafter could reach with this target
   answer_lengths         the generated tokens of each answer (what the bound is computed over)
   costs                  where the steps' time goes, from one more (untimed) run of each engine with the
                          engine's parts wrapped in timers (`StepCosts`): per step kind ("prefill": a chunk
@@ -262,8 +264,9 @@ def measure(k: int, batch: int, prompts: list[str], repeats: int, plain: LLM, ex
     }
 
 
-def perfect_drafter_bound(row: dict, verify_ms: dict[int, float]) -> float:
-    """`speedup_bound_perfect_drafter` of a batch-1 row (module docstring); verify_ms: chunk tokens -> ms."""
+def perfect_drafter_bound(row: dict, verify_over_decode: dict[int, float]) -> float:
+    """`speedup_bound_perfect_drafter` of a batch-1 row (module docstring); verify_over_decode: chunk tokens ->
+    its forward's cost in decode forwards."""
     plain = row["costs"]["off"]
     bound_ms = 0.0
     for length in row["answer_lengths"]:
@@ -271,7 +274,7 @@ def perfect_drafter_bound(row: dict, verify_ms: dict[int, float]) -> float:
         left = length - 1
         while left > 0:
             chunk = min(row["k"] + 1, left)
-            bound_ms += verify_ms[chunk]
+            bound_ms += verify_over_decode[chunk] * plain["decode"]["forward_ms"]
             left -= chunk
     return sum(_total_ms(part) for part in plain.values()) / bound_ms
 
@@ -384,10 +387,10 @@ def run(args: argparse.Namespace) -> dict:
                   f"{r['mean_accepted_length']:.2f}, {r['tok_s_off']:.1f} -> {r['tok_s_on']:.1f} tok/s "
                   f"(x{r['speedup']:.2f}); decode phase x{r['decode_speedup']:.2f}", flush=True)
     costs = verify_cost(_engine(1, None, args.expert_dtype), prompts[0], max(args.ks) + 1, args.repeats)
-    verify_ms = {row["tokens"]: row["decode_rows_ms"] for row in costs}
+    verify_over_decode = {row["tokens"]: row["decode_rows_over_decode_step"] for row in costs}
     for r in rows:
         if r["batch"] == 1:
-            r["speedup_bound_perfect_drafter"] = perfect_drafter_bound(r, verify_ms)
+            r["speedup_bound_perfect_drafter"] = perfect_drafter_bound(r, verify_over_decode)
     return {
         "model": MODEL, "expert_dtype": args.expert_dtype or "shipped (fp4)", "prompts": args.prompts,
         "repeats": args.repeats,

@@ -40,6 +40,7 @@ def test_perfect_drafter_bound_counts_the_fewest_verify_chunks(benchmark_script)
     plain = {"prefill": {"steps": 2, "forward_ms": 5.0, "draft_ms": 0.0, "other_ms": 1.0},
              "decode": {"steps": 4, "forward_ms": 3.0, "draft_ms": 0.0, "other_ms": 0.5}}
     row = {"k": 2, "answer_lengths": [1, 6], "costs": {"off": plain}}
-    # Answer 1: its prompt forward only. Answer 2: prompt, then 5 tokens left: chunks of 3 and 2 tokens.
-    bound_ms = 5.0 + 5.0 + 30.0 + 20.0
-    assert module.perfect_drafter_bound(row, {1: 10.0, 2: 20.0, 3: 30.0}) == (2 * 6.0 + 4 * 3.5) / bound_ms
+    # Answer 1: its prompt forward only. Answer 2: prompt, then 5 tokens left: chunks of 3 and 2 tokens, at
+    # 2.0 and 1.5 decode forwards (3 ms each).
+    bound_ms = 5.0 + 5.0 + 2.0 * 3.0 + 1.5 * 3.0
+    assert module.perfect_drafter_bound(row, {1: 1.0, 2: 1.5, 3: 2.0}) == (2 * 6.0 + 4 * 3.5) / bound_ms
