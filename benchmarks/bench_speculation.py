@@ -322,7 +322,7 @@ def plot(result: dict, path: Path) -> None:
     left.set_xscale("log", base=2)
     left.set_xlabel("batch size (sequences decoding together)")
     left.set_ylabel("tokens/s with speculation / without (paired)")
-    left.legend()
+    left.legend(fontsize=7)
     batches = sorted({r["batch"] for r in rows})
     for batch in batches:
         mine = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["k"])
