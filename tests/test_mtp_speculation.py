@@ -101,6 +101,40 @@ def test_greedy_speculation_is_exact(plain, batch, num_prompts):
         assert sum(m.accepted_tokens for m in per) == totals.accepted_tokens
 
 
+def test_greedy_drafts_are_the_argmax_with_or_without_a_sampled_neighbour():
+    """An all-greedy step drafts by argmax and hands the engine no q; a step that also drafts for a sampled
+    request gives every draft its q (one-hot at a greedy sequence's token): the same greedy drafts either way."""
+    prompts = [task.encode(ex.prompt) for ex in task.examples(2, SEED)]
+    greedy, sampled = SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=1.0, seed=2)
+    llm = _llm(3, max_num_seqs=2)
+    proposer, calls = llm.engine.proposer, []
+    propose = proposer.propose
+
+    def recorded(seqs, max_drafts):
+        drafts = propose(seqs, max_drafts)
+        calls.append([((*seq.prompt_ids, *seq.output_ids), seq.params.greedy, d) for seq, d in zip(seqs, drafts)])
+        return drafts
+
+    proposer.propose = recorded
+    llm.generate(prompts, greedy, use_tqdm=False)
+    alone = {known: d.token_ids for call in calls for known, _, d in call}  # what follows those tokens
+    assert calls and all(d.probs is None for call in calls for *_, d in call)
+    calls.clear()
+    llm.generate(prompts, [greedy, sampled], use_tqdm=False)
+    mixed = [call for call in calls if len(call) == 2]
+    assert mixed
+    for call in mixed:
+        for known, is_greedy, d in call:
+            assert d.probs is not None and d.probs.shape == (len(d.token_ids), 49)
+            assert torch.allclose(d.probs.sum(-1), torch.ones(len(d.token_ids)))
+            q_of_drafts = d.probs[torch.arange(len(d.token_ids)), d.token_ids]
+            if is_greedy:
+                assert torch.equal(q_of_drafts, torch.ones(len(d.token_ids)))  # one-hot at the argmax
+                assert d.token_ids == alone[known][: len(d.token_ids)]
+            else:
+                assert bool((q_of_drafts > 0).all())
+
+
 def test_seeded_sampling_reproduces_whatever_the_batch():
     prompts = _prompts(6)
     seeded = SamplingParams(max_tokens=MAX_MODEL_LEN, ignore_eos=True, temperature=0.8, top_p=0.9, min_p=0.02,

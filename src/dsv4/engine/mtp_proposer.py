@@ -15,9 +15,12 @@ comes from the MTP layer applied again at position b - 1 + i to the previous ste
 (autoregressive depth reuse: the checkpoint has one MTP layer, used at every depth). Each draft is sampled
 with its request's own processed distribution (temperature, top-k / top-p / min-p) and seeded generator
 (its own stream of draws, `sampler.DRAFT_STREAM`), and `Draft.probs` holds exactly that distribution (q;
-one-hot for greedy requests), which the engine's rejection sampling needs. The draft rows write past the
-committed positions of the MTP cache: its rings are snapshotted first and restored after, so the next
-commit continues from exactly the committed state.
+one-hot for greedy requests in a batch with random ones), which the engine's rejection sampling needs.
+When every sequence is greedy, the drafts are the logits' argmax and carry no q (`Draft.probs` None: the
+engine keeps a greedy row's draft iff it is the target's argmax either way), so a step builds no
+distributions over the vocabulary. The draft rows write past the committed positions of the MTP cache:
+its rings are snapshotted first and restored after, so the next commit continues from exactly the
+committed state.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 from dsv4.engine.limits import EngineLimits
 from dsv4.engine.model_runner import Chunk
-from dsv4.engine.sampler import DRAFT_STREAM, Sampler, SamplingBatch
+from dsv4.engine.sampler import DRAFT_STREAM, Sampler, SamplingBatch, greedy_tokens
 from dsv4.engine.sequence import Sequence
 from dsv4.engine.speculation import Draft
 from dsv4.errors import ConfigError
@@ -125,13 +128,19 @@ class MTPProposer:
         # Draft rows go at positions [computed, computed + drafts - 1) of the MTP cache: undone below.
         snapshot = self.cache.snapshot([(slots[j], seqs[j].computed, max_drafts[j] - 1)
                                         for j in active if max_drafts[j] > 1])
+        greedy = all(seq.params.greedy for seq in seqs)  # argmax drafts, no q (module docstring)
         depth = 0
         while True:
-            out = self.sampler.sample_rows(logits, self.sampling.rows([slots[j] for j in active]),
-                                           [generated[j] + depth for j in active], return_probs=True)
+            if greedy:
+                drafted = greedy_tokens(logits).tolist()
+            else:
+                out = self.sampler.sample_rows(logits, self.sampling.rows([slots[j] for j in active]),
+                                               [generated[j] + depth for j in active], return_probs=True)
+                drafted = out.token_ids.tolist()
+                for i, j in enumerate(active):
+                    probs[j].append(out.probs[i])
             for i, j in enumerate(active):
-                tokens[j].append(int(out.token_ids[i]))
-                probs[j].append(out.probs[i])
+                tokens[j].append(drafted[i])
             depth += 1
             keep = [i for i, j in enumerate(active) if max_drafts[j] > depth]
             if not keep:
@@ -142,4 +151,4 @@ class MTPProposer:
                 [Chunk(slots[j], [tokens[j][-1]], seqs[j].computed - 1 + depth) for j in active], device=self.device)
             streams, logits = self.drafter(batch, streams.index_select(0, picked), self.cache, depth=depth)
         self.cache.rewind({slots[j]: seqs[j].computed for j in range(len(seqs)) if max_drafts[j] > 1}, snapshot)
-        return [Draft(t, torch.stack(p)) for t, p in zip(tokens, probs)]
+        return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]

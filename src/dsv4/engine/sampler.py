@@ -499,6 +499,12 @@ class SamplingBatch:
 # ---------------------------------------------------------------------------
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] logits -> [B] int64: each row's argmax, the first (lowest) id on ties; what every greedy row
+    samples (`max(...).indices` is torch.argmax's choice at ~2x its speed on CPU)."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     """Samples one token per row from a step's logits.
 
@@ -582,14 +588,14 @@ class Sampler:
         batch = logits.shape[0]
 
         if len(rows.greedy_rows) == batch:  # all greedy (the common offline case): one argmax, no row gathers
-            token_ids = logits.max(dim=-1).indices  # first max on ties, like argmax; ~2x faster on CPU
+            token_ids = greedy_tokens(logits)
         else:
             token_ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
             if rows.greedy_rows:
                 # Greedy uses the raw logits: temperature 0 is the limit of sharpening,
                 # and top-k/top-p/min-p always keep the top token, so they cannot
                 # change the argmax. torch.argmax returns the first (lowest) id on ties.
-                token_ids[rows.greedy_index] = logits.index_select(0, rows.greedy_index).argmax(dim=-1)
+                token_ids[rows.greedy_index] = greedy_tokens(logits.index_select(0, rows.greedy_index))
 
         processed = None
         if rows.processed_rows:

@@ -61,10 +61,13 @@ _ERR_ALLOC, _ERR_ARGS = 1, 2
 # vector_isa() of a library built with the AVX-512 / AVX2 decode paths (0: per-byte tables)
 VECTOR_ISAS = {512: "AVX-512 permutes", 256: "AVX2 permutes", 0: "per-byte tables"}
 
-# Where DenseGemv beats torch's GEMM on the same input-major weight (benchmarks/bench_gemv.py, small-config
-# shapes, 2 threads, cold weights, shared machine): bf16 one-row products 1.3-3.1x faster (oneDNN's small-row
-# bf16 GEMMs are slow); at 4 rows mixed (0.5-1.5x).
-MAX_BF16_ROWS = 1
+# Where DenseGemv beats torch's GEMM on the same input-major weight: bf16 one-row products 1.3-3.1x faster
+# (benchmarks/bench_gemv.py, small-config shapes, 2 threads, cold weights, shared machine; oneDNN's small-row
+# bf16 GEMMs are slow). Several rows: on this project's 2-core AVX2 VM (no bf16 instructions, where torch's
+# bf16 GEMM runs at well under 1 GFLOP/s), warm weights, 1 and 2 threads, 128x128 to 4096x1024: 3-54x faster
+# at 2-16 rows, 17-22x at 64 (128x128 and 1024x1024); the dsv4-sort speculation's verify chunks, prompt steps
+# and MTP prompt pass are such products (issue 12).
+MAX_BF16_ROWS = 64
 # fp32 one-row products: MKL's GEMV is as fast on an idle machine (0.9-1.1x, the 16384x512 head included;
 # the small config's batch-1 decode step 0.99x with either), but it runs on torch's OpenMP threads, whose
 # static split waits for a thread that has no core when another process keeps one busy. Taking the one-row

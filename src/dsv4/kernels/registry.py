@@ -115,8 +115,8 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
     ),
     LINEAR: (
         Backend("cpu_c", functools.partial(_build_few_row, 0),
-                "few-row products on input-major weights (gemv_cpu.c DenseGemv): one-row calls, and fp32 rows "
-                "on bf16 weights up to a few rows"),
+                "few-row products on input-major weights (gemv_cpu.c DenseGemv): one-row fp32 calls, bf16 calls up "
+                "to MAX_BF16_ROWS rows, and fp32 rows on bf16 weights up to a few rows"),
     ),
     FEW_ROW_EXPERTS: (
         Backend("cpu_c", functools.partial(_build_few_row, 2),

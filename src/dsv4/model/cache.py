@@ -78,8 +78,9 @@ class RingSnapshot:
         slots: the snapshotted slots.
         starts: per slot, the first position its chunk writes (the slot held no row past it afterwards
             that a rewind to before it would need).
-        saved: per cache tensor, (tensor viewed [S * rows, width], flat row indices, their saved rows,
-            the position whose write changed each row, the slot of each row).
+        saved: per cache tensor the chunks overwrite, (tensor viewed [S * rows, width], flat row indices,
+            their saved rows, the position whose write changed each row, the slot of each row); tensors of
+            one ring length and rate share the same index, position and slot tensors.
     """
 
     slots: tuple[int, ...]
@@ -172,28 +173,19 @@ class ModelCache:
         """
         if not chunks:
             return RingSnapshot((), (), ())
+        plans: dict[tuple[int, int | None, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         saved = []
         for tensor, rate in self._ring_tensors():
-            rows = tensor.shape[1]
-            flat_rows, writers, owners = [], [], []
-            for slot, start, length in chunks:
-                end = start + length
-                if rate is None:
-                    if length > rows:
-                        raise ValueError(f"a chunk of {length} positions cannot be rolled back in a ring of "
-                                         f"{rows} rows (at most {rows} positions)")
-                    positions = range(start, end)
-                    flat_rows.extend(slot * rows + p % rows for p in positions)
-                    writers.extend(positions)
-                else:
-                    entries = range(start // rate, min(end // rate, rows))
-                    flat_rows.extend(slot * rows + w for w in entries)
-                    writers.extend((w + 1) * rate - 1 for w in entries)
-                owners.extend([slot] * (len(flat_rows) - len(owners)))
+            # Tensors of one ring length and rate (every layer's window, the compressors' rings) overwrite the
+            # same rows: their index, writers and owners are built once and shared (`rewind` relies on it).
+            key = (tensor.shape[1], rate, tensor.device)
+            if key not in plans:
+                plans[key] = _overwritten_rows(chunks, tensor.shape[1], rate, tensor.device)
+            index, writers, owners = plans[key]
+            if not index.numel():  # nothing of it is overwritten (e.g. no compressed entry completes)
+                continue
             flat = tensor.view(-1, tensor.shape[2])
-            index = torch.tensor(flat_rows, dtype=torch.int64, device=tensor.device)
-            saved.append((flat, index, flat.index_select(0, index), torch.tensor(writers, dtype=torch.int64),
-                          torch.tensor(owners, dtype=torch.int64)))
+            saved.append((flat, index, flat.index_select(0, index), writers, owners))
         return RingSnapshot(tuple(c[0] for c in chunks), tuple(c[1] for c in chunks), tuple(saved))
 
     def rewind(self, lengths: dict[int, int], snapshot: RingSnapshot | None = None) -> None:
@@ -218,13 +210,47 @@ class ModelCache:
                                          f"position {start}, which the snapshot did not save")
                     restore[slot] = lengths[slot]
         if restore:
+            undone: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}  # per shared plan (`snapshot`)
             for flat, index, rows, writers, owners in snapshot.saved:
-                keep = torch.tensor([restore.get(s, 1 << 62) for s in owners.tolist()], dtype=torch.int64)
-                undo = (writers >= keep).nonzero().squeeze(1)
-                if undo.numel():
-                    flat.index_copy_(0, index[undo.to(index.device)], rows[undo.to(rows.device)])
+                if id(writers) not in undone:
+                    keep = torch.tensor([restore.get(s, 1 << 62) for s in owners.tolist()], dtype=torch.int64)
+                    undo = (writers >= keep).nonzero().squeeze(1)
+                    undone[id(writers)] = (index[undo.to(index.device)], undo) if undo.numel() else None
+                if undone[id(writers)] is not None:
+                    rows_to_restore, undo = undone[id(writers)]
+                    flat.index_copy_(0, rows_to_restore, rows[undo.to(rows.device)])
         for slot, length in lengths.items():
             self.lengths[slot] = min(self.lengths[slot], length)
+
+
+def _overwritten_rows(
+    chunks: Sequence[tuple[int, int, int]], rows: int, rate: int | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of a [S, rows, width] cache tensor that `chunks` overwrite (`ModelCache.snapshot`): (flat row
+    indices into its [S * rows, width] view on `device`, the position whose write changes each row, the
+    slot of each row). `rate` None: a ring read by position (row p % rows); a rate m: entries (entry w,
+    completed by position (w + 1) m - 1).
+
+    Raises:
+        ValueError: a chunk longer than a ring (a row it writes twice could not be restored).
+    """
+    flat_rows, writers, owners = [], [], []
+    for slot, start, length in chunks:
+        end = start + length
+        if rate is None:
+            if length > rows:
+                raise ValueError(f"a chunk of {length} positions cannot be rolled back in a ring of "
+                                 f"{rows} rows (at most {rows} positions)")
+            positions = range(start, end)
+            flat_rows.extend(slot * rows + p % rows for p in positions)
+            writers.extend(positions)
+        else:
+            entries = range(start // rate, min(end // rate, rows))
+            flat_rows.extend(slot * rows + w for w in entries)
+            writers.extend((w + 1) * rate - 1 for w in entries)
+        owners.extend([slot] * (len(flat_rows) - len(owners)))
+    return (torch.tensor(flat_rows, dtype=torch.int64, device=device), torch.tensor(writers, dtype=torch.int64),
+            torch.tensor(owners, dtype=torch.int64))
 
 
 def check_fork(source: int, targets: Sequence[int], length: int, held: int) -> None:
