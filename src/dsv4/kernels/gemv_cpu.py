@@ -92,7 +92,10 @@ FP4_STEP = 32
 # at 64; FP8 (table decode) x1.8 at 16 tokens, x1.41 at 32, x0.96 at 64; FP4 x2.8 at 32, x1.43 at 128 (16 picks
 # per expert); bf16 x4-13 from 1 to 64 tokens (oneDNN's small bf16 GEMMs are slow). Keyed by the weights' dtype:
 # fp32 activations on bf16 stacks take the bf16 count (the alternative there is the loop over widened experts).
-MAX_PICKS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16, torch.float8_e4m3fn: 4, torch.int8: 16}
+# FP8 takes FP4's count since its AVX2 decode (half floats) costs about what FP4's does: FP8 / FP4 fused vs the
+# dequantizing loop, 2 threads, busy shared machine: x26 / x28 at 64 tokens (8 picks per expert), x23 / x24 at
+# 128 tokens, x8 at 256 tokens (the loop's time there swings ~2x between runs, the kernel's much less).
+MAX_PICKS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16, torch.float8_e4m3fn: 16, torch.int8: 16}
 
 
 def build_library(march: str = NATIVE) -> ctypes.CDLL:
