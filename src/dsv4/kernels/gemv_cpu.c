@@ -909,3 +909,107 @@ done:
     free(accum);
     return status;
 }
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* One MoE layer of one fp32 token: router, routed experts and the shared expert in one call.           */
+/* ---------------------------------------------------------------------------------------------------- */
+
+enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1, SCORE_SQRTSOFTPLUS = 2 };
+/* torch's F.softplus default: softplus(v) = v above it (log1p(exp(v)) rounds to v there anyway). */
+#define SOFTPLUS_THRESHOLD 20.0f
+
+/* scores[e] from the router logits, as the reference's scoring function. */
+static void router_scores(int scoring, float *scores, long E) {
+    if (scoring == SCORE_SOFTMAX) {
+        float top = scores[0], total = 0.0f;
+        for (long e = 1; e < E; ++e) top = scores[e] > top ? scores[e] : top;
+        for (long e = 0; e < E; ++e) total += scores[e] = expf(scores[e] - top);
+        for (long e = 0; e < E; ++e) scores[e] /= total;
+    } else if (scoring == SCORE_SIGMOID) {
+        for (long e = 0; e < E; ++e) scores[e] = 1.0f / (1.0f + expf(-scores[e]));
+    } else {
+        for (long e = 0; e < E; ++e)
+            scores[e] = sqrtf(scores[e] > SOFTPLUS_THRESHOLD ? scores[e] : log1pf(expf(scores[e])));
+    }
+}
+
+/* ids[0..k) = the k experts of largest scores[e] + bias[e], largest first (equal keys: the lower id first). */
+static void router_top_k(const float *scores, const float *bias, long E, long k, int64_t *ids) {
+    for (long j = 0; j < k; ++j) {
+        long best = -1;
+        float best_key = 0.0f;
+        for (long e = 0; e < E; ++e) {
+            int taken = 0;
+            for (long i = 0; i < j; ++i) taken |= ids[i] == e;
+            const float key = scores[e] + bias[e];
+            if (!taken && (best < 0 || key > best_key)) {
+                best = e;
+                best_key = key;
+            }
+        }
+        ids[j] = best;
+    }
+}
+
+/* x [D] fp32 -> out [D] = routed + shared, the MoE layer of one token (`topk` routed experts of E):
+     router    logits = x Wr^T (Wr [E, D] resident input-major, fp32 or bf16), scored by `scoring`; the
+               experts: a hash row (hash_table[token], int32 [V, topk]) when hash_table is given, else the
+               top-k of scores + bias; their weights = scores / (sum + norm_eps) * scaling
+     routed    moe_experts over the stacks w1/w3/w2 (fmt, scales, b0/b1), SwiGLU clamped at `limit`
+     shared    W2s (silu(min(W1s x, L)) * clamp(W3s x, -L, L)), W1s/W3s [Is, D], W2s [D, Is] input-major
+               (shared_fmt: fp32 or bf16)
+   Each product is the kernel the layer's separate calls run (dense_xw, moe_experts), so only the router's
+   and the shared SwiGLU's fp32 roundings can differ from the torch reference's. */
+int moe_layer(pool *p, const float *x, long D, long E, long topk, const void *router_w, int router_fmt,
+              int scoring, const float *bias, const int32_t *hash_table, long vocab, long token, float scaling,
+              float norm_eps, long I, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
+              const void *w2, const void *s2, long b0, long b1, float limit, long Is, int shared_fmt,
+              const void *sw1, const void *sw3, const void *sw2, float *out, int nthreads) {
+    if (D <= 0 || E <= 0 || topk <= 0 || topk > E || Is <= 0 || (router_fmt != FMT_F32 && router_fmt != FMT_BF16) ||
+        (shared_fmt != FMT_F32 && shared_fmt != FMT_BF16) || scoring < SCORE_SOFTMAX || scoring > SCORE_SQRTSOFTPLUS)
+        return ERR_ARGS;
+    if (hash_table ? token < 0 || token >= vocab : !bias) return ERR_ARGS;
+    float *scores = malloc(sizeof(float) * (size_t)E), *weights = malloc(sizeof(float) * (size_t)topk);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)topk);
+    float *work = malloc(sizeof(float) * (size_t)(3 * Is + D)); /* gate | up | SwiGLU | shared output */
+    int status = OK;
+    if (!scores || !weights || !ids || !work) {
+        status = ERR_ALLOC;
+        goto done;
+    }
+    dense_range(x, 1, D, D, router_w, router_fmt, E, 0, E, scores, E);
+    router_scores(scoring, scores, E);
+    if (hash_table)
+        for (long j = 0; j < topk; ++j) ids[j] = hash_table[token * topk + j];
+    else
+        router_top_k(scores, bias, E, topk, ids);
+    float total = 0.0f;
+    for (long j = 0; j < topk; ++j) {
+        if (ids[j] < 0 || ids[j] >= E) {
+            status = ERR_ARGS;
+            goto done;
+        }
+        total += weights[j] = scores[ids[j]];
+    }
+    for (long j = 0; j < topk; ++j) weights[j] = weights[j] / (total + norm_eps) * scaling;
+    status = moe_experts(p, x, ACT_F32, 1, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit,
+                         out, nthreads);
+    float *gate = work, *up = work + Is, *h = work + 2 * Is, *shared = work + 3 * Is;
+    if (status == OK) status = dense_xw(p, x, ACT_F32, 1, D, sw1, shared_fmt, Is, Is, gate, nthreads);
+    if (status == OK) status = dense_xw(p, x, ACT_F32, 1, D, sw3, shared_fmt, Is, Is, up, nthreads);
+    if (status != OK) goto done;
+    for (long i = 0; i < Is; ++i) {
+        const float gc = gate[i] < limit ? gate[i] : limit;
+        const float uc = up[i] < -limit ? -limit : (up[i] > limit ? limit : up[i]);
+        h[i] = silu(gc) * uc;
+    }
+    status = dense_xw(p, h, ACT_F32, 1, Is, sw2, shared_fmt, D, D, shared, nthreads);
+    if (status == OK)
+        for (long d = 0; d < D; ++d) out[d] += shared[d];
+done:
+    free(scores);
+    free(weights);
+    free(ids);
+    free(work);
+    return status;
+}

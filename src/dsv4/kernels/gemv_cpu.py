@@ -127,6 +127,9 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.quant_xw.argtypes = [P, P, Int, L, L, Int, P, P, L, L, L, P, Int]
     lib.moe_experts.restype = Int
     lib.moe_experts.argtypes = [P, P, Int, L, L, L, L, P, P, L, Int, P, P, P, P, P, P, L, L, F, P, Int]
+    lib.moe_layer.restype = Int
+    lib.moe_layer.argtypes = [P, P, L, L, L, P, Int, Int, P, P, L, L, F, F, L, Int, P, P, P, P, P, P, L, L, F, L,
+                              Int, P, P, P, P, Int]
     return lib
 
 
@@ -306,6 +309,27 @@ def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, 
 _EXPERT_DTYPES = {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)}
 
 
+def _dense_stacks_ok(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Dense input-major expert stacks w1/w3 [E, I, D], w2 [E, D, I] the kernel runs for x's dtype."""
+    if w1.dim() != 3:
+        return False
+    E, inter, D = w1.shape
+    dtypes = w1.dtype == w3.dtype == w2.dtype and (x.dtype, w1.dtype) in _EXPERT_DTYPES
+    layouts = dtypes and all(w.device.type == "cpu" and _input_major(w) for w in (w1, w3, w2))
+    return layouts and D == x.shape[1] and w3.shape == w1.shape and w2.shape == (E, D, inter)
+
+
+def _quant_stacks_ok(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, block) -> bool:
+    """FP8 / FP4 expert stacks (one format) with their scales, x's width as their input."""
+    if w1.dim() != 3:
+        return False
+    D, inter = x.shape[1], w1.shape[1]
+    same = _quant_format(w1) == _quant_format(w3) == _quant_format(w2)
+    return (same and w1.shape == w3.shape and w2.shape[:2] == (w1.shape[0], D)
+            and _quant_ok(w1, w1_scale, block, D) and _quant_ok(w3, w3_scale, block, D)
+            and _quant_ok(w2, w2_scale, block, inter))
+
+
 class FusedExperts(_PoolKernel):
     """Routed experts of one MoE layer over dense input-major stacks w1/w3 [E, I, D], w2 [E, D, I]."""
 
@@ -313,12 +337,7 @@ class FusedExperts(_PoolKernel):
 
     @staticmethod
     def supports(x, ids, weights, w1, w3, w2, limit) -> bool:
-        if w1.dim() != 3 or not _routing_ok(x, ids, weights, w1):
-            return False
-        E, inter, D = w1.shape
-        dtypes = w1.dtype == w3.dtype == w2.dtype and (x.dtype, w1.dtype) in _EXPERT_DTYPES
-        layouts = dtypes and all(w.device.type == "cpu" and _input_major(w) for w in (w1, w3, w2))
-        return layouts and D == x.shape[1] and w3.shape == w1.shape and w2.shape == (E, D, inter)
+        return w1.dim() == 3 and _routing_ok(x, ids, weights, w1) and _dense_stacks_ok(x, w1, w3, w2)
 
     def __call__(self, x, ids, weights, w1, w3, w2, limit) -> torch.Tensor:
         return _run_experts(self._fn, self._pool, x, ids, weights, _DENSE_FMT[w1.dtype], w1, None, w3, None, w2,
@@ -332,17 +351,78 @@ class FusedQuantExperts(_PoolKernel):
 
     @staticmethod
     def supports(x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> bool:
-        if w1.dim() != 3 or not _routing_ok(x, ids, weights, w1):
-            return False
-        D, inter = x.shape[1], w1.shape[1]
-        same = _quant_format(w1) == _quant_format(w3) == _quant_format(w2)
-        return (same and w1.shape == w3.shape and w2.shape[:2] == (w1.shape[0], D)
-                and _quant_ok(w1, w1_scale, block, D) and _quant_ok(w3, w3_scale, block, D)
-                and _quant_ok(w2, w2_scale, block, inter))
+        return (w1.dim() == 3 and _routing_ok(x, ids, weights, w1)
+                and _quant_stacks_ok(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, block))
 
     def __call__(self, x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> torch.Tensor:
         return _run_experts(self._fn, self._pool, x, ids, weights, _quant_format(w1), w1, w1_scale.data_ptr(), w3,
                             w3_scale.data_ptr(), w2, w2_scale.data_ptr(), block, limit)
+
+
+# Router scoring functions (ModelConfig.scoring_func) and their codes in gemv_cpu.c's moe_layer.
+_SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+# Tokens FusedMoeLayer takes: the one-row decode step, whose every other product already runs in these kernels
+# (MAX_F32_ROWS); at more rows the router and shared expert stay with torch.
+MAX_MOE_LAYER_ROWS = 1
+
+
+class FusedMoeLayer(_PoolKernel):
+    """One token's whole MoE layer in one call: the router (scores, top-k with correction bias or a hash row,
+    normalised scaled weights), its routed experts (dense or FP8 / FP4 stacks, as FusedExperts /
+    FusedQuantExperts run them) and the shared expert, fp32 rows. A decode step's MoE layer is otherwise ~30
+    torch ops and four kernel calls for ~0.3 MB of weights.
+
+    Arguments: x [1, D]; token_ids [1] (the hash row's token); router_weight [E, D] input-major (fp32 or bf16);
+    bias [E] fp32 (None when hashed); hash_table [V, k] int32 (None unless hashed); scoring (a
+    ModelConfig.scoring_func), top_k, scaling, norm_eps (added to the picked scores' sum); the routed stacks w1,
+    w1_scale, w3, w3_scale, w2, w2_scale (scales None for dense stacks), block (the FP8 / FP4 scale block; unused
+    dense), limit (SwiGLU clamp); shared_w1/w3 [Is, D], shared_w2 [D, Is] input-major (fp32 or bf16). Returns
+    routed + shared [1, D]."""
+
+    _entry = "moe_layer"
+
+    @staticmethod
+    def supports(x, token_ids, router_weight, bias, hash_table, scoring, top_k, scaling, norm_eps, w1, w1_scale, w3,
+                 w3_scale, w2, w2_scale, block, limit, shared_w1, shared_w3, shared_w2) -> bool:
+        if x.dtype != torch.float32 or not _cpu_rows(x) or x.shape[0] > MAX_MOE_LAYER_ROWS or scoring not in _SCORING:
+            return False
+        D, E = x.shape[1], w1.shape[0] if w1.dim() == 3 else 0
+        dense = all(w is None for w in (w1_scale, w3_scale, w2_scale))
+        stacks = _dense_stacks_ok(x, w1, w3, w2) if dense else _quant_stacks_ok(x, w1, w1_scale, w3, w3_scale, w2,
+                                                                                 w2_scale, block)
+        if hash_table is not None:
+            routing = (bias is None and hash_table.dtype == torch.int32 and hash_table.dim() == 2
+                       and hash_table.shape[1] == top_k and hash_table.is_contiguous()
+                       and token_ids.numel() == 1 and token_ids.dtype == torch.int64)
+        else:
+            routing = (bias is not None and bias.dtype == torch.float32 and tuple(bias.shape) == (E,)
+                       and bias.is_contiguous())
+        inter = shared_w1.shape[0]
+        shared = (all(w.dim() == 2 and w.dtype in _DENSE_FMT and w.device.type == "cpu" and _input_major(w)
+                      for w in (shared_w1, shared_w3, shared_w2))
+                  and tuple(shared_w1.shape) == tuple(shared_w3.shape) == (inter, D)
+                  and tuple(shared_w2.shape) == (D, inter))
+        return (stacks and routing and shared and 0 < top_k <= E and router_weight.dtype in _DENSE_FMT
+                and tuple(router_weight.shape) == (E, D) and router_weight.device.type == "cpu"
+                and _input_major(router_weight))
+
+    def __call__(self, x, token_ids, router_weight, bias, hash_table, scoring, top_k, scaling, norm_eps, w1, w1_scale,
+                 w3, w3_scale, w2, w2_scale, block, limit, shared_w1, shared_w3, shared_w2) -> torch.Tensor:
+        (_, D), (E, inter) = x.shape, (w1.shape[0], w1.shape[1])
+        dense = w1_scale is None
+        fmt = _DENSE_FMT[w1.dtype] if dense else _quant_format(w1)
+        hashed = hash_table is not None
+        out = torch.empty_like(x)
+        status = self._fn(
+            self._pool.handle, x.data_ptr(), D, E, top_k, router_weight.data_ptr(), _DENSE_FMT[router_weight.dtype],
+            _SCORING[scoring], None if hashed else bias.data_ptr(), hash_table.data_ptr() if hashed else None,
+            hash_table.shape[0] if hashed else 0, int(token_ids[0]) if hashed else 0, float(scaling),
+            float(norm_eps), inter, fmt, w1.data_ptr(), None if dense else w1_scale.data_ptr(), w3.data_ptr(),
+            None if dense else w3_scale.data_ptr(), w2.data_ptr(), None if dense else w2_scale.data_ptr(),
+            block[0], block[1], float(limit), shared_w1.shape[0], _DENSE_FMT[shared_w1.dtype],
+            shared_w1.data_ptr(), shared_w3.data_ptr(), shared_w2.data_ptr(), out.data_ptr(), self._pool.threads())
+        _check(status, "moe_layer")
+        return out
 
 
 def usable_cpus() -> int:
@@ -353,8 +433,9 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts]:
-    """All four kernels over one build of the library and one worker pool.
+def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts,
+                                                      FusedMoeLayer]:
+    """All five kernels over one build of the library and one worker pool.
 
     Args:
         threads: threads every call uses (the pool gets threads - 1 workers); None: the pool gets a worker
@@ -366,11 +447,12 @@ def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, Fus
     """
     lib = build_library()
     pool = WorkerPool(lib, (threads or usable_cpus()) - 1, fixed=threads is not None)
-    return DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool)
+    return (DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool),
+            FusedMoeLayer(lib, pool))
 
 
 @functools.cache
-def shared_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts]:
+def shared_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts, FusedMoeLayer]:
     """The process's one set of kernels (`build_kernels()`): every kernel registry hands these out, so a
     process runs one worker pool however many models it builds, as torch runs one intra-op pool."""
     return build_kernels()
