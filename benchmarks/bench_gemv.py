@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rows, args.repeats, args.pool_mb = [1, 4], 1, 8
     args.pool = 0 if args.warm else args.pool_mb * 2**20
     torch.set_num_threads(args.threads)
-    dense, quant, fused, fused_quant = build_kernels()
+    dense, quant, fused, fused_quant, _ = build_kernels()
     results = {"threads": args.threads, "warm": args.warm, "repeats": args.repeats, "pool_mb": args.pool_mb,
                "torch": torch.__version__, "rows": bench_dense(args, dense, quant) + bench_experts(args, fused,
                                                                                                      fused_quant)}

@@ -366,17 +366,6 @@ static void dense_range(const float *x, long R, long K, long ldx, const void *w,
 /* Inputs of one FP8 decode step. */
 #define FP8_STEP 16
 
-/* x rows [R, K] -> xp with each 32-input step reordered [inputs 0, 2, .., 30 | 1, 3, .., 31]: the order in
-   which the FP4 decode produces a step's values (low nibbles, then high nibbles). */
-static void fp4_order_rows(const float *x, long R, long K, float *xp) {
-    for (long r = 0; r < R; ++r)
-        for (long k0 = 0; k0 < K; k0 += FP4_STEP)
-            for (long i = 0; i < FP4_STEP / 2; ++i) {
-                xp[r * K + k0 + i] = x[r * K + k0 + 2 * i];
-                xp[r * K + k0 + FP4_STEP / 2 + i] = x[r * K + k0 + 2 * i + 1];
-            }
-}
-
 /* Rows of x one pass over a weight row serves: 2 accumulators per row stay in registers (an accumulator
    array indexed at run time would live in memory, and each FMA would wait on a store-to-load round trip). */
 #define ROW_BLOCK 4
@@ -435,7 +424,7 @@ static inline __attribute__((always_inline)) void fp8_decode32(const uint8_t *by
 }
 
 #define VECTOR_ISA 512
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 typedef __m256 vec; /* 8 lanes: a 32-input step is 4 vectors */
 #define VEC_LANES 8
 
@@ -459,42 +448,59 @@ static inline __attribute__((always_inline)) void fma_step32(const float *xr, co
         _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), *second));
 }
 
-/* e2m1 codes: the magnitude from an 8-entry table (permutevar8x32 on the low 3 bits), the sign bit (bit 3)
-   moved to the float's sign. */
-static inline __m256 e2m1x8(__m256i codes) {
-    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    const __m256 mag = _mm256_permutevar8x32_ps(table, _mm256_and_si256(codes, _mm256_set1_epi32(7)));
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
-    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
+/* e2m1 code c (bit 3 = sign) as a bf16, split in bytes for byte shuffles: every e2m1 value is a bf16 (one
+   mantissa bit), so its fp32 is that bf16 shifted up 16 bits. Two 16-entry tables, repeated in both lanes. */
+static inline __m256i e2m1_bf16_high_bytes(void) {
+    return _mm256_broadcastsi128_si256(_mm_setr_epi8(0x00, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, (char)0x80,
+                                                     (char)0xbf, (char)0xbf, (char)0xbf, (char)0xc0, (char)0xc0,
+                                                     (char)0xc0, (char)0xc0));
 }
 
-/* 16 bytes = 32 FP4 codes -> v[0..1] (low nibbles of bytes 0-7, 8-15), v[2..3] (their high nibbles), times s. */
+static inline __m256i e2m1_bf16_low_bytes(void) {
+    return _mm256_broadcastsi128_si256(_mm_setr_epi8(0x00, 0x00, (char)0x80, (char)0xc0, 0x00, 0x40, (char)0x80,
+                                                     (char)0xc0, 0x00, 0x00, (char)0x80, (char)0xc0, 0x00, 0x40,
+                                                     (char)0x80, (char)0xc0));
+}
+
+/* 16 bytes = 32 FP4 codes -> v[0..3] times s, in the AVX2 FP4 order (fp4_position): the bytes go to both
+   lanes, lane 0 keeps their low nibbles (even inputs), lane 1 their high nibbles (odd inputs); two byte
+   shuffles look up each code's bf16 bytes, and interleaving them under zero words gives the fp32 values,
+   each 8-input block as [0, 2, 4, 6, 1, 3, 5, 7]. ~half the instructions of a per-value table permute. */
 static inline __attribute__((always_inline)) void fp4_decode32(const uint8_t *bytes, vec s, vec *v) {
-    const __m256i nibble = _mm256_set1_epi32(0xf);
-    const __m128i b = _mm_loadu_si128((const __m128i *)bytes);
-    const __m256i c0 = _mm256_cvtepu8_epi32(b), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    v[0] = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c0, nibble)), s);
-    v[1] = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c1, nibble)), s);
-    v[2] = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c0, 4)), s);
-    v[3] = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c1, 4)), s);
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bytes));
+    const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                           _mm256_set1_epi8(0x0f));
+    const __m256i high = _mm256_shuffle_epi8(e2m1_bf16_high_bytes(), codes);
+    const __m256i low = _mm256_shuffle_epi8(e2m1_bf16_low_bytes(), codes);
+    const __m256i first = _mm256_unpacklo_epi8(low, high), last = _mm256_unpackhi_epi8(low, high); /* bf16 words */
+    const __m256i zero = _mm256_setzero_si256();
+    v[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, first)), s);
+    v[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, first)), s);
+    v[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, last)), s);
+    v[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, last)), s);
 }
 
-/* 8 e4m3 bytes -> 8 floats, as the AVX-512 path's e4m3x16 does for 16. */
-static inline __m256 e4m3x8(const uint8_t *b) {
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-    const __m256i em = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
-    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20),
-                                                               _mm256_set1_epi32(120 << 23)));
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(0x1p-9f));
-    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em));
-    const __m256 mag = _mm256_blendv_ps(normal, sub, is_sub);
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
-    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(mag), sign));
+/* 16 e4m3 bytes -> two vectors of 8 floats (inputs 0-7, 8-15). Each byte's 7 exponent+mantissa bits moved
+   under a half float's 5-bit exponent give that value times 2^-8, subnormals included (both formats'
+   subnormals scale the same way); F16C widens 8 halves at once, and 2^8 restores the value exactly (0x7f /
+   0xff, NaN in e4m3fn, decode to 480 like the AVX-512 path: resident weights are validated finite). */
+static inline __attribute__((always_inline)) void e4m3x16(const uint8_t *b, __m256 *first, __m256 *second) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)b), zero = _mm_setzero_si128();
+    /* byte << 8 per 16-bit word, then an arithmetic shift by one: sign at bit 15 (and a copy at bit 14,
+       cleared), exponent+mantissa at bits 13-7 */
+    const __m128i keep = _mm_set1_epi16((short)0xbf80);
+    const __m128i lo = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(zero, bytes), 1), keep);
+    const __m128i hi = _mm_and_si128(_mm_srai_epi16(_mm_unpackhi_epi8(zero, bytes), 1), keep);
+    const __m256 unscale = _mm256_set1_ps(0x1p8f);
+    *first = _mm256_mul_ps(_mm256_cvtph_ps(lo), unscale);
+    *second = _mm256_mul_ps(_mm256_cvtph_ps(hi), unscale);
 }
 
 /* 32 e4m3 bytes -> v[0..3] times s. */
 static inline __attribute__((always_inline)) void fp8_decode32(const uint8_t *bytes, vec s, vec *v) {
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(e4m3x8(bytes + 8 * i), s);
+    e4m3x16(bytes, &v[0], &v[1]);
+    e4m3x16(bytes + 16, &v[2], &v[3]);
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], s);
 }
 
 #define VECTOR_ISA 256
@@ -602,7 +608,7 @@ static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const ui
 #define HAVE_FP8_VEC 0
 #endif
 
-/* The decode paths this build has: 512 = AVX-512 permutes, 0 = per-byte tables. */
+/* The decode paths this build has: 512 = AVX-512 permutes, 256 = AVX2 byte shuffles / F16C, 0 = per-byte tables. */
 int vector_isa(void) { return VECTOR_ISA; }
 
 /* FP8 rows [n0, n1), any K: each row decoded once through a 256-entry table and scaled per block. */
@@ -649,10 +655,24 @@ static void quant_range(const float *x, long R, long K, int wfmt, const void *w,
     }
 }
 
-/* Position of input k in an FP4-ordered row (see fp4_order_rows). */
+/* Position of input k in an FP4-ordered row: the order in which this build's FP4 decode (fp4_decode32, or
+   the portable table path) produces a 32-input step's values, so that x (and the experts' hidden rows, w2's
+   inputs) are laid out to match once per call instead of the decoded weights being shuffled per step.
+   AVX2: each 8-input block [0, 2, 4, 6, 1, 3, 5, 7]; otherwise the step's even inputs, then its odd ones
+   (low nibbles, then high nibbles). */
 static inline long fp4_position(long k) {
     const long step = k - k % FP4_STEP, i = k % FP4_STEP;
+#if VECTOR_ISA == 256
+    return step + (i - i % 8) + (i % 2) * 4 + (i % 8) / 2;
+#else
     return step + (i % 2) * (FP4_STEP / 2) + i / 2;
+#endif
+}
+
+/* x rows [R, K] -> xp, each row FP4-ordered (fp4_position). */
+static void fp4_order_rows(const float *x, long R, long K, float *xp) {
+    for (long r = 0; r < R; ++r)
+        for (long k = 0; k < K; ++k) xp[r * K + fp4_position(k)] = x[r * K + k];
 }
 
 static int quant_args_ok(int wfmt, long K, long b0, long b1) {
@@ -887,5 +907,109 @@ done:
     free(hidden);
     free(y);
     free(accum);
+    return status;
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* One MoE layer of one fp32 token: router, routed experts and the shared expert in one call.           */
+/* ---------------------------------------------------------------------------------------------------- */
+
+enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1, SCORE_SQRTSOFTPLUS = 2 };
+/* torch's F.softplus default: softplus(v) = v above it (log1p(exp(v)) rounds to v there anyway). */
+#define SOFTPLUS_THRESHOLD 20.0f
+
+/* scores[e] from the router logits, as the reference's scoring function. */
+static void router_scores(int scoring, float *scores, long E) {
+    if (scoring == SCORE_SOFTMAX) {
+        float top = scores[0], total = 0.0f;
+        for (long e = 1; e < E; ++e) top = scores[e] > top ? scores[e] : top;
+        for (long e = 0; e < E; ++e) total += scores[e] = expf(scores[e] - top);
+        for (long e = 0; e < E; ++e) scores[e] /= total;
+    } else if (scoring == SCORE_SIGMOID) {
+        for (long e = 0; e < E; ++e) scores[e] = 1.0f / (1.0f + expf(-scores[e]));
+    } else {
+        for (long e = 0; e < E; ++e)
+            scores[e] = sqrtf(scores[e] > SOFTPLUS_THRESHOLD ? scores[e] : log1pf(expf(scores[e])));
+    }
+}
+
+/* ids[0..k) = the k experts of largest scores[e] + bias[e], largest first (equal keys: the lower id first). */
+static void router_top_k(const float *scores, const float *bias, long E, long k, int64_t *ids) {
+    for (long j = 0; j < k; ++j) {
+        long best = -1;
+        float best_key = 0.0f;
+        for (long e = 0; e < E; ++e) {
+            int taken = 0;
+            for (long i = 0; i < j; ++i) taken |= ids[i] == e;
+            const float key = scores[e] + bias[e];
+            if (!taken && (best < 0 || key > best_key)) {
+                best = e;
+                best_key = key;
+            }
+        }
+        ids[j] = best;
+    }
+}
+
+/* x [D] fp32 -> out [D] = routed + shared, the MoE layer of one token (`topk` routed experts of E):
+     router    logits = x Wr^T (Wr [E, D] resident input-major, fp32 or bf16), scored by `scoring`; the
+               experts: a hash row (hash_table[token], int32 [V, topk]) when hash_table is given, else the
+               top-k of scores + bias; their weights = scores / (sum + norm_eps) * scaling
+     routed    moe_experts over the stacks w1/w3/w2 (fmt, scales, b0/b1), SwiGLU clamped at `limit`
+     shared    W2s (silu(min(W1s x, L)) * clamp(W3s x, -L, L)), W1s/W3s [Is, D], W2s [D, Is] input-major
+               (shared_fmt: fp32 or bf16)
+   Each product is the kernel the layer's separate calls run (dense_xw, moe_experts), so only the router's
+   and the shared SwiGLU's fp32 roundings can differ from the torch reference's. */
+int moe_layer(pool *p, const float *x, long D, long E, long topk, const void *router_w, int router_fmt,
+              int scoring, const float *bias, const int32_t *hash_table, long vocab, long token, float scaling,
+              float norm_eps, long I, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
+              const void *w2, const void *s2, long b0, long b1, float limit, long Is, int shared_fmt,
+              const void *sw1, const void *sw3, const void *sw2, float *out, int nthreads) {
+    if (D <= 0 || E <= 0 || topk <= 0 || topk > E || Is <= 0 || (router_fmt != FMT_F32 && router_fmt != FMT_BF16) ||
+        (shared_fmt != FMT_F32 && shared_fmt != FMT_BF16) || scoring < SCORE_SOFTMAX || scoring > SCORE_SQRTSOFTPLUS)
+        return ERR_ARGS;
+    if (hash_table ? token < 0 || token >= vocab : !bias) return ERR_ARGS;
+    float *scores = malloc(sizeof(float) * (size_t)E), *weights = malloc(sizeof(float) * (size_t)topk);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)topk);
+    float *work = malloc(sizeof(float) * (size_t)(3 * Is + D)); /* gate | up | SwiGLU | shared output */
+    int status = OK;
+    if (!scores || !weights || !ids || !work) {
+        status = ERR_ALLOC;
+        goto done;
+    }
+    dense_range(x, 1, D, D, router_w, router_fmt, E, 0, E, scores, E);
+    router_scores(scoring, scores, E);
+    if (hash_table)
+        for (long j = 0; j < topk; ++j) ids[j] = hash_table[token * topk + j];
+    else
+        router_top_k(scores, bias, E, topk, ids);
+    float total = 0.0f;
+    for (long j = 0; j < topk; ++j) {
+        if (ids[j] < 0 || ids[j] >= E) {
+            status = ERR_ARGS;
+            goto done;
+        }
+        total += weights[j] = scores[ids[j]];
+    }
+    for (long j = 0; j < topk; ++j) weights[j] = weights[j] / (total + norm_eps) * scaling;
+    status = moe_experts(p, x, ACT_F32, 1, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit,
+                         out, nthreads);
+    float *gate = work, *up = work + Is, *h = work + 2 * Is, *shared = work + 3 * Is;
+    if (status == OK) status = dense_xw(p, x, ACT_F32, 1, D, sw1, shared_fmt, Is, Is, gate, nthreads);
+    if (status == OK) status = dense_xw(p, x, ACT_F32, 1, D, sw3, shared_fmt, Is, Is, up, nthreads);
+    if (status != OK) goto done;
+    for (long i = 0; i < Is; ++i) {
+        const float gc = gate[i] < limit ? gate[i] : limit;
+        const float uc = up[i] < -limit ? -limit : (up[i] > limit ? limit : up[i]);
+        h[i] = silu(gc) * uc;
+    }
+    status = dense_xw(p, h, ACT_F32, 1, Is, sw2, shared_fmt, D, D, shared, nthreads);
+    if (status == OK)
+        for (long d = 0; d < D; ++d) out[d] += shared[d];
+done:
+    free(scores);
+    free(weights);
+    free(ids);
+    free(work);
     return status;
 }

@@ -49,9 +49,9 @@ from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
 _FLAGS = ("-pthread",)  # beyond c_library.BASE_FLAGS
-# The library is compiled for this CPU (`march=NATIVE`). With AVX-512 (16-wide) or AVX2 + FMA (8-wide) the
-# FP8/FP4 rows are decoded with vector permutes; without them (or with an older `march`, which the tests use
-# to exercise that path) through per-byte tables.
+# The library is compiled for this CPU (`march=NATIVE`). With AVX-512 (16-wide) the FP8/FP4 rows are decoded
+# with vector permutes, with AVX2 + FMA + F16C (8-wide) with byte shuffles (FP4) and half-float widening (FP8);
+# without them (or with an older `march`, which the tests use to exercise that path) through per-byte tables.
 
 # Codes shared with gemv_cpu.c.
 _ACT = {torch.float32: 0, torch.bfloat16: 1}
@@ -59,7 +59,7 @@ _FMT_F32, _FMT_BF16, _FMT_FP8, _FMT_FP4 = 0, 1, 2, 3
 _DENSE_FMT = {torch.float32: _FMT_F32, torch.bfloat16: _FMT_BF16}
 _ERR_ALLOC, _ERR_ARGS = 1, 2
 # vector_isa() of a library built with the AVX-512 / AVX2 decode paths (0: per-byte tables)
-VECTOR_ISAS = {512: "AVX-512 permutes", 256: "AVX2 permutes", 0: "per-byte tables"}
+VECTOR_ISAS = {512: "AVX-512 permutes", 256: "AVX2 byte shuffles / F16C", 0: "per-byte tables"}
 
 # Where DenseGemv beats torch's GEMM on the same input-major weight: bf16 one-row products 1.3-3.1x faster
 # (benchmarks/bench_gemv.py, small-config shapes, 2 threads, cold weights, shared machine; oneDNN's small-row
@@ -98,7 +98,10 @@ FP4_STEP = 32
 # at 64; FP8 (table decode) x1.8 at 16 tokens, x1.41 at 32, x0.96 at 64; FP4 x2.8 at 32, x1.43 at 128 (16 picks
 # per expert); bf16 x4-13 from 1 to 64 tokens (oneDNN's small bf16 GEMMs are slow). Keyed by the weights' dtype:
 # fp32 activations on bf16 stacks take the bf16 count (the alternative there is the loop over widened experts).
-MAX_PICKS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16, torch.float8_e4m3fn: 4, torch.int8: 16}
+# FP8 takes FP4's count since its AVX2 decode (half floats) costs about what FP4's does: FP8 / FP4 fused vs the
+# dequantizing loop, 2 threads, busy shared machine: x26 / x28 at 64 tokens (8 picks per expert), x23 / x24 at
+# 128 tokens, x8 at 256 tokens (the loop's time there swings ~2x between runs, the kernel's much less).
+MAX_PICKS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16, torch.float8_e4m3fn: 16, torch.int8: 16}
 
 
 def build_library(march: str = NATIVE) -> ctypes.CDLL:
@@ -130,6 +133,9 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.quant_xw.argtypes = [P, P, Int, L, L, Int, P, P, L, L, L, P, Int]
     lib.moe_experts.restype = Int
     lib.moe_experts.argtypes = [P, P, Int, L, L, L, L, P, P, L, Int, P, P, P, P, P, P, L, L, F, P, Int]
+    lib.moe_layer.restype = Int
+    lib.moe_layer.argtypes = [P, P, L, L, L, P, Int, Int, P, P, L, L, F, F, L, Int, P, P, P, P, P, P, L, L, F, L,
+                              Int, P, P, P, P, Int]
     return lib
 
 
@@ -309,6 +315,27 @@ def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, 
 _EXPERT_DTYPES = {(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)}
 
 
+def _dense_stacks_ok(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Dense input-major expert stacks w1/w3 [E, I, D], w2 [E, D, I] the kernel runs for x's dtype."""
+    if w1.dim() != 3:
+        return False
+    E, inter, D = w1.shape
+    dtypes = w1.dtype == w3.dtype == w2.dtype and (x.dtype, w1.dtype) in _EXPERT_DTYPES
+    layouts = dtypes and all(w.device.type == "cpu" and _input_major(w) for w in (w1, w3, w2))
+    return layouts and D == x.shape[1] and w3.shape == w1.shape and w2.shape == (E, D, inter)
+
+
+def _quant_stacks_ok(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, block) -> bool:
+    """FP8 / FP4 expert stacks (one format) with their scales, x's width as their input."""
+    if w1.dim() != 3:
+        return False
+    D, inter = x.shape[1], w1.shape[1]
+    same = _quant_format(w1) == _quant_format(w3) == _quant_format(w2)
+    return (same and w1.shape == w3.shape and w2.shape[:2] == (w1.shape[0], D)
+            and _quant_ok(w1, w1_scale, block, D) and _quant_ok(w3, w3_scale, block, D)
+            and _quant_ok(w2, w2_scale, block, inter))
+
+
 class FusedExperts(_PoolKernel):
     """Routed experts of one MoE layer over dense input-major stacks w1/w3 [E, I, D], w2 [E, D, I]."""
 
@@ -316,12 +343,7 @@ class FusedExperts(_PoolKernel):
 
     @staticmethod
     def supports(x, ids, weights, w1, w3, w2, limit) -> bool:
-        if w1.dim() != 3 or not _routing_ok(x, ids, weights, w1):
-            return False
-        E, inter, D = w1.shape
-        dtypes = w1.dtype == w3.dtype == w2.dtype and (x.dtype, w1.dtype) in _EXPERT_DTYPES
-        layouts = dtypes and all(w.device.type == "cpu" and _input_major(w) for w in (w1, w3, w2))
-        return layouts and D == x.shape[1] and w3.shape == w1.shape and w2.shape == (E, D, inter)
+        return w1.dim() == 3 and _routing_ok(x, ids, weights, w1) and _dense_stacks_ok(x, w1, w3, w2)
 
     def __call__(self, x, ids, weights, w1, w3, w2, limit) -> torch.Tensor:
         return _run_experts(self._fn, self._pool, x, ids, weights, _DENSE_FMT[w1.dtype], w1, None, w3, None, w2,
@@ -335,17 +357,78 @@ class FusedQuantExperts(_PoolKernel):
 
     @staticmethod
     def supports(x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> bool:
-        if w1.dim() != 3 or not _routing_ok(x, ids, weights, w1):
-            return False
-        D, inter = x.shape[1], w1.shape[1]
-        same = _quant_format(w1) == _quant_format(w3) == _quant_format(w2)
-        return (same and w1.shape == w3.shape and w2.shape[:2] == (w1.shape[0], D)
-                and _quant_ok(w1, w1_scale, block, D) and _quant_ok(w3, w3_scale, block, D)
-                and _quant_ok(w2, w2_scale, block, inter))
+        return (w1.dim() == 3 and _routing_ok(x, ids, weights, w1)
+                and _quant_stacks_ok(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, block))
 
     def __call__(self, x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> torch.Tensor:
         return _run_experts(self._fn, self._pool, x, ids, weights, _quant_format(w1), w1, w1_scale.data_ptr(), w3,
                             w3_scale.data_ptr(), w2, w2_scale.data_ptr(), block, limit)
+
+
+# Router scoring functions (ModelConfig.scoring_func) and their codes in gemv_cpu.c's moe_layer.
+_SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+# Tokens FusedMoeLayer takes: the one-row decode step, whose every other product already runs in these kernels
+# (MAX_F32_ROWS); at more rows the router and shared expert stay with torch.
+MAX_MOE_LAYER_ROWS = 1
+
+
+class FusedMoeLayer(_PoolKernel):
+    """One token's whole MoE layer in one call: the router (scores, top-k with correction bias or a hash row,
+    normalised scaled weights), its routed experts (dense or FP8 / FP4 stacks, as FusedExperts /
+    FusedQuantExperts run them) and the shared expert, fp32 rows. A decode step's MoE layer is otherwise ~30
+    torch ops and four kernel calls for ~0.3 MB of weights.
+
+    Arguments: x [1, D]; token_ids [1] (the hash row's token); router_weight [E, D] input-major (fp32 or bf16);
+    bias [E] fp32 (None when hashed); hash_table [V, k] int32 (None unless hashed); scoring (a
+    ModelConfig.scoring_func), top_k, scaling, norm_eps (added to the picked scores' sum); the routed stacks w1,
+    w1_scale, w3, w3_scale, w2, w2_scale (scales None for dense stacks), block (the FP8 / FP4 scale block; unused
+    dense), limit (SwiGLU clamp); shared_w1/w3 [Is, D], shared_w2 [D, Is] input-major (fp32 or bf16). Returns
+    routed + shared [1, D]."""
+
+    _entry = "moe_layer"
+
+    @staticmethod
+    def supports(x, token_ids, router_weight, bias, hash_table, scoring, top_k, scaling, norm_eps, w1, w1_scale, w3,
+                 w3_scale, w2, w2_scale, block, limit, shared_w1, shared_w3, shared_w2) -> bool:
+        if x.dtype != torch.float32 or not _cpu_rows(x) or x.shape[0] > MAX_MOE_LAYER_ROWS or scoring not in _SCORING:
+            return False
+        D, E = x.shape[1], w1.shape[0] if w1.dim() == 3 else 0
+        dense = all(w is None for w in (w1_scale, w3_scale, w2_scale))
+        stacks = _dense_stacks_ok(x, w1, w3, w2) if dense else _quant_stacks_ok(x, w1, w1_scale, w3, w3_scale, w2,
+                                                                                 w2_scale, block)
+        if hash_table is not None:
+            routing = (bias is None and hash_table.dtype == torch.int32 and hash_table.dim() == 2
+                       and hash_table.shape[1] == top_k and hash_table.is_contiguous()
+                       and token_ids.numel() == 1 and token_ids.dtype == torch.int64)
+        else:
+            routing = (bias is not None and bias.dtype == torch.float32 and tuple(bias.shape) == (E,)
+                       and bias.is_contiguous())
+        inter = shared_w1.shape[0]
+        shared = (all(w.dim() == 2 and w.dtype in _DENSE_FMT and w.device.type == "cpu" and _input_major(w)
+                      for w in (shared_w1, shared_w3, shared_w2))
+                  and tuple(shared_w1.shape) == tuple(shared_w3.shape) == (inter, D)
+                  and tuple(shared_w2.shape) == (D, inter))
+        return (stacks and routing and shared and 0 < top_k <= E and router_weight.dtype in _DENSE_FMT
+                and tuple(router_weight.shape) == (E, D) and router_weight.device.type == "cpu"
+                and _input_major(router_weight))
+
+    def __call__(self, x, token_ids, router_weight, bias, hash_table, scoring, top_k, scaling, norm_eps, w1, w1_scale,
+                 w3, w3_scale, w2, w2_scale, block, limit, shared_w1, shared_w3, shared_w2) -> torch.Tensor:
+        (_, D), (E, inter) = x.shape, (w1.shape[0], w1.shape[1])
+        dense = w1_scale is None
+        fmt = _DENSE_FMT[w1.dtype] if dense else _quant_format(w1)
+        hashed = hash_table is not None
+        out = torch.empty_like(x)
+        status = self._fn(
+            self._pool.handle, x.data_ptr(), D, E, top_k, router_weight.data_ptr(), _DENSE_FMT[router_weight.dtype],
+            _SCORING[scoring], None if hashed else bias.data_ptr(), hash_table.data_ptr() if hashed else None,
+            hash_table.shape[0] if hashed else 0, int(token_ids[0]) if hashed else 0, float(scaling),
+            float(norm_eps), inter, fmt, w1.data_ptr(), None if dense else w1_scale.data_ptr(), w3.data_ptr(),
+            None if dense else w3_scale.data_ptr(), w2.data_ptr(), None if dense else w2_scale.data_ptr(),
+            block[0], block[1], float(limit), shared_w1.shape[0], _DENSE_FMT[shared_w1.dtype],
+            shared_w1.data_ptr(), shared_w3.data_ptr(), shared_w2.data_ptr(), out.data_ptr(), self._pool.threads())
+        _check(status, "moe_layer")
+        return out
 
 
 def usable_cpus() -> int:
@@ -356,8 +439,9 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts]:
-    """All four kernels over one build of the library and one worker pool.
+def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts,
+                                                      FusedMoeLayer]:
+    """All five kernels over one build of the library and one worker pool.
 
     Args:
         threads: threads every call uses (the pool gets threads - 1 workers); None: the pool gets a worker
@@ -369,11 +453,12 @@ def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, Fus
     """
     lib = build_library()
     pool = WorkerPool(lib, (threads or usable_cpus()) - 1, fixed=threads is not None)
-    return DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool)
+    return (DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool),
+            FusedMoeLayer(lib, pool))
 
 
 @functools.cache
-def shared_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts]:
+def shared_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts, FusedMoeLayer]:
     """The process's one set of kernels (`build_kernels()`): every kernel registry hands these out, so a
     process runs one worker pool however many models it builds, as torch runs one intra-op pool."""
     return build_kernels()

@@ -38,6 +38,7 @@ NORM_ROPE = "norm_rope"
 LINEAR = "linear"
 FEW_ROW_EXPERTS = "few_row_experts"
 QUANT_EXPERTS = "quant_experts"
+MOE_LAYER = "moe_layer"
 
 # Forwards of at most this many rows run torch at one intra-op thread (`threads_for_rows`): the rows whose
 # every product the few-row kernels take at any dtype (gemv_cpu's MAX_F32_ROWS and MAX_BF16_ROWS).
@@ -88,7 +89,7 @@ def _build_grouped_experts():
 
 
 def _build_few_row(index: int):
-    """One of gemv_cpu's kernels; the four share one build of the library and one worker pool."""
+    """One of gemv_cpu's kernels; they share one build of the library and one worker pool."""
     from dsv4.kernels.gemv_cpu import shared_kernels
 
     return shared_kernels()[index]
@@ -127,6 +128,11 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
         Backend("cpu_c", functools.partial(_build_few_row, 3),
                 "FP8 / FP4 routed experts decoded in registers, no dequantised copy (gemv_cpu.c "
                 "FusedQuantExperts)"),
+    ),
+    MOE_LAYER: (
+        Backend("cpu_c", functools.partial(_build_few_row, 4),
+                "one token's MoE layer (router, routed and shared experts) in one C call (gemv_cpu.c "
+                "FusedMoeLayer)"),
     ),
     MOE_EXPERTS: (
         Backend("grouped_mm", _build_grouped_experts,

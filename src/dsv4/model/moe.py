@@ -11,7 +11,14 @@ from torch import nn
 from dsv4.config import DENSE, EXPERT_FORMATS, FP8, HASH_MOE, ModelConfig, QuantConfig
 from dsv4.kernels.gathered_experts import loop_experts, swiglu
 from dsv4.kernels.quant_experts import dequantized_expert, dequantizing_loop, quant_experts
-from dsv4.kernels.registry import FEW_ROW_EXPERTS, MOE_EXPERTS, QUANT_EXPERTS, KernelRegistry, default_registry
+from dsv4.kernels.registry import (
+    FEW_ROW_EXPERTS,
+    MOE_EXPERTS,
+    MOE_LAYER,
+    QUANT_EXPERTS,
+    KernelRegistry,
+    default_registry,
+)
 from dsv4.model.linear import Linear, compute_weight, input_major
 from dsv4.parallel.collectives import all_reduce
 from dsv4.parallel.state import SINGLE, ParallelState
@@ -197,17 +204,34 @@ class SharedExpert(nn.Module):
 
 class MoE(nn.Module):
     """The router is replicated (every rank routes every token); routed and shared experts give partial
-    sums under tensor / expert parallelism, combined by one all-reduce."""
+    sums under tensor / expert parallelism, combined by one all-reduce. On one rank, a call the registry's
+    MOE_LAYER kernel supports (one fp32 token) runs router, routed and shared experts in that one call."""
 
     def __init__(self, cfg: ModelConfig, mlp_type: str, expert_format: str, dtype: torch.dtype,
                  kernels: KernelRegistry | None = None, parallel: ParallelState = SINGLE):
         super().__init__()
         self.parallel = parallel
+        self.kernels = kernels or default_registry()
         self.gate = Router(cfg, hashed=mlp_type == HASH_MOE, dtype=dtype)
         self.experts = RoutedExperts(cfg, expert_format, cfg.quant, dtype, kernels, parallel)
         self.shared_experts = SharedExpert(cfg, dtype, kernels, parallel)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], token_ids [T] (hash routing needs them) -> [T, D]."""
+        if not self.parallel.is_parallel:
+            args = self._layer_args(x, token_ids)
+            fused = self.kernels.kernel(MOE_LAYER, *args)
+            if fused is not None:
+                return fused(*args)
         ids, weights = self.gate(x, token_ids)
         return all_reduce(self.experts(x, ids, weights) + self.shared_experts(x), self.parallel)
+
+    def _layer_args(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple:
+        """The arguments of MOE_LAYER (gemv_cpu.FusedMoeLayer) over this layer's weights."""
+        gate, experts, shared = self.gate, self.experts, self.shared_experts
+        dense = experts.format == DENSE
+        scales = (None, None, None) if dense else (experts.w1_scale, experts.w3_scale, experts.w2_scale)
+        return (x, token_ids, gate.weight, None if gate.hashed else gate.bias, gate.tid2eid if gate.hashed else None,
+                gate.scoring_func, gate.top_k, gate.scaling, _ROUTING_NORM_EPS, experts.w1, scales[0], experts.w3,
+                scales[1], experts.w2, scales[2], experts.quant_block, experts.limit, shared.w1.weight,
+                shared.w3.weight, shared.w2.weight)

@@ -1,0 +1,119 @@
+"""The one-call MoE layer of a decode token (gemv_cpu.FusedMoeLayer, the registry's MOE_LAYER) against the
+layer's torch reference (the same MoE module built with a reference-only registry: torch router, the reference
+expert loop over dequantized or dense experts, torch shared expert), for every expert format and router kind;
+and the calls it must decline (more rows, bf16 rows, a graph being compiled, tensor parallelism)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsv4.config import DENSE, FP4, FP8, HASH_MOE, MOE, ModelConfig
+from dsv4.embedded import EMBEDDED_MODELS
+from dsv4.kernels.registry import MOE_LAYER, KernelRegistry
+from dsv4.model import moe as moe_module
+from dsv4.model.moe import MoE
+from dsv4.parallel.state import ParallelState
+from dsv4.quant import quantize_fp4, quantize_fp8_blockwise
+
+# Unit-scale random weights give outputs of size ~1-10; the kernel's products and exp/log sum and round in
+# another order than torch's: fp32 rounding noise.
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
+SEED = 3
+
+
+def _config(scoring: str) -> ModelConfig:
+    return dataclasses.replace(ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0]), scoring_func=scoring)
+
+
+def _fill(moe: MoE, fmt: str, g: torch.Generator) -> None:
+    """Random weights of unit scale; a random hash table / correction bias."""
+    gate, experts = moe.gate, moe.experts
+    gate.weight.copy_(torch.randn(gate.weight.shape, generator=g) / gate.weight.shape[1] ** 0.5)
+    if gate.hashed:
+        E, k = experts.num_experts, gate.top_k
+        gate.tid2eid.copy_(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(gate.tid2eid.shape[0])]))
+    else:
+        gate.bias.copy_(0.1 * torch.randn(gate.bias.shape, generator=g))
+    for name in ("w1", "w3", "w2"):
+        weight = getattr(experts, name)
+        for e in range(experts.num_experts):
+            out_features, in_features = weight.shape[1], weight.shape[2] * (2 if fmt == FP4 else 1)
+            dense = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5 * 4
+            if fmt == DENSE:
+                weight[e].copy_(dense)
+                continue
+            scale = getattr(experts, f"{name}_scale")
+            q, s = (quantize_fp8_blockwise(dense, experts.block, scale_fmt="float") if fmt == FP8
+                    else quantize_fp4(dense, experts.group))
+            weight[e].copy_(q)
+            scale[e].copy_(s.float() if fmt == FP8 else s)
+    for linear in (moe.shared_experts.w1, moe.shared_experts.w3, moe.shared_experts.w2):
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) / linear.weight.shape[1] ** 0.5 * 4)
+
+
+def _pair(fmt: str, mlp_type: str, scoring: str) -> tuple[MoE, MoE]:
+    """The layer with the default kernels and the same layer (same weights) with reference-only kernels."""
+    cfg = _config(scoring)
+    fast = MoE(cfg, mlp_type, fmt, torch.float32, KernelRegistry())
+    reference = MoE(cfg, mlp_type, fmt, torch.float32, KernelRegistry(force_reference=True))
+    _fill(fast, fmt, torch.Generator().manual_seed(SEED))
+    reference.load_state_dict(fast.state_dict())
+    return fast, reference
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("mlp_type", [MOE, HASH_MOE])
+@pytest.mark.parametrize("fmt", [DENSE, FP8, FP4])
+def test_one_token_layer_matches_reference(fmt, mlp_type, scoring):
+    fast, reference = _pair(fmt, mlp_type, scoring)
+    g = torch.Generator().manual_seed(SEED + 1)
+    for token in range(6):  # several tokens: different hash rows and top-k picks
+        x = torch.randn(1, fast.gate.weight.shape[1], generator=g)
+        token_ids = torch.tensor([token * 37 % fast.gate.tid2eid.shape[0] if fast.gate.hashed else token])
+        assert fast.kernels.kernel(MOE_LAYER, *fast._layer_args(x, token_ids)) is not None
+        torch.testing.assert_close(fast(x, token_ids), reference(x, token_ids), **FP32_TOL)
+
+
+def test_router_picks_the_reference_experts():
+    """The kernel's top-k with correction bias picks what torch's topk picks, including the bias steering it:
+    a bias that makes an otherwise low-scoring expert win changes the layer's output exactly as it does the
+    reference's."""
+    fast, reference = _pair(FP4, MOE, "sqrtsoftplus")
+    x = torch.randn(1, fast.gate.weight.shape[1], generator=torch.Generator().manual_seed(SEED + 2))
+    token_ids = torch.tensor([0])
+    ids, _ = reference.gate(x, token_ids)
+    scores = torch.nn.functional.softplus(x @ reference.gate.weight.t()).sqrt()[0]
+    loser = int((scores + reference.gate.bias).argmin())
+    for layer in (fast, reference):
+        layer.gate.bias[loser] = 100.0
+    steered, _ = reference.gate(x, token_ids)
+    assert loser in steered[0].tolist() and loser not in ids[0].tolist()
+    torch.testing.assert_close(fast(x, token_ids), reference(x, token_ids), **FP32_TOL)
+
+
+def test_declines_calls_it_does_not_run(monkeypatch):
+    fast, _ = _pair(FP4, HASH_MOE, "sqrtsoftplus")
+    D = fast.gate.weight.shape[1]
+    kernel = fast.kernels.choose(MOE_LAYER).impl
+    one = torch.randn(1, D)
+    assert kernel.supports(*fast._layer_args(one, torch.tensor([5])))
+    assert not kernel.supports(*fast._layer_args(torch.randn(2, D), torch.tensor([5, 6])))  # two tokens
+    assert not kernel.supports(*fast._layer_args(one.bfloat16(), torch.tensor([5])))  # bf16 rows
+    # tensor parallel: each rank holds part of every expert and of the shared expert, so the layer is a partial
+    # sum for the all-reduce (stood in for here: no process group); the kernel is never asked
+    parallel = MoE(_config("sqrtsoftplus"), HASH_MOE, DENSE, torch.float32, KernelRegistry(),
+                   ParallelState(rank=0, world_size=2))
+    asked = []
+    parallel.kernels = type("Spy", (), {"kernel": lambda self, op, *args: asked.append(op)})()
+    reduced = []
+    monkeypatch.setattr(moe_module, "all_reduce", lambda x, state: reduced.append(state) or x)
+    assert parallel(one, torch.tensor([5])).shape == one.shape
+    assert reduced and MOE_LAYER not in asked
+
+
+def test_out_of_range_hash_token_is_an_error():
+    fast, _ = _pair(FP4, HASH_MOE, "sqrtsoftplus")
+    vocab = fast.gate.tid2eid.shape[0]
+    with pytest.raises(ValueError, match="moe_layer"):
+        fast(torch.randn(1, fast.gate.weight.shape[1]), torch.tensor([vocab]))
