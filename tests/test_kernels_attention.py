@@ -224,11 +224,15 @@ def test_decode_span_longer_than_a_ring_is_refused(cfg):
 
 def test_indexer_picks_break_ties_by_the_lowest_entry():
     """Scores with many exact ties (relu makes every entry whose head dots are all negative score exactly 0,
-    whatever the chunk shape) and masked tails: the picks are the k best entries, ties at the k-th score
-    going to the lowest indices, as a brute-force ranking by (score desc, index asc) gives. A decode row and
-    a prefill chunk then pick the same entries for the same scores."""
+    whatever the chunk shape; weighted, of either sign), negative scores and masked tails: the picks are the
+    k best entries, ties at the k-th score going to the lowest indices, as a brute-force ranking by
+    (score desc, index asc) gives. A decode row and a prefill chunk then pick the same entries for the same
+    scores."""
     g = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 3, (3, 5, 40), generator=g).float()
+    scores[0] -= 2  # scores <= 0 (head weights may be negative): the k-th among the zeros or below
+    scores[0, :, ::2] = scores[0, :, ::2].where(scores[0, :, ::2] != 0, -0.0)  # either sign of zero is one tie
+    scores[0, :2] -= 1  # rows with no zero: the k-th among negative scores
     scores[1, :, 30:] = float("-inf")  # fewer entries visible than the rest
     scores[2, 0, 2:] = float("-inf")  # fewer visible than k
     k = 6

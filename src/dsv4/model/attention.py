@@ -140,17 +140,22 @@ class Indexer(nn.Module):
 
 
 def top_k_lowest_index_on_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[..., n] -> [..., k] indices of the k largest scores, in ascending order; among scores equal to the k-th
-    largest the lowest indices are taken. Why: relu gives many entries a score of exactly 0 whatever the
+    """fp32 [..., n] -> [..., k] indices of the k largest scores, in ascending order; among scores equal to the
+    k-th largest the lowest indices are taken. Why: relu gives many entries a score of exactly 0 whatever the
     batch or chunk shape, and topk breaks such ties by its own internal order, which differs between a
-    decode row and a prefill chunk; the attention would then see different entries for the same token."""
-    kth = scores.topk(k, dim=-1).values[..., -1:]  # sorted descending: the k-th largest
-    above = scores > kth
-    tied = scores == kth
-    chosen = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
-    entry = torch.arange(scores.shape[-1], device=scores.device, dtype=torch.int32)
-    rank = torch.where(chosen, scores.shape[-1] - entry, 0)  # distinct and positive where chosen
-    return rank.topk(k, dim=-1).indices  # largest rank first: ascending entries
+    decode row and a prefill chunk; the attention would then see different entries for the same token.
+
+    One topk over a composite int64 key, the score's order-preserving integer image above the reversed
+    index: keys are distinct, so the top k are the brute-force ranking's (score desc, index asc) whatever
+    order topk scans them in."""
+    n = scores.shape[-1]  # < 2^32: the key's index bits (a cache row holds far fewer entries)
+    # -0.0 and 0.0 compare equal (a tie), but their bits differ: one zero first.
+    bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)
+    # Negative floats' magnitude bits count the wrong way as signed integers: flip them.
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    reversed_index = n - 1 - torch.arange(n, device=scores.device, dtype=torch.int64)  # lower index: larger key
+    keys = ordered * (1 << 32) + reversed_index
+    return keys.topk(k, dim=-1).indices.sort(dim=-1).values
 
 
 class Attention(nn.Module):

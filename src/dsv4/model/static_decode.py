@@ -54,9 +54,10 @@ def entry_reads(positions: list[int], capacity: dict[int, int], least: int) -> d
     """For each compress rate, how many entries every row reads: the most any row has completed,
     rounded up to a power of two and to at least `least`, at most the cache's capacity. A compiled
     step sees few distinct values; reading a few masked entries more costs nothing."""
+    latest = max(positions)  # the row that has completed the most entries, at every rate
     reads = {}
     for rate, cap in capacity.items():
-        most = max((p + 1) // rate for p in positions)
+        most = (latest + 1) // rate
         reads[rate] = min(cap, max(least, 1 << max(0, most - 1).bit_length()))
     return reads
 
@@ -112,6 +113,12 @@ class StaticDecode:
         # Entry reads never drop below the indexer's k (nor 2): `min(k, n)` and size-1 specialisation
         # would otherwise split the graph by entry count.
         self._least_reads = max(2, model.cfg.index_topk)
+        # One compressed layer per compress rate: where the step reads each rate's entry capacity.
+        rate_layers = {}
+        for i, layer in enumerate(model.layers):
+            if layer.attn.compressor is not None:
+                rate_layers.setdefault(layer.attn.compressor.rate, i)
+        self._rate_layers = tuple(rate_layers.items())
         self._forward = decode_forward
         if compile:
             model.kernels.resolve_all()
@@ -123,16 +130,15 @@ class StaticDecode:
 
     @staticmethod
     def serves(batch: ForwardBatch) -> bool:
-        return all(seg.length == 1 for seg in batch.segments)
+        """Whether every segment of the batch is one token (its plan has single-token decode rows only)."""
+        plan = batch.plan
+        return plan.prefill is None and plan.decode is not None and plan.decode.spans is None
 
     def __call__(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         """A pure-decode batch -> (streams [B, hc, D], fp32 logits [B, V]); extends the rows' cache slots."""
         self.model.require_ready()
         cache.begin_step(batch.segments)
-        slots = batch.plan.decode.slots
-        capacity = {  # compress rate -> entries a slot holds
-            layer.attn.compressor.rate: layer_cache.compressor.entries.shape[1]
-            for layer, layer_cache in zip(self.model.layers, cache) if layer.attn.compressor is not None
-        }
-        reads = entry_reads([seg.start for seg in batch.segments], capacity, self._least_reads)
-        return self._forward(self.model, cache.layers, batch.token_ids, batch.positions, slots, reads)
+        decode = batch.plan.decode
+        capacity = {rate: cache.layers[i].compressor.entries.shape[1] for rate, i in self._rate_layers}
+        reads = entry_reads(decode.host_positions, capacity, self._least_reads)
+        return self._forward(self.model, cache.layers, batch.token_ids, batch.positions, decode.slots, reads)

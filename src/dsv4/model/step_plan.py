@@ -46,6 +46,8 @@ class StepPlan:
         prefill path. `positions`: the batch's [num_rows] positions tensor, when it has one."""
         if decode_span < 1:
             raise ValueError(f"decode_span must be >= 1, got {decode_span}")
+        if segments and num_rows == len(segments):  # every segment one token (none is empty): a decode step
+            return cls(decode=DecodeMeta.of_single_tokens(segments, True, device, positions), prefill=None)
         rows = [seg for seg in segments if seg.length <= decode_span]
         chunks = [seg for seg in segments if seg.length > decode_span]
         pure = not chunks
@@ -134,24 +136,32 @@ class DecodeMeta(_Memo):
                     positions: torch.Tensor | None = None) -> DecodeMeta:
         """The rows of `segs`; `positions`: the batch's [T] positions tensor, reused when the rows are the
         whole batch (`pure`) instead of built again."""
-        if all(seg.length == 1 for seg in segs):  # a decode step: one row per segment, no spans
-            host_positions, slot_ids = [seg.start for seg in segs], [seg.slot for seg in segs]
-            flat_rows, spans = None if pure else [seg.begin for seg in segs], None
-        else:
-            host_positions, slot_ids, flat_rows, firsts, lasts = [], [], [], [], []
-            for seg in segs:
-                host_positions.extend(range(seg.start, seg.start + seg.length))
-                slot_ids.extend([seg.slot] * seg.length)
-                flat_rows.extend(range(seg.begin, seg.end))
-                firsts.extend([seg.start] * seg.length)
-                lasts.extend([seg.start + seg.length - 1] * seg.length)
-            spans = (firsts, lasts)
+        if all(seg.end - seg.begin == 1 for seg in segs):
+            return cls.of_single_tokens(segs, pure, device, positions)
+        host_positions, slot_ids, flat_rows, firsts, lasts = [], [], [], [], []
+        for seg in segs:
+            host_positions.extend(range(seg.start, seg.start + seg.length))
+            slot_ids.extend([seg.slot] * seg.length)
+            flat_rows.extend(range(seg.begin, seg.end))
+            firsts.extend([seg.start] * seg.length)
+            lasts.extend([seg.start + seg.length - 1] * seg.length)
+        pos = positions if pure and positions is not None else torch.tensor(host_positions, device=device)
         rows = slice(None) if pure else torch.tensor(flat_rows, device=device)
+        # One slot per segment repeated over its rows: never one ascending run, so no slot range.
+        return cls(pos, torch.tensor(slot_ids, device=device), rows, pure, host_positions, None, None,
+                   (firsts, lasts))
+
+    @classmethod
+    def of_single_tokens(cls, segs: Sequence[Segment], pure: bool, device: torch.device,
+                         positions: torch.Tensor | None = None) -> DecodeMeta:
+        """`of_segments` when every segment is one token (a decode step): one row per segment, no spans."""
+        host_positions, slot_ids = [seg.start for seg in segs], [seg.slot for seg in segs]
+        rows = slice(None) if pure else torch.tensor([seg.begin for seg in segs], device=device)
         pos = positions if pure and positions is not None else torch.tensor(host_positions, device=device)
         first = slot_ids[0]
-        contiguous = slot_ids == list(range(first, first + len(slot_ids)))  # never so for a multi-row segment
+        contiguous = slot_ids == list(range(first, first + len(slot_ids)))
         return cls(pos, torch.tensor(slot_ids, device=device), rows, pure, host_positions, None,
-                   slice(first, first + len(slot_ids)) if contiguous else None, spans)
+                   slice(first, first + len(slot_ids)) if contiguous else None)
 
     @classmethod
     def of_tensors(cls, pos: torch.Tensor, slots: torch.Tensor, reads: dict[int, int]) -> DecodeMeta:
