@@ -97,11 +97,17 @@ class TransferGroup:
         if claims != 1:
             raise WeightTransferError(f"{self.where}: {self.role} rank {self.rank} is already taken by another member")
         mine = {"world_size": self.world_size, "backend": self.backend, "protocol": PROTOCOL, "role": self.role}
+        read: dict[int, dict[str, Any]] = {}
+        if self.rank != TRAINER_RANK:
+            # The trainer's record before publishing ours: a trainer that sees a member disagree stops, and its
+            # store with it, so a member that published first could lose the trainer's record (the reason) with
+            # the connection.
+            read[TRAINER_RANK] = self._read(f"member/{TRAINER_RANK}", f"rank {TRAINER_RANK} to join")
         self.publish("member", mine)
         # Rank 0 first: a member that disagrees with the trainer learns it without waiting for ranks that
         # the trainer's world size does not have.
         for rank in sorted(range(self.world_size), key=lambda r: r != TRAINER_RANK):
-            theirs = self._read(f"member/{rank}", f"rank {rank} to join")
+            theirs = read[rank] if rank in read else self._read(f"member/{rank}", f"rank {rank} to join")
             for key in ("world_size", "backend", "protocol"):
                 if theirs.get(key) != mine[key]:
                     raise WeightTransferError(
