@@ -17,7 +17,7 @@ import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.model.cache import cache_tensors
-from dsv4.model.lazy_memory import LAZY_MIN_BYTES, lazy_zeros
+from dsv4.lazy_memory import LAZY_MIN_BYTES, lazy_zeros
 
 MIB = 2**20
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -25,7 +25,7 @@ LIBC = ctypes.CDLL(None, use_errno=True)
 PROBE = textwrap.dedent(
     """
     import json, torch
-    from dsv4.model.lazy_memory import lazy_zeros
+    from dsv4.lazy_memory import lazy_zeros
 
     def anon():
         for line in open("/proc/self/status"):
@@ -203,7 +203,7 @@ def test_a_built_model_takes_no_memory_until_its_weights_are_written(tmp_path):
 def test_arena_factories():
     """Within ArenaAllocation, large CPU factory calls come from the arena with torch's values, dtypes and
     flags; small ones, other devices and out= calls are torch's own."""
-    from dsv4.model.lazy_memory import ARENA_MIN_BYTES, HUGE_PAGE_BYTES, ArenaAllocation, WeightArena
+    from dsv4.lazy_memory import ARENA_MIN_BYTES, HUGE_PAGE_BYTES, ArenaAllocation, WeightArena
 
     arena = WeightArena()
     with ArenaAllocation(arena):

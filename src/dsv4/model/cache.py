@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.config import CSA, SLIDING, ModelConfig
-from dsv4.model.lazy_memory import lazy_zeros
+from dsv4.lazy_memory import lazy_zeros
 
 
 @dataclass

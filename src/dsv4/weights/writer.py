@@ -36,7 +36,7 @@ import torch
 
 from dsv4.config import DENSE, FP4, FP8
 from dsv4.errors import CheckpointError
-from dsv4.model.lazy_memory import WeightArena
+from dsv4.lazy_memory import WeightArena
 from dsv4.quant import fp8_scale_grid_shape
 from dsv4.weights.convert import (
     E4M3,
