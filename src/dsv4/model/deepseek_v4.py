@@ -30,16 +30,12 @@ def broadcast_fn(fn: torch.Tensor, hc: int) -> torch.Tensor:
     return fn.view(fn.shape[0], hc, -1).sum(dim=1)
 
 
-def register_first_layer_broadcast(model: nn.Module, cfg: ModelConfig) -> None:
-    """The buffer of the derived first-layer matrix; allocated once, then only ever written in place."""
-    model.register_buffer(FIRST_LAYER_BROADCAST, torch.zeros(cfg.hc_mix, cfg.hidden_size), persistent=False)
-
-
-def first_layer_broadcast(layers: nn.ModuleList, cfg: ModelConfig) -> DerivedTensor:
-    """F_b of a model whose first block sees a broadcast input (target, DSpark), from layers[0].hc_attn_fn."""
-    return DerivedTensor(
-        name=FIRST_LAYER_BROADCAST,
-        compute=lambda: broadcast_fn(layers[0].hc_attn_fn.float(), cfg.hc_mult),
+def add_first_layer_broadcast(model: TopLevelModel, layers: nn.ModuleList, cfg: ModelConfig) -> None:
+    """Register F_b, the derived matrix of a model whose first block sees a broadcast input (target, DSpark),
+    computed from layers[0].hc_attn_fn."""
+    model.register_derived(
+        DerivedTensor(FIRST_LAYER_BROADCAST, lambda: broadcast_fn(layers[0].hc_attn_fn.float(), cfg.hc_mult)),
+        (cfg.hc_mix, cfg.hidden_size),
     )
 
 
@@ -94,11 +90,8 @@ class DeepseekV4(TopLevelModel):
         else:
             self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.kernels)
         add_hyper_head(self, cfg)
-        register_first_layer_broadcast(self, cfg)
+        add_first_layer_broadcast(self, self.layers, cfg)
         self.requires_grad_(False)
-
-    def derived_tensors(self) -> list[DerivedTensor]:
-        return [first_layer_broadcast(self.layers, self.cfg)]
 
     def allocate_cache(self, slots: int, max_len: int) -> ModelCache:
         device = self.embed.weight.device

@@ -29,9 +29,16 @@ class TopLevelModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._ready = False
+        self._derived: list[DerivedTensor] = []
+
+    def register_derived(self, derived: DerivedTensor, shape: tuple[int, ...]) -> None:
+        """Register a derived tensor: its buffer is allocated here, once, and from then on only written in place."""
+        self.register_buffer(derived.name, torch.zeros(shape), persistent=False)
+        self._derived.append(derived)
 
     def derived_tensors(self) -> list[DerivedTensor]:
-        return []
+        """The derived tensors of this model, in registration order (`register_derived`)."""
+        return list(self._derived)
 
     def native_name(self, param_name: str) -> str:
         """The checkpoint (native) name of one of this model's tensors; parameters are named natively."""
