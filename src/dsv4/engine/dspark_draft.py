@@ -113,7 +113,7 @@ def sample_block(
     prev = anchors
     tokens, qs, all_logits, embeddings = [], [], [], []
     for i in range(block):
-        embedding = markov.embed(prev)
+        embedding = markov.markov_w1(prev)
         logits = base_logits[:, i] + markov.bias(embedding)
         prev, q = _draw(logits, sampling)
         tokens.append(prev)

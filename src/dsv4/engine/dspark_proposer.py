@@ -82,7 +82,7 @@ class DSparkProposer:
     """The engine's DSpark drafter (module docstring).
 
     Args:
-        drafter: the loaded DSpark drafter (READY; the engine's target is its `shared.target`).
+        drafter: the loaded DSpark drafter (READY; the engine's target is its `target`).
         num_slots: the engine's cache slots (`EngineLimits.max_num_seqs`).
         seed: the engine's seed, for the drafts of unseeded requests.
         num_speculative_tokens: the most drafts a sequence verifies per step, 1 to the block size (None:

@@ -70,17 +70,15 @@ class RingSnapshot:
     """The rows of a model cache that chunks are about to overwrite, as they were before (`ModelCache.snapshot`).
 
     Attributes:
-        slots: the snapshotted slots.
-        starts: per slot, the first position its chunk writes (the slot held no row past it afterwards
-            that a rewind to before it would need).
+        starts: per snapshotted slot, the first position its chunk writes (the slot held no row past it
+            afterwards that a rewind to before it would need).
         saved: per group of cache tensors whose rows the chunks overwrite alike (one ring length and rate:
             every layer's window, the compressors' rings), (flat row indices into a [S * rows, width] view,
             the position whose write changed each row, the slot of each row, the group's tensors so viewed,
             their saved rows).
     """
 
-    slots: tuple[int, ...]
-    starts: tuple[int, ...]
+    starts: dict[int, int]
     saved: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]], ...]
 
 
@@ -96,9 +94,6 @@ class ModelCache:
 
     def __len__(self) -> int:
         return len(self.layers)
-
-    def __iter__(self):
-        return iter(self.layers)
 
     def begin_step(self, segments) -> None:
         """Check that every chunk continues (or rewrites) what its slot holds, then record the new lengths.
@@ -157,7 +152,7 @@ class ModelCache:
             ValueError: a chunk longer than a ring (a row it writes twice could not be restored).
         """
         if not chunks:
-            return RingSnapshot((), (), ())
+            return RingSnapshot({}, ())
         groups: dict[tuple[int, int | None, torch.device], tuple] = {}
         for tensor, rate in _tensors_and_rates(self.layers):
             # Tensors of one ring length and rate overwrite the same rows: their index, writers and owners are
@@ -169,8 +164,7 @@ class ModelCache:
             if index.numel():  # else nothing of it is overwritten (e.g. no compressed entry completes)
                 flats.append(tensor.view(-1, tensor.shape[2]))
                 saved.append(flats[-1].index_select(0, index))
-        return RingSnapshot(tuple(c[0] for c in chunks), tuple(c[1] for c in chunks),
-                            tuple(group for group in groups.values() if group[3]))
+        return RingSnapshot({slot: start for slot, start, _ in chunks}, tuple(g for g in groups.values() if g[3]))
 
     def rewind(self, lengths: dict[int, int], snapshot: RingSnapshot | None = None) -> None:
         """Forget positions >= lengths[slot] of each slot: their rows go back to what `snapshot` saved
@@ -186,13 +180,12 @@ class ModelCache:
                 not saved).
         """
         restore = {}
-        if snapshot is not None:
-            for slot, start in zip(snapshot.slots, snapshot.starts):
-                if slot in lengths and lengths[slot] > 0:
-                    if lengths[slot] < start:
-                        raise ValueError(f"cache slot {slot}: rewinding to {lengths[slot]} needs the rows before "
-                                         f"position {start}, which the snapshot did not save")
-                    restore[slot] = lengths[slot]
+        for slot, start in snapshot.starts.items() if snapshot is not None else ():
+            if slot in lengths and lengths[slot] > 0:
+                if lengths[slot] < start:
+                    raise ValueError(f"cache slot {slot}: rewinding to {lengths[slot]} needs the rows before "
+                                     f"position {start}, which the snapshot did not save")
+                restore[slot] = lengths[slot]
         for index, writers, owners, flats, saved in snapshot.saved if restore else ():
             keep = torch.tensor([restore.get(s, 1 << 62) for s in owners.tolist()], dtype=torch.int64)
             undo = (writers >= keep).nonzero().squeeze(1).to(index.device)

@@ -16,7 +16,7 @@ from dsv4.model import mhc
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
 from dsv4.model.cache import LayerCache, ModelCache, allocate_layer_cache
-from dsv4.model.derived import DerivedTensor, TopLevelModel
+from dsv4.model.derived import TopLevelModel
 from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
 from dsv4.model.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
@@ -33,10 +33,8 @@ def broadcast_fn(fn: torch.Tensor, hc: int) -> torch.Tensor:
 def add_first_layer_broadcast(model: TopLevelModel, layers: nn.ModuleList, cfg: ModelConfig) -> None:
     """Register F_b, the derived matrix of a model whose first block sees a broadcast input (target, DSpark),
     computed from layers[0].hc_attn_fn."""
-    model.register_derived(
-        DerivedTensor(FIRST_LAYER_BROADCAST, lambda: broadcast_fn(layers[0].hc_attn_fn.float(), cfg.hc_mult)),
-        (cfg.hc_mix, cfg.hidden_size),
-    )
+    model.register_derived(FIRST_LAYER_BROADCAST, lambda: broadcast_fn(layers[0].hc_attn_fn.float(), cfg.hc_mult),
+                           (cfg.hc_mix, cfg.hidden_size))
 
 
 def add_hyper_head(module: nn.Module, cfg: ModelConfig) -> None:
@@ -73,13 +71,7 @@ class DeepseekV4(TopLevelModel):
         self.activation_dtype = dtype if activation_dtype is None else activation_dtype
         self.kernels = kernels or default_registry()
         self.parallel = parallel
-        if parallel.is_parallel:
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
-        else:
-            # Zeros like every other parameter at build (the load writes them all): nn.Embedding's own random
-            # init is a normal_ over V x D values, the largest single cost of building a model.
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                      _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.layers = nn.ModuleList(
             Block(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], expert_format, dtype, self.kernels, parallel)
             for i in range(cfg.num_hidden_layers)

@@ -31,18 +31,21 @@ class TopLevelModel(nn.Module):
         self._ready = False
         self._derived: list[DerivedTensor] = []
 
-    def register_derived(self, derived: DerivedTensor, shape: tuple[int, ...]) -> None:
+    def register_derived(self, name: str, compute: Callable[[], torch.Tensor], shape: tuple[int, ...]) -> None:
         """Register a derived tensor: its buffer is allocated here, once, and from then on only written in place."""
-        self.register_buffer(derived.name, torch.zeros(shape), persistent=False)
-        self._derived.append(derived)
+        self.register_buffer(name, torch.zeros(shape), persistent=False)
+        self._derived.append(DerivedTensor(name, compute))
+
+    def hold_target(self, target: nn.Module) -> None:
+        """Reach the target model (a drafter: its embedding and head) as `self.target` without registering it
+        as a submodule, so the target's tensors have exactly one owner: they appear once in parameter
+        listings, the slot table and the weight report, and a refit writes them once (a second owner would
+        make load order decide the values)."""
+        object.__setattr__(self, "target", target)  # nn.Module.__setattr__ would register it
 
     def derived_tensors(self) -> list[DerivedTensor]:
         """The derived tensors of this model, in registration order (`register_derived`)."""
         return list(self._derived)
-
-    def native_name(self, param_name: str) -> str:
-        """The checkpoint (native) name of one of this model's tensors; parameters are named natively."""
-        return param_name
 
     @property
     def ready(self) -> bool:

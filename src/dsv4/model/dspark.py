@@ -3,7 +3,7 @@
 A top-level model with its own load -> finalize lifecycle, under the release's names: stage s of
 `num_stages` is a decoder block `mtp.{s}` (sliding attention, routed MoE); `mtp.0` also holds main_proj
 and main_norm, the last stage norm, hc_head_* (V4 only), markov_head and confidence_head. The target's
-embedding and head are used through `SharedTarget` (the target owns them).
+embedding and head are used through `hold_target` (the target owns them).
 
 Context. For each committed target position t (prefill chunks, accepted drafts):
     f_t     = concat over target_layer_ids (ascending) of the target's streams at t averaged over hc
@@ -48,7 +48,6 @@ from dsv4.model.dspark_heads import ConfidenceHead, MarkovHead
 from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import norm_rope_
-from dsv4.model.shared_target import SharedTarget
 
 
 @dataclass(frozen=True)
@@ -181,7 +180,7 @@ class DSparkDrafter(TopLevelModel):
         spec = cfg.dspark
         self.cfg = cfg
         self.spec = spec
-        self.shared = SharedTarget(target)
+        self.hold_target(target)
         # V4.1's stages route over their own expert bank; the rest of the block shape is the target's.
         stage_cfg = replace(
             cfg,
@@ -222,7 +221,7 @@ class DSparkDrafter(TopLevelModel):
         for layer in self.spec.target_layer_ids:
             if self.spec.variant != DSPARK_V4 and layer == 0:
                 # every stream entering layer 0 is the embedding
-                parts.append(self.shared.target.embed_tokens(token_ids))
+                parts.append(self.target.embed_tokens(token_ids))
                 continue
             source = layer if self.spec.variant == DSPARK_V4 else layer - 1
             if source not in captured:
@@ -249,11 +248,8 @@ class DSparkDrafter(TopLevelModel):
             One [T, hd] tensor per stage.
         """
         main_x = self.main_x(features)
-        keys = []
-        for stage in self.mtp:
-            attn = stage.attn
-            keys.append(norm_rope_(attn.wkv(main_x), attn.kv_norm.eps, attn.kv_norm.weight, positions, attn.rope))
-        return keys
+        return [norm_rope_(s.attn.wkv(main_x), s.attn.kv_norm.eps, s.attn.kv_norm.weight, positions, s.attn.rope)
+                for s in self.mtp]
 
     # ---- per-sequence context ----
     def allocate_cache(self, slots: int, max_len: int, rollback: int = 0) -> DSparkCache:
@@ -270,7 +266,7 @@ class DSparkDrafter(TopLevelModel):
         del max_len
         device = self.mtp[0].main_proj.weight.device
         return DSparkCache(len(self.mtp), slots, self.cfg.sliding_window, rollback, self.cfg.head_dim,
-                           self.shared.target.activation_dtype, device)
+                           self.target.activation_dtype, device)
 
     @torch.no_grad()
     def commit(self, cache: DSparkCache, batch: ForwardBatch, captured: dict[int, torch.Tensor]) -> None:
@@ -318,9 +314,8 @@ class DSparkDrafter(TopLevelModel):
             (head hidden [N, B, D]: the last stage's collapse before its norm, fp32 base logits [N, B, V]).
         """
         self.require_ready()
-        target = self.shared.target
         fn_broadcast = self.get_buffer(FIRST_LAYER_BROADCAST) if first_layer_fn is None else first_layer_fn
-        embeds = target.embed_tokens(blocks.token_ids)  # [N * B, D]
+        embeds = self.target.embed_tokens(blocks.token_ids)  # [N * B, D]
         stages = self.mtp
         if self.spec.variant == DSPARK_V4:
             streams = stages[0].forward_broadcast(embeds, fn_broadcast, blocks, contexts[0])
@@ -332,7 +327,7 @@ class DSparkDrafter(TopLevelModel):
             for s in range(1, len(stages)):
                 streams, carried = stages[s].forward_carried(streams, carried, blocks, contexts[s])
             hidden = mhc.collapse(streams, carried)
-        logits = target.head(stages[-1].norm(hidden)).float()
+        logits = self.target.head(stages[-1].norm(hidden)).float()
         n, b = blocks.n_blocks, blocks.block_size
         return hidden.view(n, b, -1), logits.view(n, b, -1)
 

@@ -60,6 +60,8 @@ class DSparkCache:
         Raises:
             ValueError: a slot that does not exist, a gap after what a slot holds, a key count mismatch.
         """
+        ring = self.ring_len
+        dest, src, offset = [], [], 0
         for slot, start, count in segments:
             self._check_slot(slot)
             held = self.lengths[slot]
@@ -68,9 +70,6 @@ class DSparkCache:
                     f"cache slot {slot} holds DSpark context positions [0, {held}); cannot commit {count} "
                     f"position(s) from {start} (commits continue a slot's positions without a gap)"
                 )
-        ring = self.ring_len
-        dest, src, offset = [], [], 0
-        for slot, start, count in segments:
             # Only the last R positions of a long commit survive in the ring; writing only those keeps
             # every destination row unique (index_copy_ leaves duplicates in an undefined order).
             first = max(start, start + count - ring)
