@@ -1,4 +1,5 @@
-"""Derived tensors and the READY state every top-level model (target, MTP, DSpark) shares.
+"""What every top-level model (target, MTP, DSpark) shares: derived tensors, the READY state, and (drafters)
+the reach to the target.
 
 A derived tensor is a registered buffer computed from weights (e.g. the first-layer mHC broadcast
 matrix). `process_weights_after_loading` recomputes every one of them from its sources and copies the
@@ -22,7 +23,7 @@ class DerivedTensor:
 
 
 class TopLevelModel(nn.Module):
-    """Base of every separately loaded model: READY flag, derived-tensor registry, finalize."""
+    """Base of every separately loaded model: READY flag, derived-tensor registry, finalize, a drafter's target."""
 
     role: str = "model"  # "target" | "mtp" | "dspark"
 
