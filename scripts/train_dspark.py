@@ -136,7 +136,7 @@ def dspark_objective(
     fn_broadcast = broadcast_fn(drafter.mtp[0].hc_attn_fn.float(), drafter.cfg.hc_mult)  # live: gradient flows
     hidden, base = drafter.forward(drafter.draft_blocks(anchor_tokens, pos), contexts, first_layer_fn=fn_broadcast)
     last = drafter.mtp[-1]
-    embedding = last.markov_head.embed(prev)
+    embedding = last.markov_head.markov_w1(prev)
     logits = base + last.markov_head.bias(embedding)  # [N, B, V] fp32
     p = target_probs[safe_rows - 1]  # p(x_{a+k+1} | x_{<=a+k})
     q = logits.softmax(dim=-1)

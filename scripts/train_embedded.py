@@ -223,9 +223,9 @@ def native_tensors(models: dict) -> dict[str, torch.Tensor]:
             if pname.endswith((".experts.w1", ".experts.w2", ".experts.w3")):
                 prefix, w = pname.rsplit(".", 1)
                 for e in range(t.shape[0]):
-                    out[model.native_name(f"{prefix}.{e}.{w}.weight")] = t[e].contiguous()
+                    out[f"{prefix}.{e}.{w}.weight"] = t[e].contiguous()
             else:
-                out[model.native_name(pname)] = t.contiguous()
+                out[pname] = t.contiguous()
     return out
 
 

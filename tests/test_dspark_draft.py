@@ -1,4 +1,4 @@
-"""The DSpark draft loop (dsv4/model/dspark_draft.py) on hand-set heads and logits.
+"""The DSpark draft loop (dsv4/engine/dspark_draft.py) on hand-set heads and logits.
 
 Checked against formulas written out here: each position's logits are base_i + W2 @ W1[prev_i] in fp32,
 prev_0 the anchor and prev_i the token drafted at step i-1 (not a teacher-forced or base-argmax token);
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsv4 import SamplingParams
-from dsv4.model.dspark_draft import DraftSampling, sample_block, verify_width
+from dsv4.engine.dspark_draft import DraftSampling, sample_block, verify_width
 from dsv4.model.dspark_heads import ConfidenceHead, MarkovHead
 
 VOCAB, RANK, HIDDEN, BLOCK = 6, 2, 3, 4

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 import dspark_reference as dref
 import reference as ref
 from dsv4 import LLM
+from dsv4.engine import dspark_draft
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.dspark import StageContext
 
@@ -129,7 +130,7 @@ def test_draft_matches_reference(setup, commits):
         hidden, base = drafter.forward(drafter.draft_blocks(torch.tensor([anchor]), torch.tensor([length])), contexts)
     _close(hidden[0], hidden_ref, "head hidden (hc_head output)")
     _close(base[0], base_ref, "base logits")
-    draft = drafter.draft(cache, [0], [anchor])
+    draft = dspark_draft.draft(drafter, cache, [0], [anchor])
     _close(draft.logits[0], logits_ref, "Markov-corrected logits")
     assert draft.tokens[0].tolist() == tokens_ref.tolist()
     _close(draft.confidence[0], confidence_ref, "confidence")
@@ -143,8 +144,8 @@ def test_ring_with_rollback_rows_reads_the_same_window(setup):
     for stage in range(len(drafter.mtp)):
         wide, narrow = wider.read(stage, wider.context_rows([0])), cache.read(stage, cache.context_rows([0]))
         assert torch.equal(wide, narrow)
-    one = drafter.draft(cache, [0], [setup.ids[length]])
-    two = drafter.draft(wider, [0], [setup.ids[length]])
+    one = dspark_draft.draft(drafter, cache, [0], [setup.ids[length]])
+    two = dspark_draft.draft(drafter, wider, [0], [setup.ids[length]])
     assert torch.equal(one.logits, two.logits)
 
 

@@ -27,13 +27,13 @@ import dspark_reference as dref
 import reference as ref
 from dsv4 import LLM, SamplingParams
 from dsv4.embedded import DSPARK_MODEL
+from dsv4.engine import dspark_draft
 from dsv4.engine.dspark_proposer import DSparkProposer, build_dspark_proposer
 from dsv4.engine.engine import Engine
 from dsv4.engine.sequence import Sequence
 from dsv4.engine.speculation import Draft
 from dsv4.errors import ConfigError
 from dsv4.model.batch import ForwardBatch
-from dsv4.model.dspark_draft import verify_width
 from dsv4.tasks import sort_digits as task
 
 MAX_MODEL_LEN = 64  # the embedded model's maximum: twice its window
@@ -313,8 +313,9 @@ def test_drafts_carry_q_and_the_confident_width(sort_llm, threshold):
     engine.step()  # prefill: every sequence samples its first token
     seqs = list(engine.scheduler.running)
     proposer.flush()
-    block = proposer.drafter.draft(proposer.cache, [s.slot for s in seqs], [s.output_ids[-1] for s in seqs])
-    widths = verify_width(block.confidence, threshold).tolist()
+    anchors = [s.output_ids[-1] for s in seqs]
+    block = dspark_draft.draft(proposer.drafter, proposer.cache, [s.slot for s in seqs], anchors)
+    widths = dspark_draft.verify_width(block.confidence, threshold).tolist()
     room = [5, 2, 5]
     drafts = proposer.propose(seqs, room)
     for i, draft in enumerate(drafts):

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from dspark_reference import released_dspark_tensors, released_storage
 from dsv4 import LLM, SamplingParams
+from dsv4.engine import dspark_draft
 from dsv4.errors import WeightsNotReadyError
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.linear import Linear
@@ -183,7 +184,7 @@ def _drafter_logits(llm: LLM, role: str) -> torch.Tensor:
         _, logits = drafter(ForwardBatch.build([(0, ids[1:], 0)]), streams[:-1], cache)
         return logits
     drafter.commit(cache, batch, captured)
-    return drafter.draft(cache, [0], [ids[0]]).logits[0]  # the block's Markov-corrected logits
+    return dspark_draft.draft(drafter, cache, [0], [ids[0]]).logits[0]  # the block's Markov-corrected logits
 
 
 def test_refit_after_parameters_moved_writes_where_the_model_reads(checkpoints):
@@ -293,7 +294,7 @@ def test_forward_refuses_unfinalized_models():
         drafter.commit(cache, batch, captured)
     drafter.process_weights_after_loading()
     drafter.commit(cache, batch, captured)
-    assert drafter.draft(cache, [0], [4]).tokens.shape == (1, DSPARK_FIELDS["dspark_block_size"])
+    assert dspark_draft.draft(drafter, cache, [0], [4]).tokens.shape == (1, DSPARK_FIELDS["dspark_block_size"])
 
 
 def test_finalize_is_idempotent_and_in_place():

@@ -6,7 +6,7 @@ became final. This proposer keeps one DSpark context ring per engine cache slot 
   on_commit   turns the target's features at the final positions into context keys (prefill chunks; after
               a verify, the anchor and the accepted drafts). Rejected drafts are never reported, so the
               rings only ever hold committed positions and need no rewind of their own;
-  propose     drafts one block per sequence in one drafter pass (the Markov loop, `DSparkDrafter.draft`),
+  propose     drafts one block per sequence in one drafter pass (the Markov loop, `dspark_draft.draft`),
               and offers the prefix the confidence head trusts (`verify_width` against a threshold), each
               draft with exactly the distribution q it was drawn from (`Draft.probs`), which rejection
               sampling needs;
@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.engine.dspark_draft import DraftSampling, draft, verify_width
 from dsv4.engine.limits import EngineLimits
 from dsv4.engine.sequence import Sequence
 from dsv4.engine.speculation import Draft
 from dsv4.errors import ConfigError
 from dsv4.model.dspark import DSparkDrafter
 from dsv4.model.dspark_cache import DSparkCache
-from dsv4.model.dspark_draft import DraftSampling, verify_width
 from dsv4.weights.loader import LoadedModels
 
 DSPARK = "dspark"
@@ -82,7 +82,7 @@ class DSparkProposer:
     """The engine's DSpark drafter (module docstring).
 
     Args:
-        drafter: the loaded DSpark drafter (READY; the engine's target is its `shared.target`).
+        drafter: the loaded DSpark drafter (READY; the engine's target is its `target`).
         num_slots: the engine's cache slots (`EngineLimits.max_num_seqs`).
         seed: the engine's seed, for the drafts of unseeded requests.
         num_speculative_tokens: the most drafts a sequence verifies per step, 1 to the block size (None:
@@ -146,7 +146,7 @@ class DSparkProposer:
                 )
         anchors = [seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1] for seq in seqs]
         sampling = DraftSampling([seq.params for seq in seqs], [self._generator(seq) for seq in seqs])
-        block = self.drafter.draft(self.cache, slots, anchors, sampling)
+        block = draft(self.drafter, self.cache, slots, anchors, sampling)
         widths = verify_width(block.confidence, self.verify_threshold).tolist()
         drafts = []
         for i, (seq, most) in enumerate(zip(seqs, max_drafts)):
@@ -199,7 +199,7 @@ class DSparkProposer:
         """`seq` left its slot: forget its pending commits and empty its ring."""
         self._pending = [p for p in self._pending if p.slot != seq.slot]
         self._offered.pop(seq.slot, None)
-        self.cache.reset(seq.slot)
+        self.cache.rewind(seq.slot, 0)
 
     def end_step(self) -> None:
         """Every commit of the step is in: write them (the engine may call this after its commits)."""

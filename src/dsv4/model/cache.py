@@ -24,6 +24,7 @@ class CompressorCache:
     ring_kv: torch.Tensor  # [S, R, width]
     ring_gate: torch.Tensor  # [S, R, width]
     entries: torch.Tensor  # [S, E_max, out_dim]
+    rate: int  # the compress rate m: entry w is completed by position (w + 1) m - 1
 
 
 @dataclass
@@ -43,6 +44,7 @@ def _compressor_cache(
         ring_kv=lazy_zeros((slots, ring, width), dtype, device),
         ring_gate=lazy_zeros((slots, ring, width), dtype, device),
         entries=lazy_zeros((slots, max_entries, out_dim), dtype, device),
+        rate=rate,
     )
 
 
@@ -63,29 +65,21 @@ def allocate_layer_cache(cfg: ModelConfig, layer_type: str, slots: int, max_len:
     return cache
 
 
-def _compress_rate(comp: CompressorCache) -> int:
-    """The compress rate m of a compressor cache: its ring holds 2m rows of width 2 * out_dim when the
-    compressor overlaps (CSA, the indexer), m rows of width out_dim otherwise (HCA)."""
-    ring, width = comp.ring_kv.shape[1], comp.ring_kv.shape[2]
-    return ring // 2 if width == 2 * comp.entries.shape[2] else ring
-
-
 @dataclass(frozen=True)
 class RingSnapshot:
     """The rows of a model cache that chunks are about to overwrite, as they were before (`ModelCache.snapshot`).
 
     Attributes:
-        slots: the snapshotted slots.
-        starts: per slot, the first position its chunk writes (the slot held no row past it afterwards
-            that a rewind to before it would need).
-        saved: per cache tensor the chunks overwrite, (tensor viewed [S * rows, width], flat row indices,
-            their saved rows, the position whose write changed each row, the slot of each row); tensors of
-            one ring length and rate share the same index, position and slot tensors.
+        starts: per snapshotted slot, the first position its chunk writes (the slot held no row past it
+            afterwards that a rewind to before it would need).
+        saved: per group of cache tensors whose rows the chunks overwrite alike (one ring length and rate:
+            every layer's window, the compressors' rings), (flat row indices into a [S * rows, width] view,
+            the position whose write changed each row, the slot of each row, the group's tensors so viewed,
+            their saved rows).
     """
 
-    slots: tuple[int, ...]
-    starts: tuple[int, ...]
-    saved: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    starts: dict[int, int]
+    saved: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]], ...]
 
 
 class ModelCache:
@@ -100,9 +94,6 @@ class ModelCache:
 
     def __len__(self) -> int:
         return len(self.layers)
-
-    def __iter__(self):
-        return iter(self.layers)
 
     def begin_step(self, segments) -> None:
         """Check that every chunk continues (or rewrites) what its slot holds, then record the new lengths.
@@ -136,24 +127,13 @@ class ModelCache:
         """
         check_fork(source, targets, length, self.lengths[source])
         copy_slot_rows(((tensor, min(length if rate is None else length // rate, tensor.shape[1]))
-                        for tensor, rate in self._ring_tensors()), source, targets)
+                        for tensor, rate in _tensors_and_rates(self.layers)), source, targets)
         for slot in targets:
             self.lengths[slot] = length
 
     def rollback_limit(self) -> int:
         """The longest chunk `snapshot` can save and `rewind` undo: the smallest ring's rows."""
-        return min(tensor.shape[1] for tensor, rate in self._ring_tensors() if rate is None)
-
-    def _ring_tensors(self):
-        """Per cache tensor that positions overwrite: (tensor, compress rate or None for rings read by
-        position, i.e. rows p % rows; a rate m for entries, entry w written by position (w + 1) m - 1)."""
-        for layer in self.layers:
-            yield layer.window, None
-            for comp in (layer.compressor, layer.indexer):
-                if comp is not None:
-                    yield comp.ring_kv, None
-                    yield comp.ring_gate, None
-                    yield comp.entries, _compress_rate(comp)
+        return min(tensor.shape[1] for tensor, rate in _tensors_and_rates(self.layers) if rate is None)
 
     def snapshot(self, chunks: Sequence[tuple[int, int, int]]) -> RingSnapshot:
         """Save the rows that chunks about to run will overwrite, so that `rewind` can undo them.
@@ -172,21 +152,19 @@ class ModelCache:
             ValueError: a chunk longer than a ring (a row it writes twice could not be restored).
         """
         if not chunks:
-            return RingSnapshot((), (), ())
-        plans: dict[tuple[int, int | None, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        saved = []
-        for tensor, rate in self._ring_tensors():
-            # Tensors of one ring length and rate (every layer's window, the compressors' rings) overwrite the
-            # same rows: their index, writers and owners are built once and shared (`rewind` relies on it).
+            return RingSnapshot({}, ())
+        groups: dict[tuple[int, int | None, torch.device], tuple] = {}
+        for tensor, rate in _tensors_and_rates(self.layers):
+            # Tensors of one ring length and rate overwrite the same rows: their index, writers and owners are
+            # built once per group.
             key = (tensor.shape[1], rate, tensor.device)
-            if key not in plans:
-                plans[key] = _overwritten_rows(chunks, tensor.shape[1], rate, tensor.device)
-            index, writers, owners = plans[key]
-            if not index.numel():  # nothing of it is overwritten (e.g. no compressed entry completes)
-                continue
-            flat = tensor.view(-1, tensor.shape[2])
-            saved.append((flat, index, flat.index_select(0, index), writers, owners))
-        return RingSnapshot(tuple(c[0] for c in chunks), tuple(c[1] for c in chunks), tuple(saved))
+            if key not in groups:
+                groups[key] = (*_overwritten_rows(chunks, tensor.shape[1], rate, tensor.device), [], [])
+            index, _, _, flats, saved = groups[key]
+            if index.numel():  # else nothing of it is overwritten (e.g. no compressed entry completes)
+                flats.append(tensor.view(-1, tensor.shape[2]))
+                saved.append(flats[-1].index_select(0, index))
+        return RingSnapshot({slot: start for slot, start, _ in chunks}, tuple(g for g in groups.values() if g[3]))
 
     def rewind(self, lengths: dict[int, int], snapshot: RingSnapshot | None = None) -> None:
         """Forget positions >= lengths[slot] of each slot: their rows go back to what `snapshot` saved
@@ -202,23 +180,19 @@ class ModelCache:
                 not saved).
         """
         restore = {}
-        if snapshot is not None:
-            for slot, start in zip(snapshot.slots, snapshot.starts):
-                if slot in lengths and lengths[slot] > 0:
-                    if lengths[slot] < start:
-                        raise ValueError(f"cache slot {slot}: rewinding to {lengths[slot]} needs the rows before "
-                                         f"position {start}, which the snapshot did not save")
-                    restore[slot] = lengths[slot]
-        if restore:
-            undone: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}  # per shared plan (`snapshot`)
-            for flat, index, rows, writers, owners in snapshot.saved:
-                if id(writers) not in undone:
-                    keep = torch.tensor([restore.get(s, 1 << 62) for s in owners.tolist()], dtype=torch.int64)
-                    undo = (writers >= keep).nonzero().squeeze(1)
-                    undone[id(writers)] = (index[undo.to(index.device)], undo) if undo.numel() else None
-                if undone[id(writers)] is not None:
-                    rows_to_restore, undo = undone[id(writers)]
-                    flat.index_copy_(0, rows_to_restore, rows[undo.to(rows.device)])
+        for slot, start in snapshot.starts.items() if snapshot is not None else ():
+            if slot in lengths and lengths[slot] > 0:
+                if lengths[slot] < start:
+                    raise ValueError(f"cache slot {slot}: rewinding to {lengths[slot]} needs the rows before "
+                                     f"position {start}, which the snapshot did not save")
+                restore[slot] = lengths[slot]
+        for index, writers, owners, flats, saved in snapshot.saved if restore else ():
+            keep = torch.tensor([restore.get(s, 1 << 62) for s in owners.tolist()], dtype=torch.int64)
+            undo = (writers >= keep).nonzero().squeeze(1).to(index.device)
+            if undo.numel():
+                rows_to_restore = index[undo]
+                for flat, rows in zip(flats, saved):
+                    flat.index_copy_(0, rows_to_restore, rows[undo])
         for slot, length in lengths.items():
             self.lengths[slot] = min(self.lengths[slot], length)
 
@@ -278,12 +252,18 @@ def copy_slot_rows(tensors: Iterable[tuple[torch.Tensor, int]], source: int, tar
             tensor[:, :rows].index_copy_(0, index, rows_of_source.expand(len(targets), *rows_of_source.shape))
 
 
-def cache_tensors(layers: list[LayerCache]) -> list[torch.Tensor]:
-    """Every tensor of a model cache (for byte accounting and address checks)."""
-    out = []
+def _tensors_and_rates(layers: list[LayerCache]):
+    """Per cache tensor: (tensor, compress rate or None for rings read by position, i.e. rows p % rows; a
+    rate m for entries, entry w written by position (w + 1) m - 1)."""
     for layer in layers:
-        out.append(layer.window)
+        yield layer.window, None
         for comp in (layer.compressor, layer.indexer):
             if comp is not None:
-                out.extend((comp.ring_kv, comp.ring_gate, comp.entries))
-    return out
+                yield comp.ring_kv, None
+                yield comp.ring_gate, None
+                yield comp.entries, comp.rate
+
+
+def cache_tensors(layers: list[LayerCache]) -> list[torch.Tensor]:
+    """Every tensor of a model cache (for byte accounting and address checks)."""
+    return [tensor for tensor, _ in _tensors_and_rates(layers)]

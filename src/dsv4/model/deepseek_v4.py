@@ -16,7 +16,7 @@ from dsv4.model import mhc
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
 from dsv4.model.cache import LayerCache, ModelCache, allocate_layer_cache
-from dsv4.model.derived import DerivedTensor, TopLevelModel
+from dsv4.model.derived import TopLevelModel
 from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
 from dsv4.model.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
@@ -30,17 +30,11 @@ def broadcast_fn(fn: torch.Tensor, hc: int) -> torch.Tensor:
     return fn.view(fn.shape[0], hc, -1).sum(dim=1)
 
 
-def register_first_layer_broadcast(model: nn.Module, cfg: ModelConfig) -> None:
-    """The buffer of the derived first-layer matrix; allocated once, then only ever written in place."""
-    model.register_buffer(FIRST_LAYER_BROADCAST, torch.zeros(cfg.hc_mix, cfg.hidden_size), persistent=False)
-
-
-def first_layer_broadcast(layers: nn.ModuleList, cfg: ModelConfig) -> DerivedTensor:
-    """F_b of a model whose first block sees a broadcast input (target, DSpark), from layers[0].hc_attn_fn."""
-    return DerivedTensor(
-        name=FIRST_LAYER_BROADCAST,
-        compute=lambda: broadcast_fn(layers[0].hc_attn_fn.float(), cfg.hc_mult),
-    )
+def add_first_layer_broadcast(model: TopLevelModel, layers: nn.ModuleList, cfg: ModelConfig) -> None:
+    """Register F_b, the derived matrix of a model whose first block sees a broadcast input (target, DSpark),
+    computed from layers[0].hc_attn_fn."""
+    model.register_derived(FIRST_LAYER_BROADCAST, lambda: broadcast_fn(layers[0].hc_attn_fn.float(), cfg.hc_mult),
+                           (cfg.hc_mix, cfg.hidden_size))
 
 
 def add_hyper_head(module: nn.Module, cfg: ModelConfig) -> None:
@@ -77,13 +71,7 @@ class DeepseekV4(TopLevelModel):
         self.activation_dtype = dtype if activation_dtype is None else activation_dtype
         self.kernels = kernels or default_registry()
         self.parallel = parallel
-        if parallel.is_parallel:
-            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
-        else:
-            # Zeros like every other parameter at build (the load writes them all): nn.Embedding's own random
-            # init is a normal_ over V x D values, the largest single cost of building a model.
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                      _weight=torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.layers = nn.ModuleList(
             Block(cfg, cfg.layer_types[i], cfg.mlp_layer_types[i], expert_format, dtype, self.kernels, parallel)
             for i in range(cfg.num_hidden_layers)
@@ -94,11 +82,8 @@ class DeepseekV4(TopLevelModel):
         else:
             self.head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, self.kernels)
         add_hyper_head(self, cfg)
-        register_first_layer_broadcast(self, cfg)
+        add_first_layer_broadcast(self, self.layers, cfg)
         self.requires_grad_(False)
-
-    def derived_tensors(self) -> list[DerivedTensor]:
-        return [first_layer_broadcast(self.layers, self.cfg)]
 
     def allocate_cache(self, slots: int, max_len: int) -> ModelCache:
         device = self.embed.weight.device

@@ -1,4 +1,5 @@
-"""Derived tensors and the READY state every top-level model (target, MTP, DSpark) shares.
+"""What every top-level model (target, MTP, DSpark) shares: derived tensors, the READY state, and (drafters)
+the reach to the target.
 
 A derived tensor is a registered buffer computed from weights (e.g. the first-layer mHC broadcast
 matrix). `process_weights_after_loading` recomputes every one of them from its sources and copies the
@@ -22,20 +23,30 @@ class DerivedTensor:
 
 
 class TopLevelModel(nn.Module):
-    """Base of every separately loaded model: READY flag, derived-tensor registry, finalize."""
+    """Base of every separately loaded model: READY flag, derived-tensor registry, finalize, a drafter's target."""
 
     role: str = "model"  # "target" | "mtp" | "dspark"
 
     def __init__(self) -> None:
         super().__init__()
         self._ready = False
+        self._derived: list[DerivedTensor] = []
+
+    def register_derived(self, name: str, compute: Callable[[], torch.Tensor], shape: tuple[int, ...]) -> None:
+        """Register a derived tensor: its buffer is allocated here, once, and from then on only written in place."""
+        self.register_buffer(name, torch.zeros(shape), persistent=False)
+        self._derived.append(DerivedTensor(name, compute))
+
+    def hold_target(self, target: nn.Module) -> None:
+        """Reach the target model (a drafter: its embedding and head) as `self.target` without registering it
+        as a submodule, so the target's tensors have exactly one owner: they appear once in parameter
+        listings, the slot table and the weight report, and a refit writes them once (a second owner would
+        make load order decide the values)."""
+        object.__setattr__(self, "target", target)  # nn.Module.__setattr__ would register it
 
     def derived_tensors(self) -> list[DerivedTensor]:
-        return []
-
-    def native_name(self, param_name: str) -> str:
-        """The checkpoint (native) name of one of this model's tensors; parameters are named natively."""
-        return param_name
+        """The derived tensors of this model, in registration order (`register_derived`)."""
+        return list(self._derived)
 
     @property
     def ready(self) -> bool:

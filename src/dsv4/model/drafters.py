@@ -26,7 +26,6 @@ from dsv4.model.derived import TopLevelModel
 from dsv4.model.dspark import DSparkDrafter
 from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
-from dsv4.model.shared_target import SharedTarget
 from dsv4.parallel.state import SINGLE, ParallelState
 
 
@@ -54,14 +53,14 @@ class MTPDrafter(TopLevelModel):
         if cfg.num_nextn_predict_layers < 1:
             raise ConfigError(f"{cfg.source}: field 'num_nextn_predict_layers': 0, so the checkpoint has no MTP layer")
         self.cfg = cfg
-        self.shared = SharedTarget(target)
+        self.hold_target(target)
         self.mtp = nn.ModuleList(MTPLayer(cfg, expert_format, dtype, target.kernels, target.parallel)
                                  for _ in range(cfg.num_nextn_predict_layers))
         self.requires_grad_(False)
 
     def allocate_cache(self, slots: int, max_len: int) -> ModelCache:
         device = self.mtp[0].e_proj.weight.device
-        layers = [allocate_layer_cache(self.cfg, SLIDING, slots, max_len, self.shared.target.activation_dtype, device)
+        layers = [allocate_layer_cache(self.cfg, SLIDING, slots, max_len, self.target.activation_dtype, device)
                   for _ in self.mtp]
         return ModelCache(layers, slots)
 
@@ -77,12 +76,11 @@ class MTPDrafter(TopLevelModel):
         self.require_ready()
         cache.begin_step(batch.segments)
         layer = self.mtp[min(depth, len(self.mtp) - 1)]
-        target = self.shared.target
-        embeds = target.embed_tokens(batch.token_ids)
+        embeds = self.target.embed_tokens(batch.token_ids)
         streams = layer.h_proj(layer.hnorm(target_streams)) + layer.e_proj(layer.enorm(embeds)).unsqueeze(-2)
         streams = layer(streams, batch, cache[min(depth, len(cache) - 1)], overwrite_input=True)  # streams: ours
         picked = streams if logit_rows is None else streams.index_select(0, logit_rows)
-        logits = target.head(layer.norm(hyper_head(layer, picked, self.cfg))).float()
+        logits = self.target.head(layer.norm(hyper_head(layer, picked, self.cfg))).float()
         return streams, logits
 
 

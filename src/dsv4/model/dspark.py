@@ -3,7 +3,7 @@
 A top-level model with its own load -> finalize lifecycle, under the release's names: stage s of
 `num_stages` is a decoder block `mtp.{s}` (sliding attention, routed MoE); `mtp.0` also holds main_proj
 and main_norm, the last stage norm, hc_head_* (V4 only), markov_head and confidence_head. The target's
-embedding and head are used through `SharedTarget` (the target owns them).
+embedding and head are used through `hold_target` (the target owns them).
 
 Context. For each committed target position t (prefill chunks, accepted drafts):
     f_t     = concat over target_layer_ids (ascending) of the target's streams at t averaged over hc
@@ -17,7 +17,7 @@ and to every row of the block (bidirectional inside the block); the block's own 
     V4-Flash-DSpark: streams = broadcast(embed(block)); stage_s; hidden = hc_head(streams)
     V4.1:            each stage collapses a sublayer's input with the mHC `pre` mix computed one
                      sublayer earlier (the first with stream 0); hidden = collapse with the last mix
-    base logits = head(norm(hidden)); then the Markov head and confidence head (dspark_draft.py).
+    base logits = head(norm(hidden)); then the Markov head and confidence head (engine/dspark_draft.py).
 The first stage sees a broadcast input, so its attention mHC mix uses the pre-summed matrix
 hc_attn_fn.view(mix, hc, D).sum(1) (a registered derived tensor).
 """
@@ -38,21 +38,16 @@ from dsv4.model.block import Block
 from dsv4.model.deepseek_v4 import (
     FIRST_LAYER_BROADCAST,
     DeepseekV4,
+    add_first_layer_broadcast,
     add_hyper_head,
-    broadcast_fn,
     hyper_head,
-    register_first_layer_broadcast,
 )
-from dsv4.model.derived import DerivedTensor, TopLevelModel
+from dsv4.model.derived import TopLevelModel
 from dsv4.model.dspark_cache import DSparkCache
-from dsv4.model.dspark_draft import DraftSampling, DSparkDraft, sample_block
 from dsv4.model.dspark_heads import ConfidenceHead, MarkovHead
 from dsv4.model.linear import Linear
 from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import norm_rope_
-from dsv4.model.shared_target import SharedTarget
-
-_HIDDEN = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -185,7 +180,7 @@ class DSparkDrafter(TopLevelModel):
         spec = cfg.dspark
         self.cfg = cfg
         self.spec = spec
-        self.shared = SharedTarget(target)
+        self.hold_target(target)
         # V4.1's stages route over their own expert bank; the rest of the block shape is the target's.
         stage_cfg = replace(
             cfg,
@@ -197,14 +192,8 @@ class DSparkDrafter(TopLevelModel):
             DSparkStage(cfg, stage_cfg, expert_format, dtype, target.kernels, first=s == 0, last=s == last)
             for s in range(spec.num_stages)
         )
-        register_first_layer_broadcast(self, cfg)
+        add_first_layer_broadcast(self, self.mtp, cfg)
         self.requires_grad_(False)
-
-    def derived_tensors(self) -> list[DerivedTensor]:
-        return [DerivedTensor(
-            name=FIRST_LAYER_BROADCAST,
-            compute=lambda: broadcast_fn(self.mtp[0].hc_attn_fn.float(), self.cfg.hc_mult),
-        )]
 
     # ---- the target's side ----
     @property
@@ -232,7 +221,7 @@ class DSparkDrafter(TopLevelModel):
         for layer in self.spec.target_layer_ids:
             if self.spec.variant != DSPARK_V4 and layer == 0:
                 # every stream entering layer 0 is the embedding
-                parts.append(self.shared.target.embed_tokens(token_ids))
+                parts.append(self.target.embed_tokens(token_ids))
                 continue
             source = layer if self.spec.variant == DSPARK_V4 else layer - 1
             if source not in captured:
@@ -259,11 +248,8 @@ class DSparkDrafter(TopLevelModel):
             One [T, hd] tensor per stage.
         """
         main_x = self.main_x(features)
-        keys = []
-        for stage in self.mtp:
-            attn = stage.attn
-            keys.append(norm_rope_(attn.wkv(main_x), attn.kv_norm.eps, attn.kv_norm.weight, positions, attn.rope))
-        return keys
+        return [norm_rope_(s.attn.wkv(main_x), s.attn.kv_norm.eps, s.attn.kv_norm.weight, positions, s.attn.rope)
+                for s in self.mtp]
 
     # ---- per-sequence context ----
     def allocate_cache(self, slots: int, max_len: int, rollback: int = 0) -> DSparkCache:
@@ -279,40 +265,21 @@ class DSparkDrafter(TopLevelModel):
         """
         del max_len
         device = self.mtp[0].main_proj.weight.device
-        return DSparkCache.allocate(len(self.mtp), slots, self.cfg.sliding_window, rollback, self.cfg.head_dim,
-                                    self.shared.target.activation_dtype, device)
+        return DSparkCache(len(self.mtp), slots, self.cfg.sliding_window, rollback, self.cfg.head_dim,
+                           self.target.activation_dtype, device)
 
     @torch.no_grad()
-    def commit(
-        self, cache: DSparkCache, batch: ForwardBatch, captured: dict[int, torch.Tensor],
-        committed: Sequence[int] | None = None,
-    ) -> None:
-        """Record committed target positions in the context rings.
+    def commit(self, cache: DSparkCache, batch: ForwardBatch, captured: dict[int, torch.Tensor]) -> None:
+        """Record every position of a target forward's batch (prefill chunks) in the context rings.
 
         Args:
             cache: from `allocate_cache`.
             batch: the target forward's batch.
             captured: that forward's captured streams (`capture_layers`), rows aligned with the batch.
-            committed: per segment, how many of its leading tokens are committed (None: all of them). A
-                prefill chunk commits all; a verify step commits the anchor and the accepted drafts.
         """
         self.require_ready()
-        counts = [seg.length for seg in batch.segments] if committed is None else list(committed)
-        if len(counts) != len(batch.segments) or any(not 0 <= c <= s.length for c, s in zip(counts, batch.segments)):
-            raise ValueError(f"committed counts {counts} do not fit the batch's segments "
-                             f"{[s.length for s in batch.segments]}")
-        rows = [r for seg, c in zip(batch.segments, counts) for r in range(seg.begin, seg.begin + c)]
-        if not rows:
-            return
-        if len(rows) == batch.num_tokens:  # every row committed (prefill): no gather
-            features = self.features(captured, batch.token_ids)
-            keys = self.context_keys(features, batch.positions)
-        else:
-            index = torch.tensor(rows, dtype=torch.long, device=batch.token_ids.device)
-            picked = {layer: streams.index_select(0, index) for layer, streams in captured.items()}
-            features = self.features(picked, batch.token_ids.index_select(0, index))
-            keys = self.context_keys(features, batch.positions.index_select(0, index))
-        cache.write([(s.slot, s.start, c) for s, c in zip(batch.segments, counts) if c], keys)
+        keys = self.context_keys(self.features(captured, batch.token_ids), batch.positions)
+        cache.write([(s.slot, s.start, s.length) for s in batch.segments], keys)
 
     # ---- drafting ----
     def draft_blocks(self, anchors: torch.Tensor, positions: torch.Tensor) -> DraftBlocks:
@@ -347,9 +314,8 @@ class DSparkDrafter(TopLevelModel):
             (head hidden [N, B, D]: the last stage's collapse before its norm, fp32 base logits [N, B, V]).
         """
         self.require_ready()
-        target = self.shared.target
         fn_broadcast = self.get_buffer(FIRST_LAYER_BROADCAST) if first_layer_fn is None else first_layer_fn
-        embeds = target.embed_tokens(blocks.token_ids)  # [N * B, D]
+        embeds = self.target.embed_tokens(blocks.token_ids)  # [N * B, D]
         stages = self.mtp
         if self.spec.variant == DSPARK_V4:
             streams = stages[0].forward_broadcast(embeds, fn_broadcast, blocks, contexts[0])
@@ -361,36 +327,29 @@ class DSparkDrafter(TopLevelModel):
             for s in range(1, len(stages)):
                 streams, carried = stages[s].forward_carried(streams, carried, blocks, contexts[s])
             hidden = mhc.collapse(streams, carried)
-        logits = target.head(stages[-1].norm(hidden)).float()
+        logits = self.target.head(stages[-1].norm(hidden)).float()
         n, b = blocks.n_blocks, blocks.block_size
         return hidden.view(n, b, -1), logits.view(n, b, -1)
 
     @torch.no_grad()
-    def draft(
-        self, cache: DSparkCache, slots: Sequence[int], anchors: Sequence[int] | torch.Tensor,
-        sampling: DraftSampling | None = None,
-    ) -> DSparkDraft:
-        """Draft one block per sequence.
+    def score_blocks(
+        self, cache: DSparkCache, slots: Sequence[int], anchors: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the stages over a draft block per sequence, read from the sequences' context rings
+        (the draft loop, engine/dspark_draft.py, turns the scores into draft tokens).
 
         Args:
             cache: the context rings; each slot must hold its committed positions [0, p].
             slots: the sequences' cache slots.
-            anchors: each sequence's newest token (at position p + 1, not yet run by the target).
-            sampling: the requests' params and the drafts' generators; None drafts greedily.
+            anchors: [N] int64, each sequence's newest token (at position p + 1, not yet run by the target).
 
         Returns:
-            Per sequence: B draft tokens (positions p+2 .. p+B+1), the distributions q they were drawn from,
-            the corrected logits, and the confidences.
+            (head hidden [N, B, D], fp32 base logits [N, B, V]), as `forward`.
         """
         self.require_ready()
-        device = self.mtp[0].main_proj.weight.device
-        anchor_t = torch.as_tensor(anchors, dtype=torch.long, device=device).reshape(-1)
-        if anchor_t.numel() != len(slots):
-            raise ValueError(f"{anchor_t.numel()} anchors for {len(slots)} slots")
-        positions = torch.tensor(cache.anchor_positions(slots), dtype=torch.long, device=device)
-        blocks = self.draft_blocks(anchor_t, positions)
+        if anchors.numel() != len(slots):
+            raise ValueError(f"{anchors.numel()} anchors for {len(slots)} slots")
+        positions = torch.tensor(cache.anchor_positions(slots), dtype=torch.long, device=anchors.device)
         rows = cache.context_rows(slots)
         contexts = [StageContext(cache.read(s, rows), rows.bias) for s in range(len(self.mtp))]
-        hidden, base_logits = self.forward(blocks, contexts)
-        last = self.mtp[-1]
-        return sample_block(base_logits, anchor_t, hidden, last.markov_head, last.confidence_head, sampling)
+        return self.forward(self.draft_blocks(anchors, positions), contexts)

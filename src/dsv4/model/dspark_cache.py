@@ -30,37 +30,24 @@ class ContextRows:
 
 
 class DSparkCache:
-    """The context rings of one DSpark drafter and how many positions each slot holds."""
+    """The context rings of one DSpark drafter (one per stage, `window + rollback` rows per slot) and how
+    many positions each slot holds."""
 
-    def __init__(self, rows: list[torch.Tensor], window: int):
-        slots, ring = rows[0].shape[:2]
-        if ring < window:
-            raise ValueError(f"a DSpark context ring of {ring} rows cannot hold a {window}-position window")
-        self.rows = rows
-        self.window = window
-        self.lengths = [0] * slots
-
-    @classmethod
-    def allocate(
-        cls, stages: int, slots: int, window: int, rollback: int, head_dim: int, dtype: torch.dtype,
-        device: torch.device,
-    ) -> "DSparkCache":
+    def __init__(self, stages: int, slots: int, window: int, rollback: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
         if rollback < 0:
             raise ValueError(f"rollback must be >= 0 positions, got {rollback}")
-        ring = window + rollback
-        return cls([torch.zeros(slots, ring, head_dim, dtype=dtype, device=device) for _ in range(stages)], window)
+        self.rows = [torch.zeros(slots, window + rollback, head_dim, dtype=dtype, device=device) for _ in range(stages)]
+        self.window = window
+        self.lengths = [0] * slots
 
     @property
     def ring_len(self) -> int:
         return self.rows[0].shape[1]
 
-    @property
-    def num_slots(self) -> int:
-        return len(self.lengths)
-
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"cache slot {slot} does not exist (the DSpark cache has {self.num_slots} slots)")
+        if not 0 <= slot < len(self.lengths):
+            raise ValueError(f"cache slot {slot} does not exist (the DSpark cache has {len(self.lengths)} slots)")
 
     def write(self, segments: Sequence[tuple[int, int, int]], keys: Sequence[torch.Tensor]) -> None:
         """Record committed positions. A segment starts at or before what its slot holds (earlier: it
@@ -73,6 +60,8 @@ class DSparkCache:
         Raises:
             ValueError: a slot that does not exist, a gap after what a slot holds, a key count mismatch.
         """
+        ring = self.ring_len
+        dest, src, offset = [], [], 0
         for slot, start, count in segments:
             self._check_slot(slot)
             held = self.lengths[slot]
@@ -81,9 +70,6 @@ class DSparkCache:
                     f"cache slot {slot} holds DSpark context positions [0, {held}); cannot commit {count} "
                     f"position(s) from {start} (commits continue a slot's positions without a gap)"
                 )
-        ring = self.ring_len
-        dest, src, offset = [], [], 0
-        for slot, start, count in segments:
             # Only the last R positions of a long commit survive in the ring; writing only those keeps
             # every destination row unique (index_copy_ leaves duplicates in an undefined order).
             first = max(start, start + count - ring)
@@ -154,15 +140,6 @@ class DSparkCache:
         flat = ring_rows.view(-1, ring_rows.shape[-1]).index_select(0, rows.index)
         return flat.view(-1, self.window, ring_rows.shape[-1])
 
-    def reset(self, slot: int) -> None:
-        """Empty a slot (its sequence ended or was preempted): the next commit starts at position 0.
-
-        Args:
-            slot: the cache slot.
-        """
-        self._check_slot(slot)
-        self.lengths[slot] = 0
-
     def fork(self, source: int, targets: Sequence[int], length: int) -> None:
         """Give each target slot `source`'s committed positions [0, length) (sequences sharing a prompt's
         prefill, `ModelCache.fork`): the ring rows they occupy, one copy per stage for all targets.
@@ -183,7 +160,8 @@ class DSparkCache:
             self.lengths[slot] = length
 
     def rewind(self, slot: int, length: int) -> None:
-        """Make slot hold only positions [0, length) again (a later commit continues from there).
+        """Make slot hold only positions [0, length) again (a later commit continues from there); 0 empties
+        the slot (its sequence ended or was preempted: the next commit starts at position 0).
 
         Args:
             slot: the cache slot.
@@ -198,7 +176,7 @@ class DSparkCache:
         if not 0 <= length <= held:
             raise ValueError(f"cache slot {slot} holds positions [0, {held}); cannot rewind to {length}")
         oldest_kept = max(0, held - self.ring_len)
-        if max(0, length - self.window) < oldest_kept:
+        if length and max(0, length - self.window) < oldest_kept:  # the next draft reads [length - window, length)
             raise ValueError(
                 f"cache slot {slot}: rewinding from {held} to {length} positions needs position "
                 f"{length - self.window}, already overwritten (the ring keeps {self.ring_len - self.window} "

@@ -26,22 +26,11 @@ class MarkovHead(nn.Module):
         self.markov_w1 = nn.Embedding(vocab_size, rank, dtype=dtype)
         self.markov_w2 = Linear(rank, vocab_size, torch.float32, kernels)  # weight [V, r]: bias = W2 @ e
 
-    def embed(self, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """markov_w1[prev].
-
-        Args:
-            prev_tokens: [...] int64 previous tokens.
-
-        Returns:
-            [..., r] in the model dtype.
-        """
-        return self.markov_w1(prev_tokens)
-
     def bias(self, embedding: torch.Tensor) -> torch.Tensor:
         """The logit bias markov_w2 @ markov_w1[prev], in fp32.
 
         Args:
-            embedding: [..., r] markov_w1[prev] (`embed`).
+            embedding: [..., r] markov_w1[prev] (in the model dtype).
 
         Returns:
             [..., V] fp32.

@@ -1,8 +1,9 @@
 """The vocabulary-parallel embedding and head: each rank holds a contiguous block of vocab_size / N rows.
 
 Embedding: ids outside the rank's block look up nothing (zeros); the all-reduce assembles each row from
-the one rank that holds it. Head: each rank computes its block of the logits; the all-gather hands every
-rank the full, identical [T, V] logits, so every rank samples the same tokens.
+the one rank that holds it (a plain lookup when one rank holds them all). Head: each rank computes its
+block of the logits; the all-gather hands every rank the full, identical [T, V] logits, so every rank
+samples the same tokens.
 """
 
 import torch
@@ -21,9 +22,13 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.parallel = parallel
         self.first, self.stop = parallel.split(vocab_size)
+        # Zeros like every other parameter at build (the load writes them all): nn.Embedding's own random
+        # init is a normal_ over V x D values, the largest single cost of building a model.
         self.weight = nn.Parameter(torch.zeros(self.stop - self.first, dim, dtype=dtype), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.parallel.is_parallel:
+            return F.embedding(ids, self.weight)
         local = ids - self.first
         elsewhere = (local < 0) | (local >= self.weight.shape[0])
         rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)

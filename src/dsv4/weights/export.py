@@ -194,12 +194,12 @@ def _checkpoint_tensors(loaded: LoadedModels, plan: _Plan) -> Iterator[tuple[str
                     continue
                 for w in ("w1", "w3", "w2"):
                     for e in range(module.num_experts):
-                        native = model.native_name(f"{module_name}.{e}.{w}.weight")
+                        native = f"{module_name}.{e}.{w}.weight"
                         yield from _expert_tensors(module, w, e, native, model_plan)
                 continue
             for param_name, param in module.named_parameters(recurse=False):
                 full = f"{module_name}.{param_name}" if module_name else param_name
-                yield from _plain_tensors(model.native_name(full), param.detach(), model_plan)
+                yield from _plain_tensors(full, param.detach(), model_plan)
 
 
 class _ShardWriter:

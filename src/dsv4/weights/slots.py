@@ -92,7 +92,8 @@ class SlotTable:
                     continue
                 kind = TABLE if param.dtype in _TABLE_DTYPES else FLOAT
                 n_experts = model.cfg.n_routed_experts
-                self._add(Slot(model.native_name(param_name), role, param_name, kind, param, param,
+                # parameters carry their native (checkpoint) names
+                self._add(Slot(param_name, role, param_name, kind, param, param,
                                n_experts=n_experts))
 
     def _add_stack(self, role: str, model: TopLevelModel, prefix: str, w: str, param: torch.Tensor,
@@ -108,7 +109,7 @@ class SlotTable:
         slots = []
         first = experts.first_expert  # expert parallel: the global id of this rank's first expert
         for e in range(param.shape[0]):
-            native = model.native_name(f"{prefix}.{first + e}.{w}{WEIGHT_SUFFIX}")
+            native = f"{prefix}.{first + e}.{w}{WEIGHT_SUFFIX}"
             slot = Slot(native, role, param_name, experts.format, param, param[e], scale,
                         None if scale is None else scale[e], e, n_experts)
             self._add(slot)

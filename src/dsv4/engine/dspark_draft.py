@@ -1,6 +1,9 @@
 """The DSpark draft loop: from one backbone pass's base logits to B draft tokens, the exact distribution
 each was drawn from, and the confidence that picks how many of them to verify.
 
+The drafter (model/dspark.py) scores the blocks; drawing from those scores is sampling, with each request's
+params and generator, so it lives here next to the sampler, as the MTP draft loop lives in mtp_proposer.py.
+
 The backbone scores all B block positions at once; the Markov head then makes the drafts depend on each
 other, so they are drawn one after another:
 
@@ -22,6 +25,8 @@ import torch
 
 from dsv4.engine.sampler import process_logits
 from dsv4.engine.sampling_params import SamplingParams
+from dsv4.model.dspark import DSparkDrafter
+from dsv4.model.dspark_cache import DSparkCache
 from dsv4.model.dspark_heads import ConfidenceHead, MarkovHead
 
 
@@ -108,7 +113,7 @@ def sample_block(
     prev = anchors
     tokens, qs, all_logits, embeddings = [], [], [], []
     for i in range(block):
-        embedding = markov.embed(prev)
+        embedding = markov.markov_w1(prev)
         logits = base_logits[:, i] + markov.bias(embedding)
         prev, q = _draw(logits, sampling)
         tokens.append(prev)
@@ -122,6 +127,30 @@ def sample_block(
         logits=torch.stack(all_logits, dim=1),
         confidence=confidence_logits.sigmoid(),
     )
+
+
+@torch.no_grad()
+def draft(
+    drafter: DSparkDrafter, cache: DSparkCache, slots: Sequence[int], anchors: Sequence[int] | torch.Tensor,
+    sampling: DraftSampling | None = None,
+) -> DSparkDraft:
+    """Draft one block per sequence.
+
+    Args:
+        drafter: the DSpark drafter (READY).
+        cache: its context rings; each slot must hold its committed positions [0, p].
+        slots: the sequences' cache slots.
+        anchors: each sequence's newest token (at position p + 1, not yet run by the target).
+        sampling: the requests' params and the drafts' generators; None drafts greedily.
+
+    Returns:
+        Per sequence: B draft tokens (positions p+2 .. p+B+1), the distributions q they were drawn from,
+        the corrected logits, and the confidences.
+    """
+    anchor_t = torch.as_tensor(anchors, dtype=torch.long, device=drafter.mtp[0].main_proj.weight.device).reshape(-1)
+    hidden, base_logits = drafter.score_blocks(cache, slots, anchor_t)
+    last = drafter.mtp[-1]
+    return sample_block(base_logits, anchor_t, hidden, last.markov_head, last.confidence_head, sampling)
 
 
 def verify_width(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
