@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dsv4 import LLM, SamplingParams
-from dsv4.model.cache import cache_tensors
 from dsv4.lazy_memory import LAZY_MIN_BYTES, lazy_zeros
+from dsv4.model.cache import cache_tensors
 
 MIB = 2**20
 LIBC = ctypes.CDLL(None, use_errno=True)

@@ -346,7 +346,7 @@ def test_atomic_commit_interrupted_mid_write_stops_serving(ckpts, monkeypatch):
     from dsv4.weights.writer import WeightWriter
 
     llm = _llm(ckpts.old)
-    real_write, calls = WeightWriter._write, []
+    real_write, real_write_raw, calls = WeightWriter._write, WeightWriter._write_raw, []
 
     def failing_write(self, dest, value):
         calls.append(dest)
@@ -354,7 +354,12 @@ def test_atomic_commit_interrupted_mid_write_stops_serving(ckpts, monkeypatch):
             raise RuntimeError("device lost")
         real_write(self, dest, value)
 
+    def failing_write_raw(self, copies):  # the staged buffers laid out like their weights: one call for all
+        real_write_raw(self, copies[: len(copies) // 2])
+        raise RuntimeError("device lost")
+
     monkeypatch.setattr(WeightWriter, "_write", failing_write)
+    monkeypatch.setattr(WeightWriter, "_write_raw", failing_write_raw)
     with pytest.raises(WeightUpdateError, match="device lost"):
         llm.update_weights(ckpts.new_stored.items())
     assert not llm.weight_report()["ready"]
@@ -369,14 +374,20 @@ def test_pointer_audit_rejects_an_update_that_moves_a_tensor(ckpts, monkeypatch)
     llm = _llm(ckpts.old)
     moved = "layers.1.attn.wq_a.weight"
     param = llm.loaded.slot_table().get(moved).resident
-    real_write = WeightWriter._write
+    real_write, real_write_raw = WeightWriter._write, WeightWriter._write_raw
 
     def rebinding_write(self, dest, value):
         if dest is not param:
             return real_write(self, dest, value)
         param.data = value.to(param.dtype).clone()  # the classic refit bug: a new storage
 
+    def rebinding_write_raw(self, copies):  # the commit's one call for the buffers laid out like their weights
+        done = real_write_raw(self, copies)
+        param.data = param.detach().clone()
+        return done
+
     monkeypatch.setattr(WeightWriter, "_write", rebinding_write)
+    monkeypatch.setattr(WeightWriter, "_write_raw", rebinding_write_raw)
     with pytest.raises(WeightUpdateError, match=rf"moved 1 tensor\(s\) to a new address: target:{re.escape(moved)}"):
         llm.update_weights(ckpts.new_stored.items())
     assert not llm.weight_report()["ready"]

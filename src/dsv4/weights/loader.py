@@ -21,9 +21,9 @@ import torch
 from dsv4.config import DENSE, EXPERT_FORMATS, ModelConfig
 from dsv4.errors import CheckpointError, ConfigError
 from dsv4.kernels.registry import KernelRegistry
+from dsv4.lazy_memory import ArenaAllocation, WeightArena
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.derived import TopLevelModel
-from dsv4.lazy_memory import ArenaAllocation, WeightArena
 from dsv4.parallel.state import SINGLE, ParallelState, check_divisible
 from dsv4.weights.checkpoint import CheckpointDir
 from dsv4.weights.convert import QuantLayout
