@@ -167,6 +167,23 @@ def test_staged_values_do_not_alias_the_callers_buckets(ckpts, new):
     assert _checksums(llm) == new.checksums
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["copy_kernels", "no_compiler"])
+@pytest.mark.parametrize("layout", ["resident", "trainer"])
+def test_atomic_update_in_either_layout_equals_fresh_load(ckpts, fresh_new, new, monkeypatch, layout, kernels):
+    """Resident-format tensors (staged and committed as raw bytes by the streaming kernels) and a trainer's
+    row-major ones (transposed while staged): the same bytes as a fresh load, and the same where no C
+    compiler builds the kernels (torch's copies throughout)."""
+    from dsv4.weights import layout_copy
+
+    tensors = [(n, t.clone() if layout == "resident" else t.contiguous()) for n, t in fresh_new.iter_weights()]
+    llm = _llm(ckpts.old)
+    built = _pointers(llm)
+    if not kernels:
+        monkeypatch.setattr(layout_copy, "_library", lambda: None)
+    llm.update_weights(tensors)
+    assert _checksums(llm) == new.checksums and _pointers(llm) == built
+
+
 def test_hf_named_bf16_update_into_fp4_experts_equals_fresh_hf_load(ckpts):
     llm = _llm(ckpts.old)
     assert llm.loaded.expert_format == "fp4"
