@@ -385,29 +385,28 @@ int copy_f32_bf16(const float *src, uint16_t *dst, int64_t n, uint32_t mask, int
     return cached_f32_bf16(src, dst, n, mask);
 }
 
-/* Raw bytes: count copies dst[j][0 .. nbytes[j]) = src[j][...], with streaming stores (a refit's commit of
- * its staged values, one call for every tensor). The unaligned head and the tail of each go through memcpy. */
-void copy_bytes_streamed(const int64_t *src, const int64_t *dst, const int64_t *nbytes, int64_t count) {
-    for (int64_t j = 0; j < count; j++) {
-        const uint8_t *s = (const uint8_t *)(uintptr_t)src[j];
-        uint8_t *d = (uint8_t *)(uintptr_t)dst[j];
-        int64_t n = nbytes[j];
+/* Raw bytes: dst[0 .. n) = src[...] with streaming stores (a tensor staged as it is, a refit's commit).
+ * The unaligned head and the tail go through memcpy. */
+void copy_streamed(const uint8_t *src, uint8_t *dst, int64_t n) {
 #if defined(__AVX2__)
-        int64_t head = (int64_t)((-(uintptr_t)d) % STREAM_ALIGN);
-        if (head > n) head = n;
-        memcpy(d, s, head);
-        int64_t i = head;
-        for (; i + STREAM_LINE <= n; i += STREAM_LINE)
-            for (int k = 0; k < STREAM_LINE; k += STREAM_ALIGN)
-                _mm256_stream_si256((__m256i *)(d + i + k), _mm256_loadu_si256((const __m256i *)(s + i + k)));
-        memcpy(d + i, s + i, n - i);
-#else
-        memcpy(d, s, n);
-#endif
-    }
-#if defined(__AVX2__)
+    int64_t head = (int64_t)((-(uintptr_t)dst) % STREAM_ALIGN);
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    int64_t i = head;
+    for (; i + STREAM_LINE <= n; i += STREAM_LINE)
+        for (int k = 0; k < STREAM_LINE; k += STREAM_ALIGN)
+            _mm256_stream_si256((__m256i *)(dst + i + k), _mm256_loadu_si256((const __m256i *)(src + i + k)));
+    memcpy(dst + i, src + i, n - i);
     _mm_sfence();
+#else
+    memcpy(dst, src, n);
 #endif
+}
+
+/* count such copies in one call: copy j takes nbytes[j] from address src[j] to address dst[j]. */
+void copy_many_streamed(const int64_t *src, const int64_t *dst, const int64_t *nbytes, int64_t count) {
+    for (int64_t j = 0; j < count; j++)
+        copy_streamed((const uint8_t *)(uintptr_t)src[j], (uint8_t *)(uintptr_t)dst[j], nbytes[j]);
 }
 
 /* value = lut[code] * scale[r / b0][c / b1], formed in fp32 (one rounding, as torch's product); q is

@@ -57,7 +57,7 @@ from dsv4.weights.convert import (
     fp8_scale_values,
     quantize_expert,
 )
-from dsv4.weights.layout_copy import copy_bytes_streamed, laid_out_alike
+from dsv4.weights.layout_copy import copy_bytes_streamed, copy_streamed, laid_out_alike
 from dsv4.weights.names import ALIASED_DRAFTER_TENSORS, split_stacked
 from dsv4.weights.routes import SCALE, STACKED, WEIGHT, Route, RouteTable
 from dsv4.weights.shards import ShardSlicer
@@ -513,11 +513,9 @@ class WeightWriter:
 
 
 def _stage(buffer: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy an incoming tensor into its staging buffer: raw bytes with streaming stores when it is already
-    laid out like the buffer (resident-format bytes: nothing reads the buffer before the commit), else
-    `copy_into` (conversion, transposition)."""
-    if value.dtype != buffer.dtype or not laid_out_alike(buffer, value) \
-            or not copy_bytes_streamed([(value.data_ptr(), buffer.data_ptr(), buffer.nbytes)]):
+    """Copy an incoming tensor into its staging buffer: raw bytes with streaming stores when both are
+    contiguous (resident-format bytes: nothing reads the buffer before the commit), else `copy_into`."""
+    if not copy_streamed(buffer, value):
         copy_into(buffer, value)
 
 
