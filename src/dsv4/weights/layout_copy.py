@@ -78,8 +78,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
         transpose.restype = copy.restype = ctypes.c_int
         transpose.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_uint32]
         copy.argtypes = [_PTR, _PTR, _I64, ctypes.c_uint32, ctypes.c_int]
-    lib.copy_streamed.restype = lib.copy_many_streamed.restype = None
-    lib.copy_streamed.argtypes = [_PTR, _PTR, _I64]
+    lib.copy_many_streamed.restype = None
     lib.copy_many_streamed.argtypes = [_PTR, _PTR, _PTR, _I64]
     for name in _DEQUANT_FP8.values():
         getattr(lib, name).argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
@@ -214,26 +213,6 @@ def copy_checking_finite(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CD
     if seen is None:
         seen = _straight(dest, value, lib, mask, stream)
     return None if seen is None else not seen
-
-
-def copy_streamed(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
-    """dest[...] = value for two contiguous CPU tensors of the same dtype and shape, as raw bytes with
-    streaming stores: for a destination nothing reads soon (a refit's staging buffer).
-
-    Args:
-        lib: the kernels to use (default: those built for this CPU).
-
-    Returns:
-        Whether it was done (False: other tensors, or no compiler; nothing written).
-    """
-    if (value.dtype != dest.dtype or value.shape != dest.shape or dest.device.type != "cpu"
-            or value.device.type != "cpu" or not dest.is_contiguous() or not value.is_contiguous()):
-        return False
-    lib = _library() if lib is None else lib
-    if lib is None:
-        return False
-    lib.copy_streamed(value.data_ptr(), dest.data_ptr(), dest.nbytes)
-    return True
 
 
 def copy_bytes_streamed(copies: Sequence[tuple[int, int, int]], lib: ctypes.CDLL | None = None) -> bool:

@@ -385,9 +385,9 @@ int copy_f32_bf16(const float *src, uint16_t *dst, int64_t n, uint32_t mask, int
     return cached_f32_bf16(src, dst, n, mask);
 }
 
-/* Raw bytes: dst[0 .. n) = src[...] with streaming stores (a tensor staged as it is, a refit's commit).
- * The unaligned head and the tail go through memcpy. */
-void copy_streamed(const uint8_t *src, uint8_t *dst, int64_t n) {
+/* Raw bytes: dst[0 .. n) = src[...] with streaming stores. The unaligned head and the tail go through
+ * memcpy. */
+static void copy_streamed(const uint8_t *src, uint8_t *dst, int64_t n) {
 #if defined(__AVX2__)
     int64_t head = (int64_t)((-(uintptr_t)dst) % STREAM_ALIGN);
     if (head > n) head = n;
@@ -403,7 +403,8 @@ void copy_streamed(const uint8_t *src, uint8_t *dst, int64_t n) {
 #endif
 }
 
-/* count such copies in one call: copy j takes nbytes[j] from address src[j] to address dst[j]. */
+/* count such copies in one call (a refit's commit of its staging buffers: one call for every tensor): copy
+ * j takes nbytes[j] from address src[j] to address dst[j]. */
 void copy_many_streamed(const int64_t *src, const int64_t *dst, const int64_t *nbytes, int64_t count) {
     for (int64_t j = 0; j < count; j++)
         copy_streamed((const uint8_t *)(uintptr_t)src[j], (uint8_t *)(uintptr_t)dst[j], nbytes[j]);

@@ -57,7 +57,7 @@ from dsv4.weights.convert import (
     fp8_scale_values,
     quantize_expert,
 )
-from dsv4.weights.layout_copy import copy_bytes_streamed, copy_streamed, laid_out_alike
+from dsv4.weights.layout_copy import copy_bytes_streamed, laid_out_alike
 from dsv4.weights.names import ALIASED_DRAFTER_TENSORS, split_stacked
 from dsv4.weights.routes import SCALE, STACKED, WEIGHT, Route, RouteTable
 from dsv4.weights.shards import ShardSlicer
@@ -398,7 +398,7 @@ class WeightWriter:
             raw = None
             if not owned:
                 buffer, raw = self._staging_buffer(dest)
-                _stage(buffer, value)
+                copy_into(buffer, value)
                 value = buffer
             self._staging.append((dest, value, raw))
             return
@@ -510,13 +510,6 @@ class WeightWriter:
             problems.append(f"{len(missing)} missing tensor(s): {shown}")
         if problems:
             raise self.error_type(f"{what}: " + "; ".join(problems))
-
-
-def _stage(buffer: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy an incoming tensor into its staging buffer: raw bytes with streaming stores when both are
-    contiguous (resident-format bytes: nothing reads the buffer before the commit), else `copy_into`."""
-    if not copy_streamed(buffer, value):
-        copy_into(buffer, value)
 
 
 def _in_place(dest: torch.Tensor, value: torch.Tensor) -> bool:
