@@ -24,9 +24,9 @@ Cost model (what makes a load or a refit cost what its bytes cost):
     fresh load's do not: see `_float_values`):
     nothing reads a staging buffer before the commit, nor a weight before the update ends, and by then
     the rest of the update has evicted it, so a cached store would only read each destination line in
-    first (~1.3x faster staging measured on the small benchmark model). The commit copies every staging
-    buffer laid out like its destination as raw bytes in one C call (a torch copy per tensor cost ~1.5x
-    the copy itself on ~1000 small tensors);
+    first (staging floats ~1.3x faster on the small benchmark model). The commit copies every staging
+    buffer laid out like its destination as raw bytes in one C call (a torch copy per tensor measured
+    ~1.5x that call on the small model's ~1000 tensors);
   * float values for FP8 / FP4 experts go through the quantizer, whose finiteness check is fused in.
 A weight already in its resident quantized format is written as soon as it arrives; its scale may come
 later (another bucket, another file). Only a half that needs its partner to be converted (e.g. FP8 bytes
