@@ -24,6 +24,9 @@ Per update:
   memcpy_s        one `copy_` of a buffer of the same bytes, measured right after the update (paired)
   ratio           sync_s / memcpy_s of the same repetition; the summary keeps the median and spread, against
                   issue 19's target for a refit (3x a memcpy of the same bytes)
+summary rows of the refit and serving modes also have, from the transport row of the same update (the floor
+weight sync sets before the engine does anything): transport_sync_s, transport_ratio (its ratio to a
+memcpy), over_transport_s (sync_s - transport_sync_s: what the engine adds) and ratio_over_transport
 serving rows also have:
   request_wait_s  the longest time any request went without a new token while the update ran (its submit
                   counts as its first event): the pause, the recompute after a retract, and any step slowed
@@ -313,7 +316,24 @@ def _summary(rows: list[dict]) -> list[dict]:
             for field in ("request_wait_s", "token_gap_s", "tokens_during_update"):
                 entry[field] = statistics.median(r[field] for r in group)
         out.append(entry)
-    return out
+    return _with_transport_floor(out)
+
+
+def _with_transport_floor(summary: list[dict]) -> list[dict]:
+    """Beside each refit and serving figure, the transport-only figure of the same update (same model, bytes
+    and buckets): the floor weight sync itself sets, so that what the engine adds above it is visible.
+    `transport_sync_s` / `transport_ratio`: that floor's seconds and its ratio to a memcpy;
+    `over_transport_s`: the engine's share (validation, conversion, staging, commit, finalize, audit);
+    `ratio_over_transport`: sync_s against the floor."""
+    floors = {(s["config"], s["bytes"], s["bucket_bytes"]): s for s in summary if s["mode"] == TRANSPORT}
+    for entry in summary:
+        floor = floors.get((entry["config"], entry["bytes"], entry["bucket_bytes"]))
+        if entry["mode"] == TRANSPORT or floor is None:
+            continue
+        entry.update(transport_sync_s=floor["sync_s"], transport_ratio=floor["ratio"],
+                     over_transport_s=entry["sync_s"] - floor["sync_s"],
+                     ratio_over_transport=entry["sync_s"] / floor["sync_s"])
+    return summary
 
 
 def plot(results: dict, path: Path) -> None:

@@ -89,6 +89,12 @@ MUTATIONS = (
         "        pass\n",
     ),
     Mutation(
+        "an atomic commit skips the staged values it copies as raw bytes",
+        "weights/writer.py",
+        "        return copy_bytes_streamed(copies)\n",
+        "        return True\n",
+    ),
+    Mutation(
         "forward does not check readiness",
         "model/deepseek_v4.py",
         "        self.require_ready()\n        cache.begin_step",

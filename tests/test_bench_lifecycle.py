@@ -43,4 +43,8 @@ def test_a_subset_of_figures_measures_only_those(tmp_path, benchmark_script):
     fresh = row["load_native_warm_vs_fresh_read"]
     assert fresh["target"] is None and fresh["meets_target"] is None and fresh["baseline_s"] > 0
     assert row["load_native_warm"]["ratio_vs_read_into_fresh_memory"] == fresh["ratio"]
+    floor = row["fresh_memory_floor"]  # the reads into fresh arena memory, warm and cold, against the targets
+    for kind in ("warm", "cold"):
+        assert floor[kind]["reused_read_s"] > 0 and floor[kind]["fresh_arena_read_s"] > 0
+        assert floor[f"{kind}_target_below_floor"] == (floor[kind]["ratio"] > floor[f"{kind}_target"])
     assert results["figures"] == ["load"] and (tmp_path / "bench_lifecycle_quick_load.png").stat().st_size > 0

@@ -127,21 +127,23 @@ def _laid_out_like(dest: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["cached_stores", "streaming_stores"])
 @pytest.mark.parametrize("layout", ["transposing", "straight"])
 @pytest.mark.parametrize("shape", [(130, 70), (48, 40), (31, 15), (2, 5)])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                     (torch.float16, torch.float16), (torch.bfloat16, torch.float32),
                                     (torch.float32, torch.bfloat16)])
-def test_copy_checking_finite_finds_every_nonfinite_value(kernels, layout, shape, dtypes):
+def test_copy_checking_finite_finds_every_nonfinite_value(kernels, layout, shape, dtypes, stream):
     """The fused check: a finite tensor is copied bit for bit and reported finite; one infinity or NaN
-    anywhere (register blocks, the ragged columns, the ragged rows) is reported."""
+    anywhere (register blocks, the ragged columns, the ragged rows; a streamed straight copy's unaligned
+    head, its streamed lines and its tail) is reported."""
     incoming, resident = dtypes
     values = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(incoming)
     dest = _input_major(shape, resident)
 
     def run(v: torch.Tensor) -> bool | None:
         return layout_copy.copy_checking_finite(dest, v if layout == "transposing" else _laid_out_like(dest, v),
-                                                kernels)
+                                                kernels, stream=stream)
 
     assert run(values) is True
     bits = torch.int16 if resident.itemsize == 2 else torch.int32
@@ -167,3 +169,47 @@ def test_copy_checking_finite_declines_what_it_cannot_check():
     assert layout_copy.copy_checking_finite(table, torch.ones(8, 4, dtype=torch.int32)) is None
     dest = torch.zeros(6, 10)[:, ::2]  # neither input-major nor dense
     assert layout_copy.copy_checking_finite(dest, torch.ones(6, 5)) is None and not dest.any()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["cached_stores", "streaming_stores"])
+@pytest.mark.parametrize("offset", [0, 1, 3, 31])  # elements into a 64-byte aligned buffer
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_straight_copy_checks_every_position_at_any_alignment(kernels, dtype, offset, stream):
+    """A straight copy starting off the stores' alignment: the unaligned head, the aligned lines and the tail
+    are all copied bit for bit and all checked."""
+    n = 1000
+    base = torch.zeros(n + 64, dtype=dtype)
+    dest = base[offset : offset + n]
+    values = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(dtype)
+    assert layout_copy.copy_checking_finite(dest, values, kernels, stream=stream) is True
+    assert torch.equal(dest, values) and not base[:offset].any() and not base[offset + n :].any()
+    for position in (0, 1, 7, 8, 63, 64, 500, n - 2, n - 1):
+        corrupt = values.clone()
+        corrupt[position] = float("inf")
+        assert layout_copy.copy_checking_finite(dest, corrupt, kernels, stream=stream) is False, position
+
+
+def test_streamed_byte_copies_are_exact_at_any_alignment_and_size(kernels):
+    """copy_bytes_streamed: many copies in one call, each from and to any byte offset, of any length
+    (empty, under one store, under one line, several lines plus a tail), bytes outside untouched."""
+    generator = torch.Generator().manual_seed(5)
+    sizes = [0, 1, 31, 32, 127, 128, 129, 1000, 4096 + 17]
+    pairs = []
+    for i, size in enumerate(sizes):
+        src = torch.randint(0, 256, (size + 80,), dtype=torch.uint8, generator=generator)[i % 7 :][:size]
+        dst_base = torch.zeros(size + 80, dtype=torch.uint8)
+        pairs.append((src, dst_base, (3 * i) % 33))
+    copies = [(src.data_ptr(), base.data_ptr() + at, src.numel()) for src, base, at in pairs]
+    assert layout_copy.copy_bytes_streamed(copies, kernels)
+    for src, base, at in pairs:
+        n = src.numel()
+        assert torch.equal(base[at : at + n], src)
+        assert not base[:at].any() and not base[at + n :].any()
+    assert layout_copy.copy_bytes_streamed([], kernels)
+
+
+def test_streamed_byte_copies_decline_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(layout_copy, "_library", lambda: None)
+    dest = torch.zeros(64, dtype=torch.uint8)
+    assert not layout_copy.copy_bytes_streamed([(torch.ones(64, dtype=torch.uint8).data_ptr(), dest.data_ptr(), 64)])
+    assert not dest.any()

@@ -167,6 +167,23 @@ def test_staged_values_do_not_alias_the_callers_buckets(ckpts, new):
     assert _checksums(llm) == new.checksums
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["copy_kernels", "no_compiler"])
+@pytest.mark.parametrize("layout", ["resident", "trainer"])
+def test_atomic_update_in_either_layout_equals_fresh_load(ckpts, fresh_new, new, monkeypatch, layout, kernels):
+    """Resident-format tensors (staged and committed as raw bytes by the streaming kernels) and a trainer's
+    row-major ones (transposed while staged): the same bytes as a fresh load, and the same where no C
+    compiler builds the kernels (torch's copies throughout)."""
+    from dsv4.weights import layout_copy
+
+    tensors = [(n, t.clone() if layout == "resident" else t.contiguous()) for n, t in fresh_new.iter_weights()]
+    llm = _llm(ckpts.old)
+    built = _pointers(llm)
+    if not kernels:
+        monkeypatch.setattr(layout_copy, "_library", lambda: None)
+    llm.update_weights(tensors)
+    assert _checksums(llm) == new.checksums and _pointers(llm) == built
+
+
 def test_hf_named_bf16_update_into_fp4_experts_equals_fresh_hf_load(ckpts):
     llm = _llm(ckpts.old)
     assert llm.loaded.expert_format == "fp4"
@@ -346,7 +363,7 @@ def test_atomic_commit_interrupted_mid_write_stops_serving(ckpts, monkeypatch):
     from dsv4.weights.writer import WeightWriter
 
     llm = _llm(ckpts.old)
-    real_write, calls = WeightWriter._write, []
+    real_write, real_write_raw, calls = WeightWriter._write, WeightWriter._write_raw, []
 
     def failing_write(self, dest, value):
         calls.append(dest)
@@ -354,7 +371,12 @@ def test_atomic_commit_interrupted_mid_write_stops_serving(ckpts, monkeypatch):
             raise RuntimeError("device lost")
         real_write(self, dest, value)
 
+    def failing_write_raw(self, copies):  # the staged buffers laid out like their weights: one call for all
+        real_write_raw(self, copies[: len(copies) // 2])
+        raise RuntimeError("device lost")
+
     monkeypatch.setattr(WeightWriter, "_write", failing_write)
+    monkeypatch.setattr(WeightWriter, "_write_raw", failing_write_raw)
     with pytest.raises(WeightUpdateError, match="device lost"):
         llm.update_weights(ckpts.new_stored.items())
     assert not llm.weight_report()["ready"]
@@ -369,14 +391,20 @@ def test_pointer_audit_rejects_an_update_that_moves_a_tensor(ckpts, monkeypatch)
     llm = _llm(ckpts.old)
     moved = "layers.1.attn.wq_a.weight"
     param = llm.loaded.slot_table().get(moved).resident
-    real_write = WeightWriter._write
+    real_write, real_write_raw = WeightWriter._write, WeightWriter._write_raw
 
     def rebinding_write(self, dest, value):
         if dest is not param:
             return real_write(self, dest, value)
         param.data = value.to(param.dtype).clone()  # the classic refit bug: a new storage
 
+    def rebinding_write_raw(self, copies):  # the commit's one call for the buffers laid out like their weights
+        done = real_write_raw(self, copies)
+        param.data = param.detach().clone()
+        return done
+
     monkeypatch.setattr(WeightWriter, "_write", rebinding_write)
+    monkeypatch.setattr(WeightWriter, "_write_raw", rebinding_write_raw)
     with pytest.raises(WeightUpdateError, match=rf"moved 1 tensor\(s\) to a new address: target:{re.escape(moved)}"):
         llm.update_weights(ckpts.new_stored.items())
     assert not llm.weight_report()["ready"]

@@ -37,6 +37,13 @@ def test_quick_mode_measures_every_configuration(tmp_path, monkeypatch):
         assert r["tokens_during_update"] >= 0
     assert {s["mode"] for s in results["summary"]} == set(bench.MODES)
     assert all(s["meets_target"] == (s["ratio"] <= bench.TARGET_RATIO) for s in results["summary"])
+    floors = {(s["bytes"], s["bucket_bytes"]): s for s in results["summary"] if s["mode"] == bench.TRANSPORT}
+    for s in results["summary"]:  # every engine figure stands beside the transport floor of the same update
+        if s["mode"] != bench.TRANSPORT:
+            floor = floors[s["bytes"], s["bucket_bytes"]]
+            assert (s["transport_sync_s"], s["transport_ratio"]) == (floor["sync_s"], floor["ratio"])
+            assert s["over_transport_s"] == pytest.approx(s["sync_s"] - floor["sync_s"])
+            assert s["ratio_over_transport"] == pytest.approx(s["sync_s"] / floor["sync_s"])
     assert (tmp_path / "bench_weight_sync_quick.json").exists()
 
 

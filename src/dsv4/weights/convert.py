@@ -85,11 +85,12 @@ def check_finite(t: torch.Tensor) -> None:
         raise ConversionError(f"contains {bad} non-finite value(s)")
 
 
-def copy_finite_into(dest: torch.Tensor, value: torch.Tensor) -> None:
+def copy_finite_into(dest: torch.Tensor, value: torch.Tensor, *, stream: bool | None = None) -> None:
     """dest[...] = value (as `copy_into`), raising unless every value is finite, for a destination nothing
     reads yet (a staging buffer): where a kernel applies the values are checked as they are copied, one read
-    of `value` for both (`layout_copy.copy_checking_finite`); elsewhere checked first, then copied."""
-    finite = copy_checking_finite(dest, value)
+    of `value` for both (`layout_copy.copy_checking_finite`, whose `stream` this passes on); elsewhere
+    checked first, then copied."""
+    finite = copy_checking_finite(dest, value, stream=stream)
     if finite is None:
         check_finite(value)
         copy_into(dest, value)

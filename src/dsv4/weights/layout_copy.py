@@ -10,6 +10,11 @@ on the ragged edges) they copy tile by tile through an L1 buffer. FP8 e4m3 codes
 their block scales (torch's fp32 product, one rounding) in the same tiled pass, so a load of an FP8 linear
 into an fp32 or bf16 weight reads each code once and writes each value once.
 
+Stores stream (non-temporal: whole lines to memory, none read into the cache first) into fp32 destinations
+too large for the cache, or wherever the caller says nothing reads the destination soon (`stream=True`: a
+refit's staging buffers and its commit, whose lines are evicted by the rest of the update before anything
+reads them; a cached store first reads every destination line, three memory transfers per line for two).
+
 Each function returns False when it does not apply (another device, layout or dtype pair, or no C
 compiler on this machine): the caller then takes torch's path, which gives the same bytes.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -71,7 +77,9 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
         transpose, copy = getattr(lib, f"transpose_{suffix}"), getattr(lib, f"copy_{suffix}")
         transpose.restype = copy.restype = ctypes.c_int
         transpose.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_uint32]
-        copy.argtypes = [_PTR, _PTR, _I64, ctypes.c_uint32]
+        copy.argtypes = [_PTR, _PTR, _I64, ctypes.c_uint32, ctypes.c_int]
+    lib.copy_many_streamed.restype = None
+    lib.copy_many_streamed.argtypes = [_PTR, _PTR, _PTR, _I64]
     for name in _DEQUANT_FP8.values():
         getattr(lib, name).argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
     return lib
@@ -122,7 +130,16 @@ def in_memory_order(t: torch.Tensor) -> torch.Tensor:
     return permuted if permuted.is_contiguous() else t
 
 
-def _transpose(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None, mask: int) -> bool | None:
+def _streams(dest: torch.Tensor, stream: bool | None) -> bool:
+    """Whether a copy into `dest` uses streaming stores: the caller's word, else (None) the size rule."""
+    if stream is not None:
+        return stream
+    threshold = stream_bytes()
+    return dest.element_size() == _STREAMED_ITEMSIZE and threshold is not None and dest.nbytes >= threshold
+
+
+def _transpose(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None, mask: int,
+               stream: bool | None) -> bool | None:
     """Run the transposing kernel: None where it does not apply (nothing written), else whether a written
     value has every bit of `mask` set."""
     suffix = _PAIRS.get((value.dtype, dest.dtype))
@@ -133,37 +150,48 @@ def _transpose(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None,
     if lib is None:
         return None
     rows, cols = value.shape
-    threshold = stream_bytes()
-    stream = dest.element_size() == _STREAMED_ITEMSIZE and threshold is not None and dest.nbytes >= threshold
     kernel = getattr(lib, f"transpose_{suffix}")
-    return bool(kernel(value.data_ptr(), dest.data_ptr(), rows, cols, cols, dest.stride(1), stream, mask))
+    return bool(kernel(value.data_ptr(), dest.data_ptr(), rows, cols, cols, dest.stride(1), _streams(dest, stream),
+                       mask))
 
 
-def _straight(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None, mask: int) -> bool | None:
-    """The straight kernel for two tensors laid out alike (same shape and strides, dense in memory order)."""
+def laid_out_alike(dest: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether two CPU tensors have the same shape and strides, dense in memory order: a straight copy
+    between them is one run of elements."""
+    return (dest.device.type == "cpu" and value.device.type == "cpu" and value.shape == dest.shape
+            and value.stride() == dest.stride() and in_memory_order(dest).is_contiguous())
+
+
+def _straight(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None, mask: int,
+              stream: bool | None) -> bool | None:
+    """The straight kernel for two tensors laid out alike."""
     suffix = _PAIRS.get((value.dtype, dest.dtype))
-    if (suffix is None or dest.device.type != "cpu" or value.device.type != "cpu" or value.shape != dest.shape
-            or value.stride() != dest.stride() or not in_memory_order(dest).is_contiguous()):
+    if suffix is None or not laid_out_alike(dest, value):
         return None
     lib = _library() if lib is None else lib
     if lib is None:
         return None
-    return bool(getattr(lib, f"copy_{suffix}")(value.data_ptr(), dest.data_ptr(), dest.numel(), mask))
+    kernel = getattr(lib, f"copy_{suffix}")
+    return bool(kernel(value.data_ptr(), dest.data_ptr(), dest.numel(), mask, _streams(dest, stream)))
 
 
-def transpose_into(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool:
+def transpose_into(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None = None, *,
+                   stream: bool | None = None) -> bool:
     """dest[...] = value for an input-major `dest` and a row-major contiguous `value` of the same shape.
 
     Args:
         lib: the kernels to use (default: those built for this CPU).
+        stream: streaming stores (True: nothing reads `dest` soon), cached ones (False), or the size rule
+            (None: fp32 destinations of at least `stream_bytes()`).
 
     Returns:
         Whether it was done (False: not this layout or dtype pair, or no compiler; nothing written).
     """
-    return _transpose(dest, value, lib, _NO_CHECK) is not None
+    return _transpose(dest, value, lib, _NO_CHECK, stream) is not None
 
 
-def copy_checking_finite(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None = None) -> bool | None:
+def copy_checking_finite(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None = None, *,
+                         stream: bool | None = None) -> bool | None:
     """dest[...] = value (a transposing copy into an input-major `dest`, or a straight one between tensors
     laid out alike), checking in the same pass that every value written is finite: one read of `value`.
 
@@ -172,6 +200,7 @@ def copy_checking_finite(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CD
 
     Args:
         lib: the kernels to use (default: those built for this CPU).
+        stream: as `transpose_into` (a straight copy streams only between equal dtypes).
 
     Returns:
         None where no kernel applies (nothing written); else whether every value written is finite (an
@@ -180,10 +209,32 @@ def copy_checking_finite(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CD
     mask = _EXPONENT_MASKS.get(dest.dtype)
     if mask is None:
         return None
-    seen = _transpose(dest, value, lib, mask)
+    seen = _transpose(dest, value, lib, mask, stream)
     if seen is None:
-        seen = _straight(dest, value, lib, mask)
+        seen = _straight(dest, value, lib, mask, stream)
     return None if seen is None else not seen
+
+
+def copy_bytes_streamed(copies: Sequence[tuple[int, int, int]], lib: ctypes.CDLL | None = None) -> bool:
+    """Raw copies of CPU memory, (source address, destination address, bytes) each, with streaming stores,
+    in one call: for destinations nothing reads soon (a refit's commit of its staging buffers). The caller
+    vouches for the addresses (each a tensor laid out like its source: `laid_out_alike`).
+
+    Args:
+        copies: the copies; their regions must not overlap.
+        lib: the kernels to use (default: those built for this CPU).
+
+    Returns:
+        Whether they were done (False: no compiler; nothing written).
+    """
+    lib = _library() if lib is None else lib
+    if lib is None:
+        return False
+    count = len(copies)
+    if count:
+        columns = [(_I64 * count)(*column) for column in zip(*copies, strict=True)]
+        lib.copy_many_streamed(*columns, count)
+    return True
 
 
 @functools.cache

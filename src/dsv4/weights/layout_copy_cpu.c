@@ -313,7 +313,7 @@ TRANSPOSE(transpose_f32_bf16, float, uint16_t, blocked_f32_bf16, scalar_f32_bf16
 /* Straight copies of n elements in memory order, converting like the transposes and checking the values
  * written against `mask` in the same pass (the compiler vectorizes the loop). */
 #define STRAIGHT_COPY(NAME, SRC_T, DST_T, CONVERT, BITS_T)                                                \
-    int NAME(const SRC_T *restrict src, DST_T *restrict dst, int64_t n, uint32_t mask) {                  \
+    static int NAME(const SRC_T *restrict src, DST_T *restrict dst, int64_t n, uint32_t mask) {           \
         BITS_T seen = 0;                                                                                  \
         const BITS_T m = (BITS_T)mask;                                                                    \
         for (int64_t i = 0; i < n; i++) {                                                                 \
@@ -326,10 +326,89 @@ TRANSPOSE(transpose_f32_bf16, float, uint16_t, blocked_f32_bf16, scalar_f32_bf16
         return mask && seen;                                                                              \
     }
 
-STRAIGHT_COPY(copy_b32, uint32_t, uint32_t, IDENTITY, uint32_t)
-STRAIGHT_COPY(copy_b16, uint16_t, uint16_t, IDENTITY, uint16_t)
-STRAIGHT_COPY(copy_bf16_f32, uint16_t, float, bf16_to_f32, uint32_t)
-STRAIGHT_COPY(copy_f32_bf16, float, uint16_t, f32_to_bf16, uint16_t)
+STRAIGHT_COPY(cached_b32, uint32_t, uint32_t, IDENTITY, uint32_t)
+STRAIGHT_COPY(cached_b16, uint16_t, uint16_t, IDENTITY, uint16_t)
+STRAIGHT_COPY(cached_bf16_f32, uint16_t, float, bf16_to_f32, uint32_t)
+STRAIGHT_COPY(cached_f32_bf16, float, uint16_t, f32_to_bf16, uint16_t)
+
+/* ---- streaming straight copies ----
+ * A destination nothing reads soon (a staging buffer, weights being written) is stored with non-temporal
+ * stores: whole lines go to memory without first being read into the cache (a cached store reads every
+ * destination line it does not hold: three memory transfers per line instead of two). In a refit of a
+ * model larger than the cache, the line would be gone again before anything read it. STREAM_LINE bytes per
+ * step (four 32-byte stores); the unaligned head and the tail take the cached copy. */
+#define STREAM_LINE 128
+#if defined(__AVX2__)
+#define STREAMED_COPY(NAME, BITS_T, CACHED, SET1, CMPEQ)                                                  \
+    static int NAME(const BITS_T *src, BITS_T *dst, int64_t n, uint32_t mask) {                           \
+        const int64_t step = STREAM_LINE / sizeof(BITS_T), lane = STREAM_ALIGN / sizeof(BITS_T);           \
+        int64_t head = (int64_t)((-(uintptr_t)dst) % STREAM_ALIGN) / (int64_t)sizeof(BITS_T);            \
+        if (head > n) head = n;                                                                           \
+        int seen = CACHED(src, dst, head, mask);                                                          \
+        const __m256i m = SET1(mask);                                                                     \
+        __m256i hit = _mm256_setzero_si256();                                                             \
+        int64_t i = head;                                                                                 \
+        for (; i + step <= n; i += step)                                                                  \
+            for (int k = 0; k < STREAM_LINE / STREAM_ALIGN; k++) {                                        \
+                __m256i x = _mm256_loadu_si256((const __m256i *)(src + i + k * lane));                    \
+                hit = _mm256_or_si256(hit, CMPEQ(_mm256_and_si256(x, m), m));                             \
+                _mm256_stream_si256((__m256i *)(dst + i + k * lane), x);                                  \
+            }                                                                                             \
+        _mm_sfence(); /* streamed lines are visible before the call returns */                            \
+        seen |= CACHED(src + i, dst + i, n - i, mask);                                                    \
+        return mask && (seen || !_mm256_testz_si256(hit, hit));                             \
+    }
+
+static inline __m256i set1_32(uint32_t mask) { return _mm256_set1_epi32((int)mask); }
+static inline __m256i set1_16(uint32_t mask) { return _mm256_set1_epi16((short)mask); }
+STREAMED_COPY(streamed_b32, uint32_t, cached_b32, set1_32, _mm256_cmpeq_epi32)
+STREAMED_COPY(streamed_b16, uint16_t, cached_b16, set1_16, _mm256_cmpeq_epi16)
+#else
+#define streamed_b32 cached_b32
+#define streamed_b16 cached_b16
+#endif
+
+/* The straight copies the Python side calls: `stream` picks streaming stores where they exist (the copies
+ * that keep the bits); the converting ones always store through the cache. */
+int copy_b32(const uint32_t *src, uint32_t *dst, int64_t n, uint32_t mask, int stream) {
+    return stream ? streamed_b32(src, dst, n, mask) : cached_b32(src, dst, n, mask);
+}
+int copy_b16(const uint16_t *src, uint16_t *dst, int64_t n, uint32_t mask, int stream) {
+    return stream ? streamed_b16(src, dst, n, mask) : cached_b16(src, dst, n, mask);
+}
+int copy_bf16_f32(const uint16_t *src, float *dst, int64_t n, uint32_t mask, int stream) {
+    (void)stream;
+    return cached_bf16_f32(src, dst, n, mask);
+}
+int copy_f32_bf16(const float *src, uint16_t *dst, int64_t n, uint32_t mask, int stream) {
+    (void)stream;
+    return cached_f32_bf16(src, dst, n, mask);
+}
+
+/* Raw bytes: dst[0 .. n) = src[...] with streaming stores. The unaligned head and the tail go through
+ * memcpy. */
+static void copy_streamed(const uint8_t *src, uint8_t *dst, int64_t n) {
+#if defined(__AVX2__)
+    int64_t head = (int64_t)((-(uintptr_t)dst) % STREAM_ALIGN);
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    int64_t i = head;
+    for (; i + STREAM_LINE <= n; i += STREAM_LINE)
+        for (int k = 0; k < STREAM_LINE; k += STREAM_ALIGN)
+            _mm256_stream_si256((__m256i *)(dst + i + k), _mm256_loadu_si256((const __m256i *)(src + i + k)));
+    memcpy(dst + i, src + i, n - i);
+    _mm_sfence();
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+/* count such copies in one call (a refit's commit of its staging buffers: one call for every tensor): copy
+ * j takes nbytes[j] from address src[j] to address dst[j]. */
+void copy_many_streamed(const int64_t *src, const int64_t *dst, const int64_t *nbytes, int64_t count) {
+    for (int64_t j = 0; j < count; j++)
+        copy_streamed((const uint8_t *)(uintptr_t)src[j], (uint8_t *)(uintptr_t)dst[j], nbytes[j]);
+}
 
 /* value = lut[code] * scale[r / b0][c / b1], formed in fp32 (one rounding, as torch's product); q is
  * contiguous [rows, cols], scale contiguous [ceil(rows / b0), scale_cols]. When b1 is a multiple of
