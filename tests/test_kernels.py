@@ -8,7 +8,17 @@ from dsv4.embedded import EMBEDDED_MODELS
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.kernels.mhc_cpu import MhcCpuKernel, build_library
-from dsv4.kernels.registry import MHC_COEFFICIENTS, REFERENCE, KernelRegistry, default_registry, describe_backends
+from dsv4.kernels.registry import (
+    _BACKENDS,
+    GRAPH_OPS,
+    MHC_COEFFICIENTS,
+    MOE_EXPERTS,
+    REFERENCE,
+    Choice,
+    KernelRegistry,
+    default_registry,
+    describe_backends,
+)
 from dsv4.model import mhc
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.deepseek_v4 import DeepseekV4
@@ -65,6 +75,33 @@ def test_registry_forced_reference_and_description():
     assert MHC_COEFFICIENTS in text
     with pytest.raises(KeyError):
         KernelRegistry().choose("no_such_op")
+
+
+class _SpyKernel:
+    """An implementation that records each `supports` question and answers yes."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def supports(self, *args) -> bool:
+        self.asked += 1
+        return True
+
+
+def test_registry_declines_c_kernel_ops_inside_a_captured_graph(monkeypatch):
+    """While a graph is captured, a C kernel's op is declined before its choice or `supports` is read (a
+    compiled step then guards nothing of the kernel objects); the ops whose fast paths are torch code
+    (GRAPH_OPS) still ask theirs."""
+    registry = KernelRegistry()
+    spies = {op: _SpyKernel() for op in _BACKENDS}
+    for op, spy in spies.items():
+        registry._choices[op] = Choice(op, "spy", spy, "test")
+    assert MOE_EXPERTS in GRAPH_OPS and all(registry.kernel(op) is spies[op] for op in _BACKENDS)  # eager: asked
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for op, spy in spies.items():
+        asked = spy.asked
+        got = registry.kernel(op)
+        assert (got is spy, spy.asked - asked) == ((True, 1) if op in GRAPH_OPS else (False, 0)), op
 
 
 def _random_routing(tokens: int, k: int, seed: int):

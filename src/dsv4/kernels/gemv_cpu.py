@@ -192,13 +192,18 @@ def _check(status: int, kernel: str) -> None:
 
 def _cpu_rows(x: torch.Tensor) -> bool:
     """Eager CPU rows [R, K] without autograd history (the kernels have no backward; a graph torch.compile
-    captures cannot call into ctypes: there the torch formulas run)."""
-    return (x.device.type == "cpu" and x.dim() == 2 and x.dtype in _ACT and x.is_contiguous() and x.numel() > 0
-            and not x.requires_grad and not torch.compiler.is_compiling())
+    captures cannot call into ctypes: there the torch formulas run). The capture check first: a captured graph
+    then guards none of what the other checks read (`mhc_cpu.eager_cpu`)."""
+    return (not torch.compiler.is_compiling() and x.is_cpu and x.dim() == 2 and x.dtype in _ACT
+            and x.is_contiguous() and x.numel() > 0 and not x.requires_grad)
 
 
 def _input_major(weight: torch.Tensor) -> bool:
-    """A [..., out, in] weight whose storage is [..., in, out] contiguous (`input_major`), from offset 0."""
+    """A [..., out, in] weight whose storage is [..., in, out] contiguous (`input_major`), from offset 0.
+    A matrix by its strides (every Linear's call: a transposed view to test costs ~3x the comparison);
+    a size-1 dim with other strides declines, as a layout `input_major` never makes."""
+    if weight.dim() == 2:
+        return weight.stride() == (1, weight.shape[0]) and weight.storage_offset() == 0
     return weight.transpose(-1, -2).is_contiguous() and weight.storage_offset() == 0
 
 
@@ -255,10 +260,11 @@ class DenseGemv(_PoolKernel):
 
     @staticmethod
     def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        # dtypes first: a Linear's hot path in fp32 declines after one dict lookup
+        if not _cpu_rows(x):
+            return False
         most = _DENSE_ROWS.get((x.dtype, weight.dtype), 0)
-        return (most > 0 and _cpu_rows(x) and x.shape[0] <= most and weight.dim() == 2 and not weight.requires_grad
-                and weight.shape[1] == x.shape[1] and weight.device.type == "cpu" and _input_major(weight))
+        return (x.shape[0] <= most and weight.dim() == 2 and not weight.requires_grad
+                and weight.shape[1] == x.shape[1] and weight.is_cpu and _input_major(weight))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         (R, K), N = x.shape, weight.shape[0]

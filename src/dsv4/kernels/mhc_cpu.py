@@ -43,8 +43,10 @@ def build_library() -> ctypes.CDLL:
 def eager_cpu(x: torch.Tensor) -> bool:
     """Whether a C kernel may run on x: CPU storage, and not inside a graph torch.compile is capturing (it
     calls the library on raw pointers, which a graph cannot trace; the compiler fuses the torch reference
-    formulas instead)."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+    formulas instead). The capture check comes first: a graph being captured then traces nothing of the
+    caller's `supports` beyond it, so the compiled step guards none of the attributes and kernel-module
+    constants the remaining checks read."""
+    return not torch.compiler.is_compiling() and x.is_cpu
 
 
 class MhcCpuKernel:
@@ -107,7 +109,7 @@ class MhcFusedKernel:
     def supports(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
                  sinkhorn_iters: int, rms_eps: float, hc_eps: float, norm_weight: torch.Tensor | None,
                  norm_eps: float) -> bool:
-        dtype_ok = streams.dtype in MHC_STREAM_DTYPES and eager_cpu(streams) and streams.is_contiguous()
+        dtype_ok = eager_cpu(streams) and streams.dtype in MHC_STREAM_DTYPES and streams.is_contiguous()
         return dtype_ok and hc <= MAX_HC and sinkhorn_iters >= 1
 
     def pre(

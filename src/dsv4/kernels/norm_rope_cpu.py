@@ -49,9 +49,8 @@ class NormRopeKernel:
         inv_freq: torch.Tensor | None = None, inverse: bool = False,
     ) -> bool:
         x_ok = eager_cpu(x) and x.dtype in NORM_ROPE_DTYPES and x.is_contiguous()
-        freq_ok = inv_freq is None or (inv_freq.dtype == torch.float32 and inv_freq.is_contiguous()
-                                       and inv_freq.device.type == "cpu" and inv_freq.numel() <= MAX_ROTARY_PAIRS)
-        return x_ok and freq_ok
+        return x_ok and (inv_freq is None or (inv_freq.dtype == torch.float32 and inv_freq.is_contiguous()
+                                              and inv_freq.is_cpu and inv_freq.numel() <= MAX_ROTARY_PAIRS))
 
     def __call__(
         self, x: torch.Tensor, eps: float | None, weight: torch.Tensor | None = None,

@@ -8,8 +8,9 @@ path is tested against) always builds. `describe_backends()` reports each choice
 Every backend's implementation has one calling convention: `impl.supports(*args)` takes exactly the
 arguments of the call it gates (`impl(*args)`, or the named entry point such as `MhcFusedKernel.pre`) and
 says whether this call can run there (device, dtype, shape, not inside a torch.compile graph for a C
-kernel). Callers ask `registry.kernel(op, *args)`, which returns the implementation when it supports the
-call and None when the caller's own torch reference must run it.
+kernel; the registry itself declines those ops' calls in a graph, `GRAPH_OPS`). Callers ask
+`registry.kernel(op, *args)`, which returns the implementation when it supports the call and None when the
+caller's own torch reference must run it.
 
 The model gets its registry when it is built (`DeepseekV4(..., kernels=...)`, `load_models(..., kernels=...)`,
 `LLM(..., kernels=...)`; drafters use their target's): tests and tools pass their own, e.g. training builds its
@@ -39,6 +40,12 @@ LINEAR = "linear"
 FEW_ROW_EXPERTS = "few_row_experts"
 QUANT_EXPERTS = "quant_experts"
 MOE_LAYER = "moe_layer"
+
+# Ops whose fast backends run inside a graph torch.compile captures (torch code: fixed-shape expert strategies).
+# Every other op's fast path is a C kernel called through ctypes, which a graph cannot trace: there `kernel`
+# declines before looking at the choice, so a compiled graph guards nothing of the kernel objects (each
+# `supports` a captured step traced cost ~5 guards on the implementation's type and code).
+GRAPH_OPS = frozenset({MOE_EXPERTS})
 
 # Forwards of at most this many rows run torch at one intra-op thread (`threads_for_rows`): the rows whose
 # every product the few-row kernels take at any dtype (gemv_cpu's MAX_F32_ROWS and MAX_BF16_ROWS).
@@ -165,7 +172,10 @@ class KernelRegistry:
 
     def kernel(self, op: str, *args):
         """The op's fast implementation when it supports this call (`supports(*args)`, the call's own
-        arguments), else None: the caller runs its torch reference."""
+        arguments), else None: the caller runs its torch reference (always, for a C kernel's op inside a graph
+        being captured: GRAPH_OPS)."""
+        if op not in GRAPH_OPS and torch.compiler.is_compiling():
+            return None
         impl = self.choose(op).impl
         return impl if impl is not None and impl.supports(*args) else None
 
