@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from dsv4.kernels.bf16_products import BF16_MATRIX_UNITS
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
@@ -69,8 +70,7 @@ VECTOR_ISAS = {512: "AVX-512 permutes", 256: "AVX2 byte shuffles / F16C", 0: "pe
 # and MTP prompt pass are such products (issue 12). A CPU with bf16 matrix instructions (AMX, AVX512-BF16) runs
 # oneDNN's bf16 GEMM at its real speed, and that crossover was not measured on one: there only the one-row
 # product is taken.
-BF16_MATRIX_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-MAX_BF16_ROWS = 1 if BF16_MATRIX_FLAGS & set(cpu_features().split()) else 64
+MAX_BF16_ROWS = 1 if BF16_MATRIX_UNITS else 64
 # fp32 one-row products: MKL's GEMV is as fast on an idle machine (0.9-1.1x, the 16384x512 head included;
 # the small config's batch-1 decode step 0.99x with either), but it runs on torch's OpenMP threads, whose
 # static split waits for a thread that has no core when another process keeps one busy. Taking the one-row
