@@ -226,4 +226,4 @@ def describe_backends() -> str:
     from dsv4.kernels.bf16_products import describe as describe_bf16
 
     return "\n".join(["kernel backends (op, backend, why):", *("  " + line for line in default_registry().describe()),
-                      describe_bf16()])
+                      "  " + describe_bf16()])
