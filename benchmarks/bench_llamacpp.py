@@ -9,6 +9,8 @@ GGUF holding the same values:
 
   fp32           dsv4 fp32, experts dense (the FP4 values as fp32)  vs  llama.cpp F32 (experts = those values)
   fp4            dsv4 fp32, experts FP4 (resident as FP4)           vs  llama.cpp with MXFP4 experts (same bytes)
+  fp8            dsv4 fp32, experts FP8 (the FP4 values re-quantized  vs  llama.cpp F32 (llama.cpp has no FP8 expert
+                 to e4m3 with 128x128 block scales, resident as FP8)       format: compare with dsv4 fp32 in the run)
   bf16           dsv4 bf16, experts dense                            vs  llama.cpp F32
   fp32-compiled  dsv4 fp32, experts dense, LLM(compile=True)         vs  llama.cpp F32
   fp4-compiled   dsv4 fp32, experts FP4, LLM(compile=True)           vs  llama.cpp with MXFP4 experts
@@ -115,6 +117,8 @@ VARIANTS = {
     "fp32": Variant("dsv4 fp32, dense experts / llama.cpp F32", "f32", {"dtype": "float32", "expert_dtype": "dense"}),
     "fp4": Variant("dsv4 fp32, FP4 experts / llama.cpp MXFP4 experts", "mxfp4",
                    {"dtype": "float32", "expert_dtype": "fp4"}, same_computation=False),
+    "fp8": Variant("dsv4 fp32, FP8 experts / llama.cpp F32", "f32", {"dtype": "float32", "expert_dtype": "fp8"},
+                   same_computation=False),
     "bf16": Variant("dsv4 bf16, dense experts / llama.cpp F32", "f32", {"dtype": "bfloat16", "expert_dtype": "dense"},
                     same_computation=False),
     "fp32-compiled": Variant("dsv4 fp32, dense experts, compile=True / llama.cpp F32", "f32",

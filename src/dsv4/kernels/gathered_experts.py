@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv4.kernels import bf16_products
 from dsv4.kernels.row_chunks import row_chunks
 
 # Copying one expert's three matrices costs about as much as the ~8 ops the loop spends per expert
@@ -100,8 +101,8 @@ class GatheredExperts:
         xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [T*k, 1, D]
         # Gather [in, out] matrices: a plain row copy for input-major stacks (model/linear.py).
         w1_in, w3_in, w2_in = (w.transpose(1, 2).index_select(0, flat) for w in (w1, w3, w2))
-        hidden = swiglu(torch.bmm(xs, w1_in), torch.bmm(xs, w3_in), limit)
-        ys = torch.bmm(hidden, w2_in).view(T, k, -1)  # [T, k, D]
+        hidden = swiglu(bf16_products.bmm(xs, w1_in), bf16_products.bmm(xs, w3_in), limit)
+        ys = bf16_products.bmm(hidden, w2_in).view(T, k, -1)  # [T, k, D]
         contrib = _weighted(ys, weights.unsqueeze(-1))
         out = torch.zeros_like(x)
         for j in range(k):  # k is 2..8: accumulate like the reference's index_add, pick by pick
@@ -172,10 +173,10 @@ class GroupedExperts:
         # [T, E] routing weight of each expert (0 where not picked)
         dense_weights = torch.zeros(T, w1.shape[0], dtype=torch.float32, device=x.device)
         dense_weights.scatter_(1, ids, weights.float())
-        hidden_all = swiglu(torch.matmul(x, w1.transpose(1, 2)),  # [E, T, I]
-                            torch.matmul(x, w3.transpose(1, 2)), limit)
+        hidden_all = swiglu(bf16_products.matmul(x, w1.transpose(1, 2)),  # [E, T, I]
+                            bf16_products.matmul(x, w3.transpose(1, 2)), limit)
         scaled = _weighted(hidden_all, dense_weights.t().unsqueeze(-1))  # [E, T, I]
-        return torch.bmm(scaled, w2.transpose(1, 2)).sum(dim=0)  # [T, D]
+        return bf16_products.bmm(scaled, w2.transpose(1, 2)).sum(dim=0)  # [T, D]
 
     @staticmethod
     def grouped(
@@ -188,11 +189,11 @@ class GroupedExperts:
         offsets = torch.bincount(flat_ids, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
         token_of = order // ids.shape[1]
         xs = x.index_select(0, token_of)  # [T*k, D], grouped by expert (several times cheaper than x[token_of])
-        hidden = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)  # [T*k, I], the gate until overwritten
-        up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offsets)
+        hidden = bf16_products.grouped_mm(xs, w1.transpose(1, 2), offsets)  # [T*k, I], the gate until overwritten
+        up = bf16_products.grouped_mm(xs, w3.transpose(1, 2), offsets)
         for chunk in row_chunks(*hidden.shape):
             hidden[chunk] = swiglu(hidden[chunk], up[chunk], limit)
-        ys = torch._grouped_mm(hidden, w2.transpose(1, 2), offs=offsets)  # [T*k, D]
+        ys = bf16_products.grouped_mm(hidden, w2.transpose(1, 2), offsets)  # [T*k, D]
         contrib = _weighted(ys, weights.flatten()[order].unsqueeze(-1), out=ys)
         return torch.zeros_like(x).index_add_(0, token_of, contrib)
 

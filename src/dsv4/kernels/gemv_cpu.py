@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from dsv4.kernels.bf16_products import BF16_MATRIX_UNITS
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
@@ -66,11 +67,12 @@ VECTOR_ISAS = {512: "AVX-512 permutes", 256: "AVX2 byte shuffles / F16C", 0: "pe
 # bf16 GEMMs are slow). Several rows: on this project's 2-core AVX2 VM (no bf16 instructions, where torch's
 # bf16 GEMM runs at well under 1 GFLOP/s), warm weights, 1 and 2 threads, 128x128 to 4096x1024: 3-54x faster
 # at 2-16 rows, 17-22x at 64 (128x128 and 1024x1024); the dsv4-sort speculation's verify chunks, prompt steps
-# and MTP prompt pass are such products (issue 12). A CPU with bf16 matrix instructions (AMX, AVX512-BF16) runs
-# oneDNN's bf16 GEMM at its real speed, and that crossover was not measured on one: there only the one-row
-# product is taken.
-BF16_MATRIX_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-MAX_BF16_ROWS = 1 if BF16_MATRIX_FLAGS & set(cpu_features().split()) else 64
+# and MTP prompt pass are such products (issue 12). There torch's GEMM is no longer the alternative: bf16
+# products run widened to fp32 (bf16_products.linear), which this kernel beats only at a few rows (1 thread,
+# shared AVX2 EPYC, 256x512 to 16384x512 weights: x2.4 faster at 4 rows, equal at 16, 0.5-0.7x at 32-64), so it
+# takes up to 16. A CPU with bf16 matrix instructions (AMX, AVX512-BF16) runs oneDNN's bf16 GEMM at its real
+# speed, and that crossover was not measured on one: there only the one-row product is taken.
+MAX_BF16_ROWS = 1 if BF16_MATRIX_UNITS else 16
 # fp32 one-row products: MKL's GEMV is as fast on an idle machine (0.9-1.1x, the 16384x512 head included;
 # the small config's batch-1 decode step 0.99x with either), but it runs on torch's OpenMP threads, whose
 # static split waits for a thread that has no core when another process keeps one busy. Taking the one-row

@@ -233,4 +233,7 @@ def default_registry() -> KernelRegistry:
 
 def describe_backends() -> str:
     """Text for `dsv4 env`: the chosen backend of every op and why."""
-    return "\n".join(["kernel backends (op, backend, why):", *("  " + line for line in default_registry().describe())])
+    from dsv4.kernels.bf16_products import describe as describe_bf16
+
+    return "\n".join(["kernel backends (op, backend, why):", *("  " + line for line in default_registry().describe()),
+                      "  " + describe_bf16()])

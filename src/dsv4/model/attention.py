@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from dsv4.config import CSA, SLIDING, ModelConfig
+from dsv4.kernels import bf16_products
 from dsv4.kernels.registry import KernelRegistry, default_registry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import CompressorCache, LayerCache
@@ -348,14 +349,14 @@ class Attention(nn.Module):
         logits nor probabilities are concatenated or sliced. Queries that see no key (padding) give the
         sink all their mass."""
         P, B, H, hd = q.shape
-        logits = torch.bmm(q.reshape(P, B * H, hd), keys.transpose(1, 2)).view(P, B, H, -1).float()  # [P, B, H, N]
+        logits = bf16_products.bmm(q.reshape(P, B * H, hd), keys.transpose(1, 2)).view(P, B, H, -1).float()  # [P,B,H,N]
         # bias + scale * q.k, in place unless autograd records the step (out= ops keep no history)
         logits = torch.add(bias.unsqueeze(2), logits, alpha=self.head_dim**-0.5,
                            out=None if torch.is_grad_enabled() else logits)
         probs = softmax_with_sink(logits, self.attn_sink).to(keys.dtype)
         if out is None:
-            return torch.bmm(probs.view(P, B * H, -1), keys).view(P, B, H, hd)
-        torch.bmm(probs.view(P, B * H, -1), keys, out=out.view(P, B * H, hd))
+            return bf16_products.bmm(probs.view(P, B * H, -1), keys).view(P, B, H, hd)
+        bf16_products.bmm(probs.view(P, B * H, -1), keys, out=out.view(P, B * H, hd))
         return out
 
     def _attend_decode(self, q: torch.Tensor, blocks: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -367,13 +368,14 @@ class Attention(nn.Module):
         if q.dtype == torch.float32:  # one fused GEMM per block: bias + scale * q k^T
             logits = [torch.baddbmm(bias.unsqueeze(1), q, keys.transpose(1, 2), alpha=scale) for keys, bias in blocks]
         else:
-            logits = [torch.bmm(q, keys.transpose(1, 2)).float() * scale + bias.unsqueeze(1) for keys, bias in blocks]
+            logits = [bf16_products.bmm(q, keys.transpose(1, 2)).float() * scale + bias.unsqueeze(1)
+                      for keys, bias in blocks]
         sink_column = logits[0].new_empty(q.shape[0], q.shape[1], 1)
         probs = softmax_with_sink(torch.cat((*logits, sink_column), dim=-1), self.attn_sink).to(q.dtype)
         out, start = None, 0
         for keys, _ in blocks:
             block_probs = probs[..., start : start + keys.shape[1]]  # [B, H, N_i]
-            out = torch.bmm(block_probs, keys) if out is None else torch.baddbmm(out, block_probs, keys)
+            out = bf16_products.bmm(block_probs, keys) if out is None else bf16_products.baddbmm(out, block_probs, keys)
             start += keys.shape[1]
         return out
 
@@ -383,7 +385,7 @@ class Attention(nn.Module):
         grouped = out.reshape(T, self.o_groups, -1)  # [T, g, (H/g)*hd]
         wo_a = compute_weight(self.wo_a.weight, grouped.dtype)
         wo_a = wo_a.view(self.o_groups, self.o_lora_rank, -1)  # [g, ol, (H/g)*hd]
-        low_rank = torch.einsum("tgc,goc->tgo", grouped, wo_a).reshape(T, -1)  # [T, g*ol]
+        low_rank = bf16_products.einsum("tgc,goc->tgo", grouped, wo_a).reshape(T, -1)  # [T, g*ol]
         return all_reduce(self.wo_b(low_rank), self.parallel)  # tensor parallel: the ranks' groups summed
 
 

@@ -9,7 +9,8 @@ addresses stay put; export clones to the contiguous checkpoint layout.
 
 A product the registry's few-row kernel supports (`LINEAR`: bf16 one-row decode calls, where it reads the
 weight once at several times oneDNN's speed, and few-row fp32 calls on bf16 weights) runs there; every
-other call runs `F.linear`, the reference.
+other call runs `F.linear`, the reference (bf16 calls through `kernels.bf16_products.linear`: widened to fp32
+on a CPU without bf16 matrix units).
 
 Activations may be wider than the weights (`LLM(dtype="bfloat16", activation_dtype="float32")`: bf16
 weights at rest, fp32 activations). `compute_weight` is where every product over a resident weight meets
@@ -18,9 +19,9 @@ value is an fp32 value), never kept.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dsv4.kernels import bf16_products
 from dsv4.kernels.registry import LINEAR, KernelRegistry, default_registry
 
 
@@ -51,4 +52,4 @@ class Linear(nn.Module):
         kernel = self.kernels.kernel(LINEAR, x, weight)
         if kernel is not None:
             return kernel(x, weight)
-        return F.linear(x, compute_weight(weight, x.dtype))
+        return bf16_products.linear(x, compute_weight(weight, x.dtype))

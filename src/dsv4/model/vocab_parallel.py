@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.kernels import bf16_products
 from dsv4.model.linear import compute_weight, input_major
 from dsv4.parallel.collectives import all_gather_last, all_reduce
 from dsv4.parallel.state import ParallelState
@@ -44,4 +45,4 @@ class VocabParallelHead(nn.Module):
         self.weight = input_major(parallel.local(vocab_size), dim, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather_last(F.linear(x, compute_weight(self.weight, x.dtype)), self.parallel)
+        return all_gather_last(bf16_products.linear(x, compute_weight(self.weight, x.dtype)), self.parallel)
