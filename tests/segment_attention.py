@@ -35,13 +35,13 @@ def segment_attention(attn: Attention, x: torch.Tensor, batch: ForwardBatch, cac
         rows = slice(seg.begin, seg.end)
         keys, bias = _window_keys(attn.window, kv[rows], seg, cache.window)
         if attn.compressor is not None:
-            comp_kv, comp_gate = attn.compressor.project(x[rows])
+            comp_kv, comp_gate = attn.compressor.wkv(x[rows]), attn.compressor.wgate(x[rows])
             n = _emit(attn.compressor, comp_kv, comp_gate, seg, cache.compressor, attn.rope)
             entries = cache.compressor.entries[seg.slot, :n]
             visible = torch.arange(n) < ((pos[rows] + 1) // attn.compressor.rate).unsqueeze(-1)  # complete ones
             if attn.indexer is not None:
                 indexer = attn.indexer
-                idx_kv, idx_gate = indexer.compressor.project(x[rows])
+                idx_kv, idx_gate = indexer.compressor.wkv(x[rows]), indexer.compressor.wgate(x[rows])
                 n_keys = _emit(indexer.compressor, idx_kv, idx_gate, seg, cache.indexer, attn.rope)
                 idx_q = norm_rope_(indexer.wq_b(q_res[rows]).view(seg.length, indexer.n_heads, -1), None, None,
                                    pos[rows], attn.rope)

@@ -64,10 +64,6 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNorm(out_dim, cfg.rms_norm_eps, kernels)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> raw kv, gate [T, width] (gate before ape)."""
-        return self.wkv(x), self.wgate(x)
-
     def emit(self, kv: torch.Tensor, gate: torch.Tensor, windows: WindowPlan, cache: CompressorCache,
              rope: RotaryTable) -> None:
         """Record the new tokens in the ring and append the entries of the windows the plan names.
@@ -205,10 +201,10 @@ class Attention(nn.Module):
         kv = norm_rope_(self.wkv(x), self.kv_norm.eps, self.kv_norm.weight, pos, self.rope)  # [T, hd]
 
         side = _SideInputs()
-        if self.compressor is not None:
-            side.comp_kv, side.comp_gate = self.compressor.project(x)
+        if self.compressor is not None:  # raw projections (gate before ape): the compressor's ring holds them
+            side.comp_kv, side.comp_gate = self.compressor.wkv(x), self.compressor.wgate(x)
         if self.indexer is not None:
-            side.idx_kv, side.idx_gate = self.indexer.compressor.project(x)
+            side.idx_kv, side.idx_gate = self.indexer.compressor.wkv(x), self.indexer.compressor.wgate(x)
             side.idx_q = norm_rope_(self.indexer.wq_b(q_res).view(T, self.indexer.n_heads, -1), None, None, pos,
                                     self.rope)
             side.idx_w = self.indexer.weights_proj(x)

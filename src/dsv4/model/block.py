@@ -58,15 +58,7 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """overwrite_input: the caller no longer needs `streams`, so the fused path may write the new
         streams into it (the result is then that same tensor)."""
-        fused = self._fused_pre(streams, self.hc_attn_fn, "attn", self.attn_norm)
-        if fused is not None:
-            kernel, coef, block_in = fused
-            streams = kernel.post(streams, self.attn(block_in, batch, cache), coef, self.cfg.hc_mult,
-                                  in_place=overwrite_input)
-            return self._ffn(streams, batch)
-        pre, post, comb = self._coefficients(mhc.mix_logits(streams, self.hc_attn_fn, self.cfg.rms_norm_eps), "attn")
-        attn_out = self.attn(self.attn_norm(mhc.collapse(streams, pre)), batch, cache)
-        streams = mhc.expand(streams, attn_out, post, comb)
+        streams = self._sublayer(streams, "attn", self.attn_norm, lambda x: self.attn(x, batch, cache), overwrite_input)
         return self._ffn(streams, batch)
 
     def forward_broadcast(
@@ -89,10 +81,16 @@ class Block(nn.Module):
 
     def _ffn(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """streams: the block's own (the attention sublayer's output), so the fused path updates them in place."""
-        fused = self._fused_pre(streams, self.hc_ffn_fn, "ffn", self.ffn_norm)
+        return self._sublayer(streams, "ffn", self.ffn_norm, lambda x: self.ffn(x, batch.token_ids), in_place=True)
+
+    def _sublayer(self, streams: torch.Tensor, sub: str, norm: RMSNorm, run, in_place: bool) -> torch.Tensor:
+        """One mHC-wrapped sublayer over [T, hc, D] streams: collapse them into the normed input of `run`
+        ([T, D] -> [T, D]), then mix its output back in (in place only when `in_place` and the fused kernel
+        serves the streams)."""
+        fn = getattr(self, f"hc_{sub}_fn")
+        fused = self._fused_pre(streams, fn, sub, norm)
         if fused is not None:
             kernel, coef, block_in = fused
-            return kernel.post(streams, self.ffn(block_in, batch.token_ids), coef, self.cfg.hc_mult, in_place=True)
-        pre, post, comb = self._coefficients(mhc.mix_logits(streams, self.hc_ffn_fn, self.cfg.rms_norm_eps), "ffn")
-        ffn_out = self.ffn(self.ffn_norm(mhc.collapse(streams, pre)), batch.token_ids)
-        return mhc.expand(streams, ffn_out, post, comb)
+            return kernel.post(streams, run(block_in), coef, self.cfg.hc_mult, in_place=in_place)
+        pre, post, comb = self._coefficients(mhc.mix_logits(streams, fn, self.cfg.rms_norm_eps), sub)
+        return mhc.expand(streams, run(norm(mhc.collapse(streams, pre))), post, comb)
