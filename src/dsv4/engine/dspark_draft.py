@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.engine.sampler import process_logits
+from dsv4.engine.sampler import greedy_tokens, process_logits
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.model.dspark import DSparkDrafter
 from dsv4.model.dspark_cache import DSparkCache
@@ -62,11 +62,11 @@ def _draw(logits: torch.Tensor, sampling: DraftSampling | None) -> tuple[torch.T
     sampler) with a one-hot q. Sampling rows: q = softmax of the request's processed logits
     (temperature, top-k, top-p, min-p; the sampler's own `process_logits`), token drawn from q with the
     row's generator."""
-    greedy_tokens = logits.argmax(dim=-1)
-    q = torch.zeros_like(logits).scatter_(1, greedy_tokens.unsqueeze(1), 1.0)
+    greedy = greedy_tokens(logits)  # the sampler's greedy rule, so drafts agree with what the target would pick
+    q = torch.zeros_like(logits).scatter_(1, greedy.unsqueeze(1), 1.0)
     if sampling is None:
-        return greedy_tokens, q
-    tokens = greedy_tokens.clone()
+        return greedy, q
+    tokens = greedy.clone()
     rows = [i for i, params in enumerate(sampling.params) if not params.greedy]
     if not rows:
         return tokens, q
