@@ -15,6 +15,8 @@ import torch
 
 from dsv4.config import CSA, HCA, SLIDING, ModelConfig
 from dsv4.embedded import EMBEDDED_MODELS
+from dsv4.kernels.decode_attention_cpu import MAX_DECODE_ROWS
+from dsv4.kernels.registry import DECODE_ATTENTION
 from dsv4.model import attention as attention_module
 from dsv4.model.attention import Attention
 from dsv4.model.batch import ForwardBatch
@@ -242,3 +244,93 @@ def test_indexer_picks_break_ties_by_the_lowest_entry():
         assert got == want
     # The same rows laid out as one chunk or as single rows pick alike.
     assert torch.equal(attention_module.top_k_lowest_index_on_ties(scores.view(15, 1, 40), k).view(3, 5, k), picks)
+
+
+class _Spy:
+    """Counts the calls of DECODE_ATTENTION's kernel that it served (the registry's own instance)."""
+
+    def __init__(self, attn: Attention, monkeypatch):
+        self.served = 0
+        registry, spy = attn.kernels, self
+        kernel = registry.choose(DECODE_ATTENTION).impl
+        assert kernel is not None, "the decode-attention C kernel did not build here"
+        real_attend = kernel.attend
+
+        def counting_attend(*args):
+            spy.served += 1
+            return real_attend(*args)
+
+        monkeypatch.setattr(kernel, "attend", counting_attend)
+
+
+class _TorchDecode:
+    """A registry view that declines DECODE_ATTENTION only: the layer's decode rows then run its torch path
+    (the kernel's reference), everything else as before."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def kernel(self, op: str, *args):
+        return None if op == DECODE_ATTENTION else self.registry.kernel(op, *args)
+
+
+@pytest.mark.parametrize(("layer_type", "tied"), [(SLIDING, False), (CSA, False), (CSA, True), (HCA, False)])
+@torch.no_grad()
+def test_decode_kernel_rows_equal_reference(cfg, layer_type, tied, monkeypatch):
+    """Decode steps of 1 to 4 single-token rows (the rows the C kernel serves, `MAX_DECODE_ROWS`), slots
+    shuffled, sequences joining mid-flight at position 0 over stale slot data and others running past the window
+    (W=32) and through many CSA (m=4) / HCA (m=16) windows: the kernel's outputs and every cache tensor equal
+    the layer's torch decode path's and the per-segment oracle's. `tied`: the indexer's queries are zero, so
+    every entry scores exactly 0 and the picks are the lowest-index entries (the tie rule, which the oracle's
+    plain topk does not have: there the kernel is held to the torch path only)."""
+    attn = _random_attention(cfg, layer_type, seed=len(layer_type) + 3)
+    if tied and attn.indexer is not None:
+        attn.indexer.wq_b.weight.zero_()
+    spy = _Spy(attn, monkeypatch)
+    kernels = attn.kernels
+    g = torch.Generator().manual_seed(11)
+    oracle_cache = allocate_layer_cache(cfg, layer_type, 5, MAX_LEN, torch.float32, "cpu")
+    for t in cache_tensors([oracle_cache]):
+        t.copy_(torch.randn(t.shape, generator=g))
+    torch_cache, kernel_cache = copy.deepcopy(oracle_cache), copy.deepcopy(oracle_cache)
+    lengths, steps = {}, 0
+    for step in range(72):
+        if step in (0, 30, 41, 60):  # a new sequence in the next free slot, or slot 1 reused
+            lengths[len(lengths) if step < 60 else 1] = 0
+        chunks = [(slot, [0], n) for slot, n in lengths.items()]
+        chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=g)]
+        x = torch.randn(len(chunks), cfg.hidden_size, generator=g)
+        oracle = _run(attn, oracle_cache, chunks, x, False)
+        attn.kernels = _TorchDecode(kernels)
+        want = _run(attn, torch_cache, chunks, x, True)
+        attn.kernels = kernels
+        got = _run(attn, kernel_cache, chunks, x, True)
+        torch.testing.assert_close(got, want, **TOL)
+        if not tied:
+            torch.testing.assert_close(got, oracle, **TOL)
+        for slot, _, n in chunks:
+            lengths[slot] = n + 1
+        steps += 1
+    for a, b in zip(cache_tensors([kernel_cache]), cache_tensors([torch_cache])):
+        torch.testing.assert_close(a, b, **TOL)
+    assert spy.served == steps
+
+
+def test_decode_kernel_declines_what_it_cannot_serve(cfg):
+    """More rows than it serves and bf16 rows run the torch path (inside a graph being captured the registry
+    declines every C kernel's op: test_kernels.py)."""
+    attn = _random_attention(cfg, CSA, seed=2)
+    kernel = attn.kernels.choose(DECODE_ATTENTION).impl
+    cache = allocate_layer_cache(cfg, CSA, MAX_DECODE_ROWS + 1, MAX_LEN, torch.float32, "cpu")
+
+    def args(rows: int, dtype=torch.float32):
+        q = torch.zeros(rows, attn.n_heads, attn.head_dim, dtype=dtype)
+        kv = torch.zeros(rows, attn.head_dim, dtype=dtype)
+        index_q = torch.zeros(rows, attn.indexer.n_heads, attn.indexer.head_dim)
+        index = (index_q, torch.zeros(rows, attn.indexer.n_heads), cache.indexer.entries, attn.indexer.topk)
+        slots = torch.arange(rows)
+        return q, kv, cache.window, slots, slots, cache.compressor.entries, attn.compressor.rate, index, attn.attn_sink
+
+    assert kernel.supports(*args(MAX_DECODE_ROWS))
+    assert not kernel.supports(*args(MAX_DECODE_ROWS + 1))
+    assert not kernel.supports(*args(1, torch.bfloat16))

@@ -11,26 +11,12 @@ int norm_rope(void *x, int bf16, long T, long G, long hd, float eps, const float
     float *scratch = bf16 ? malloc((size_t)hd * sizeof(float)) : NULL;
     if (bf16 && !scratch) return 1;
     for (long t = 0; t < T; ++t) {
-        for (long i = 0; i < rh; ++i) {
-            const float a = (float)pos[t] * inv_freq[i];
-            cs[i] = cosf(a);
-            sn[i] = inverse ? -sinf(a) : sinf(a);
-        }
+        if (rh > 0) rope_angles(pos[t], inv_freq, rh, inverse, cs, sn);
         for (long g = 0; g < G; ++g) {
             const long offset = (t * G + g) * hd;
             float *restrict v = bf16 ? scratch : (float *)x + offset;
             if (bf16) load_row(x, 1, offset, hd, scratch);
-            if (eps >= 0.0f) {
-                const float r = 1.0f / sqrtf(sum_squares(v, hd) / (float)hd + eps);
-                if (w) { for (long d = 0; d < hd; ++d) v[d] = w[d] * (v[d] * r); }
-                else { for (long d = 0; d < hd; ++d) v[d] = v[d] * r; }
-            }
-            float *restrict rp = v + hd - 2 * rh;
-            for (long i = 0; i < rh; ++i) {
-                const float a = rp[2 * i], b = rp[2 * i + 1];
-                rp[2 * i] = a * cs[i] - b * sn[i];
-                rp[2 * i + 1] = b * cs[i] + a * sn[i];
-            }
+            norm_rope_row(v, hd, eps, w, cs, sn, rh);
             if (bf16) store_row(x, 1, offset, v, hd);
         }
     }

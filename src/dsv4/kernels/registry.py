@@ -40,6 +40,7 @@ LINEAR = "linear"
 FEW_ROW_EXPERTS = "few_row_experts"
 QUANT_EXPERTS = "quant_experts"
 MOE_LAYER = "moe_layer"
+DECODE_ATTENTION = "decode_attention"
 
 # Ops whose fast backends run inside a graph torch.compile captures (torch code: fixed-shape expert strategies).
 # Every other op's fast path is a C kernel called through ctypes, which a graph cannot trace: there `kernel`
@@ -87,6 +88,12 @@ def _build_norm_rope():
     from dsv4.kernels.norm_rope_cpu import NormRopeKernel, build_library
 
     return NormRopeKernel(build_library())
+
+
+def _build_decode_attention():
+    from dsv4.kernels.decode_attention_cpu import DecodeAttentionKernel, build_library
+
+    return DecodeAttentionKernel(build_library())
 
 
 def _build_grouped_experts():
@@ -140,6 +147,11 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
         Backend("cpu_c", functools.partial(_build_few_row, 4),
                 "one token's MoE layer (router, routed and shared experts) in one C call (gemv_cpu.c "
                 "FusedMoeLayer)"),
+    ),
+    DECODE_ATTENTION: (
+        Backend("cpu_c", _build_decode_attention,
+                "single-token decode rows of a layer's attention (compressor rings and entries, window ring, "
+                "indexer top-k, attention with the sink) in C, fp32: three calls instead of ~100 torch ops"),
     ),
     MOE_EXPERTS: (
         Backend("grouped_mm", _build_grouped_experts,

@@ -1,5 +1,5 @@
-/* Helpers shared by the mHC and norm/RoPE kernels (mhc_cpu.c, norm_rope_cpu.c): fp32 / bf16 rows and a
-   vectorisable sum of squares. */
+/* Helpers shared by the mHC, norm/RoPE and decode-attention kernels (mhc_cpu.c, norm_rope_cpu.c,
+   decode_attention_cpu.c): fp32 / bf16 rows, a vectorisable sum of squares, one row's RMSNorm + RoPE. */
 #ifndef DSV4_ROWS_H
 #define DSV4_ROWS_H
 
@@ -59,6 +59,32 @@ static void store_row(void *base, int bf16, long offset, const float *restrict s
     }
     uint16_t *restrict h = (uint16_t *)base + offset;
     for (long i = 0; i < n; ++i) h[i] = f32_to_bf16(src[i]);
+}
+
+/* cos / sin of angle pos * inv_freq[i] for the rh rotary pairs (the sine negated when inverse). */
+static void rope_angles(long pos, const float *inv_freq, long rh, int inverse, float *cs, float *sn) {
+    for (long i = 0; i < rh; ++i) {
+        const float a = (float)pos * inv_freq[i];
+        cs[i] = cosf(a);
+        sn[i] = inverse ? -sinf(a) : sinf(a);
+    }
+}
+
+/* In place on one fp32 row v [hd]: RMSNorm (weighted when w is not NULL; eps < 0: none), then RoPE of the
+   trailing 2 * rh channels in interleaved pairs by cs / sn (rope_angles). */
+static void norm_rope_row(float *restrict v, long hd, float eps, const float *restrict w, const float *cs,
+                          const float *sn, long rh) {
+    if (eps >= 0.0f) {
+        const float r = 1.0f / sqrtf(sum_squares(v, hd) / (float)hd + eps);
+        if (w) { for (long d = 0; d < hd; ++d) v[d] = w[d] * (v[d] * r); }
+        else { for (long d = 0; d < hd; ++d) v[d] = v[d] * r; }
+    }
+    float *restrict rp = v + hd - 2 * rh;
+    for (long i = 0; i < rh; ++i) {
+        const float a = rp[2 * i], b = rp[2 * i + 1];
+        rp[2 * i] = a * cs[i] - b * sn[i];
+        rp[2 * i + 1] = b * cs[i] + a * sn[i];
+    }
 }
 
 #endif

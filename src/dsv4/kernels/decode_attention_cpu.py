@@ -1,0 +1,102 @@
+"""Single-token decode rows of an attention layer on CPU, in C (decode_attention_cpu.c).
+
+A decode row's attention in eager PyTorch is ~100 framework calls per layer (ring writes, window pooling,
+the indexer's scores and tie-safe top-k, three score blocks, the sink softmax), each a few microseconds
+around arithmetic that takes less: at batch 1 the layer is dispatch-bound. Two C calls per compressor and
+one for the rest replace them. The formulas are model/attention.py's torch path (`Compressor.emit`,
+`Indexer.select`, `Attention._attend_decode`), which stays the reference the kernel is tested against
+(tests/test_decode_attention.py); fp32 throughout, summed in another order (fp32-rounding level).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
+from dsv4.kernels.mhc_cpu import check_status, eager_cpu
+from dsv4.kernels.norm_rope_cpu import MAX_ROTARY_PAIRS
+
+SOURCE = Path(__file__).with_name("decode_attention_cpu.c")
+
+# Rows one call serves: the kernel loops over rows on one thread, the torch path runs batched GEMMs. Measured
+# (bench_decode_attention.py, small config, engine step CPU time, 1 thread): the kernel's step 1.11x / 1.14x /
+# 1.08x faster at 1 / 4 / 8 rows, even at 16 (1.01x), slower at 32 (0.97x).
+MAX_DECODE_ROWS = 8
+
+
+def build_library(march: str = NATIVE) -> ctypes.CDLL:
+    """Compile decode_attention_cpu.c for this machine (once, cached) and load it; raises OSError/RuntimeError."""
+    lib = compile_library(SOURCE, (f"-march={march}",), cpu_features())
+    P, L, Int, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    lib.compress_decode.restype = Int
+    lib.compress_decode.argtypes = [L, P, P, P, P, P, P, L, L, P, L, Int, P, F, P, L, P, L, L]
+    lib.attend_decode.restype = Int
+    lib.attend_decode.argtypes = [L, L, L, P, P, P, P, P, L, P, L, L, P, P, P, L, L, L, P, P]
+    return lib
+
+
+def _fp32_rows(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in tensors)
+
+
+class DecodeAttentionKernel:
+    """`attend` serves a layer's single-token decode rows; `compress` (called first, per compressor) the
+    same rows' compressor rings and entries. `supports` takes `attend`'s arguments."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._compress = lib.compress_decode
+        self._attend = lib.attend_decode
+
+    @staticmethod
+    def supports(q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
+                 positions: torch.Tensor, entries: torch.Tensor | None, rate: int | None,
+                 indexer: tuple | None, sink: torch.Tensor) -> bool:
+        if not eager_cpu(q) or q.shape[0] > MAX_DECODE_ROWS:
+            return False
+        caches = [window] + ([] if entries is None else [entries]) + ([] if indexer is None else list(indexer[:3]))
+        # The indexer's entries are read with the attention entries' capacity (one compress rate, one max_len).
+        same_capacity = indexer is None or indexer[2].shape[1] == entries.shape[1]
+        return (_fp32_rows(q, kv, sink, *caches) and same_capacity and slots.dtype == positions.dtype == torch.int64
+                and slots.is_contiguous() and positions.is_contiguous())
+
+    def compress(self, kv: torch.Tensor, gate: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 ring_kv: torch.Tensor, ring_gate: torch.Tensor, ape: torch.Tensor, rate: int, overlap: bool,
+                 norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, entries: torch.Tensor) -> None:
+        """Record rows kv, gate [B, width] (raw projections) in the rings [S, R, width] and write the entries
+        [S, E_max, d] of the windows they complete (`Compressor.emit` for single-token rows)."""
+        if not (_fp32_rows(kv, gate, ring_kv, ring_gate, ape, norm_weight, inv_freq, entries)
+                and inv_freq.numel() <= MAX_ROTARY_PAIRS):
+            raise ValueError("compress: fp32 contiguous CPU tensors expected (`supports` gates the call)")
+        B, width = kv.shape
+        status = self._compress(B, slots.data_ptr(), positions.data_ptr(), kv.data_ptr(), gate.data_ptr(),
+                                ring_kv.data_ptr(), ring_gate.data_ptr(), ring_kv.shape[1], width, ape.data_ptr(),
+                                rate, int(overlap), norm_weight.data_ptr(), eps, inv_freq.data_ptr(),
+                                inv_freq.numel(), entries.data_ptr(), entries.shape[1], entries.shape[2])
+        check_status(status, "compress_decode", B)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
+               positions: torch.Tensor, entries: torch.Tensor | None, rate: int | None, indexer: tuple | None,
+               sink: torch.Tensor) -> torch.Tensor:
+        """q [B, H, hd] (normed, rotated), kv [B, hd] -> [B, H, hd]: writes kv into the window ring [S, W, hd],
+        then attends to the window, the complete entries [S, E_max, hd] (None: sliding) of compress `rate`, or
+        with `indexer` = (index q [B, nI, dI], head weights [B, nI], index entries [S, E_max, dI], topk) the
+        entries it picks, and the per-head sink [H]."""
+        B, H, hd = q.shape
+        out = torch.empty_like(q)
+        index_q = index_w = index_entries = None
+        nI = dI = topk = 0
+        if indexer is not None:
+            index_q, index_w, index_entries, topk = indexer
+            nI, dI = index_q.shape[1], index_q.shape[2]
+        status = self._attend(
+            B, H, hd, slots.data_ptr(), positions.data_ptr(), q.data_ptr(), kv.data_ptr(), window.data_ptr(),
+            window.shape[1], None if entries is None else entries.data_ptr(),
+            0 if entries is None else entries.shape[1], rate or 1,
+            None if index_q is None else index_q.data_ptr(), None if index_w is None else index_w.data_ptr(),
+            None if index_entries is None else index_entries.data_ptr(), nI, dI, topk, sink.data_ptr(),
+            out.data_ptr())
+        check_status(status, "attend_decode", B)
+        return out
