@@ -17,6 +17,24 @@ static float dot(const float *restrict a, const float *restrict b, long n) {
     return acc[0];
 }
 
+/* Element i of an fp32 or bf16 tensor, as fp32. */
+static inline float element(const void *base, int bf16, long i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* n elements of an fp32 or bf16 tensor from `offset` into dst, as fp32. */
+static void load_into(float *restrict dst, const void *base, int bf16, long offset, long n) {
+    if (!bf16) {
+        memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)base + offset;
+    for (long i = 0; i < n; ++i) dst[i] = bf16_to_f32(h[i]);
+}
+
+/* bf16 rows: x rounded to bf16 and back (where the torch path rounds a product or a probability), else x. */
+static inline float rounded(float x, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
 /* Per row b (cache slot slots[b], position pos[b]): the raw projections kv, gate [B, width] go to ring row
    pos % R of ring_kv / ring_gate [S, R, width]; a row whose token completes window w = pos / m (pos + 1 a
    multiple of m) pools it into entries [S, E_max, d] at index w: per channel, a softmax over the window's
@@ -25,19 +43,21 @@ static float dot(const float *restrict a, const float *restrict b, long n) {
    alike; window 0 has no Ca slots. Otherwise (width = d, R = m): window w's tokens, ape [m, d]. The entry
    is RMS-normed (weight norm_w, eps) and rotated at position w * m (inv_freq [rh]). Returns 0, or 1 when the
    scratch cannot be allocated. */
-int compress_decode(long B, const long *slots, const long *pos, const float *kv, const float *gate,
-                    float *ring_kv, float *ring_gate, long R, long width, const float *ape, long m, int overlap,
-                    const float *norm_w, float eps, const float *inv_freq, long rh, float *entries, long max_entries,
+int compress_decode(long B, int bf16, const long *slots, const long *pos, const void *kv, const void *gate,
+                    void *ring_kv, void *ring_gate, long R, long width, const float *ape, long m, int overlap,
+                    const float *norm_w, float eps, const float *inv_freq, long rh, void *entries, long max_entries,
                     long d) {
     const long S = overlap ? 2 * m : m;
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
     float *scratch = malloc((size_t)(d + 2 * S) * sizeof(float));
     if (!scratch) return 1;
     float *entry = scratch, *logit = scratch + d, *value = scratch + d + S;
     float cs[512], sn[512];
     for (long b = 0; b < B; ++b) {
         const long p = pos[b], slot_ring = slots[b] * R * width;
-        memcpy(ring_kv + slot_ring + (p % R) * width, kv + b * width, width * sizeof(float));
-        memcpy(ring_gate + slot_ring + (p % R) * width, gate + b * width, width * sizeof(float));
+        const size_t row_bytes = (size_t)width * elem;
+        memcpy((char *)ring_kv + (slot_ring + (p % R) * width) * elem, (const char *)kv + b * row_bytes, row_bytes);
+        memcpy((char *)ring_gate + (slot_ring + (p % R) * width) * elem, (const char *)gate + b * row_bytes, row_bytes);
         if ((p + 1) % m != 0) continue;
         const long w = p / m;
         const long first_slot = overlap && w == 0 ? m : 0; /* window 0: no previous window's Ca slots */
@@ -48,8 +68,8 @@ int compress_decode(long B, const long *slots, const long *pos, const float *kv,
                 const long half = overlap && s >= m ? d : 0; /* Cb half for the window's own tokens */
                 const long ape_row = overlap ? (s < m ? s : s - m) : s;
                 const long at = slot_ring + ((w * m + offset) % R) * width + half + c;
-                value[s] = ring_kv[at];
-                logit[s] = ring_gate[at] + ape[ape_row * width + half + c];
+                value[s] = element(ring_kv, bf16, at);
+                logit[s] = element(ring_gate, bf16, at) + ape[ape_row * width + half + c];
                 if (logit[s] > most) most = logit[s];
             }
             float total = 0.0f;
@@ -59,11 +79,11 @@ int compress_decode(long B, const long *slots, const long *pos, const float *kv,
             }
             float pooled = 0.0f;
             for (long s = first_slot; s < S; ++s) pooled += value[s] * (logit[s] / total);
-            entry[c] = pooled;
+            entry[c] = bf16 ? bf16_to_f32(f32_to_bf16(pooled)) : pooled; /* the pooled entry in the cache dtype */
         }
         rope_angles(w * m, inv_freq, rh, 0, cs, sn);
         norm_rope_row(entry, d, eps, norm_w, cs, sn, rh);
-        if (w < max_entries) memcpy(entries + (slots[b] * max_entries + w) * d, entry, d * sizeof(float));
+        if (w < max_entries) store_row(entries, bf16, (slots[b] * max_entries + w) * d, entry, d);
     }
     free(scratch);
     return 0;
@@ -111,58 +131,63 @@ static void top_k(const float *score, long n, long k, long *heap, char *chosen) 
    sliding layer), or, with an indexer (index_q [B, nI, dI], index_w [B, nI], index_entries [S, E_max, dI];
    NULL: none), to the min(topk, n) entries it picks: score[s] = sum_h relu(q_h . K_s) dI^-0.5 w_h nI^-0.5.
    out [B, H, hd]. Returns 0, or 1 when the scratch cannot be allocated. */
-int attend_decode(long B, long H, long hd, const long *slots, const long *pos, const float *q, const float *kv,
-                  float *window, long W, const float *entries, long max_entries, long rate, const float *index_q,
-                  const float *index_w, const float *index_entries, long nI, long dI, long topk, const float *sink,
-                  float *out) {
+int attend_decode(long B, int bf16, long H, long hd, const long *slots, const long *pos, const void *q,
+                  const void *kv, void *window, long W, const void *entries, long max_entries, long rate,
+                  const void *index_q, const void *index_w, const void *index_entries, long nI, long dI, long topk,
+                  const float *sink, void *out) {
     long most_entries = 0;
     for (long b = 0; b < B; ++b) {
         const long n = entries ? (pos[b] + 1) / rate : 0;
         if (n > most_entries) most_entries = n < max_entries ? n : max_entries;
     }
     const long keys_max = W + most_entries;
-    float *logits = malloc((size_t)(keys_max + most_entries) * sizeof(float));
-    const float **keys = malloc((size_t)keys_max * sizeof(float *));
+    /* logits [keys_max] | scores [most_entries] | keys [keys_max, hd] (fp32 copies) | q, out, index q rows */
+    const size_t floats = (size_t)keys_max + most_entries + (size_t)keys_max * hd + 2 * hd + (size_t)nI * dI + dI + nI;
+    float *logits = malloc(floats * sizeof(float));
     long *heap = malloc((size_t)(topk > 0 ? topk : 1) * sizeof(long));
     char *chosen = malloc((size_t)(most_entries > 0 ? most_entries : 1));
-    if (!logits || !keys || !heap || !chosen) {
-        free(logits), free(keys), free(heap), free(chosen);
+    if (!logits || !heap || !chosen) {
+        free(logits), free(heap), free(chosen);
         return 1;
     }
-    float *score = logits + keys_max;
+    float *score = logits + keys_max, *keys = score + most_entries, *qh = keys + keys_max * hd, *o = qh + hd;
+    float *iq = o + hd, *ik = iq + nI * dI, *iw = ik + dI;
     const float scale = 1.0f / sqrtf((float)hd);
     for (long b = 0; b < B; ++b) {
         const long p = pos[b], slot = slots[b];
-        float *ring = window + slot * W * hd;
-        memcpy(ring + (p % W) * hd, kv + b * hd, hd * sizeof(float));
+        const long ring = slot * W * hd;
+        store_row(window, bf16, ring + (p % W) * hd, load_row(kv, bf16, b * hd, hd, keys), hd);
         long N = 0; /* ring row i holds position p - ((p - i) mod W): written once that is >= 0 */
-        for (long i = 0; i < W && i <= p; ++i) keys[N++] = ring + i * hd;
+        for (long i = 0; i < W && i <= p; ++i, ++N)
+            load_into(keys + N * hd, window, bf16, ring + i * hd, hd);
         long n = entries ? (p + 1) / rate : 0;
         if (n > max_entries) n = max_entries;
-        const float *slot_entries = entries ? entries + slot * max_entries * hd : NULL;
+        const long slot_entries = slot * max_entries * hd;
         if (n > 0 && index_q) {
             const float head_scale = 1.0f / sqrtf((float)nI), dim_scale = 1.0f / sqrtf((float)dI);
-            const float *iq = index_q + b * nI * dI, *iw = index_w + b * nI;
-            const float *ik = index_entries + slot * max_entries * dI;
+            load_into(iq, index_q, bf16, b * nI * dI, nI * dI);
+            load_into(iw, index_w, bf16, b * nI, nI);
             for (long s = 0; s < n; ++s) {
+                const float *key = load_row(index_entries, bf16, (slot * max_entries + s) * dI, dI, ik);
                 float total = 0.0f;
                 for (long h = 0; h < nI; ++h) {
-                    const float relu = fmaxf(dot(iq + h * dI, ik + s * dI, dI), 0.0f);
+                    const float relu = fmaxf(dot(iq + h * dI, key, dI), 0.0f);
                     total += (relu * dim_scale) * (iw[h] * head_scale);
                 }
                 score[s] = total;
             }
             top_k(score, n, topk < n ? topk : n, heap, chosen);
-            for (long s = 0; s < n; ++s)
-                if (chosen[s]) keys[N++] = slot_entries + s * hd;
-        } else {
-            for (long s = 0; s < n; ++s) keys[N++] = slot_entries + s * hd;
+        }
+        for (long s = 0; s < n; ++s) {
+            if (index_q && !chosen[s]) continue;
+            float *row = keys + N++ * hd;
+            load_into(row, entries, bf16, slot_entries + s * hd, hd);
         }
         for (long h = 0; h < H; ++h) {
-            const float *qh = q + (b * H + h) * hd;
+            load_into(qh, q, bf16, (b * H + h) * hd, hd);
             float most = sink[h];
             for (long j = 0; j < N; ++j) {
-                logits[j] = dot(qh, keys[j], hd) * scale;
+                logits[j] = rounded(dot(qh, keys + j * hd, hd), bf16) * scale;
                 if (logits[j] > most) most = logits[j];
             }
             float total = expf(sink[h] - most);
@@ -170,15 +195,15 @@ int attend_decode(long B, long H, long hd, const long *slots, const long *pos, c
                 logits[j] = expf(logits[j] - most);
                 total += logits[j];
             }
-            float *o = out + (b * H + h) * hd;
             memset(o, 0, hd * sizeof(float));
             for (long j = 0; j < N; ++j) {
-                const float weight = logits[j] / total;
-                const float *k = keys[j];
+                const float weight = rounded(logits[j] / total, bf16);
+                const float *k = keys + j * hd;
                 for (long c = 0; c < hd; ++c) o[c] += weight * k[c];
             }
+            store_row(out, bf16, (b * H + h) * hd, o, hd);
         }
     }
-    free(logits), free(keys), free(heap), free(chosen);
+    free(logits), free(heap), free(chosen);
     return 0;
 }

@@ -5,7 +5,8 @@ the indexer's scores and tie-safe top-k, three score blocks, the sink softmax), 
 around arithmetic that takes less: at batch 1 the layer is dispatch-bound. Two C calls per compressor and
 one for the rest replace them. The formulas are model/attention.py's torch path (`Compressor.emit`,
 `Indexer.select`, `Attention._attend_decode`), which stays the reference the kernel is tested against
-(tests/test_decode_attention.py); fp32 throughout, summed in another order (fp32-rounding level).
+(tests/test_kernels_attention.py). The arithmetic is fp32, summed in another order than torch's; bf16 rows
+and caches are widened on load and rounded where the torch path rounds them.
 """
 
 from __future__ import annotations
@@ -32,19 +33,25 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib = compile_library(SOURCE, (f"-march={march}",), cpu_features())
     P, L, Int, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     lib.compress_decode.restype = Int
-    lib.compress_decode.argtypes = [L, P, P, P, P, P, P, L, L, P, L, Int, P, F, P, L, P, L, L]
+    lib.compress_decode.argtypes = [L, Int, P, P, P, P, P, P, L, L, P, L, Int, P, F, P, L, P, L, L]
     lib.attend_decode.restype = Int
-    lib.attend_decode.argtypes = [L, L, L, P, P, P, P, P, L, P, L, L, P, P, P, L, L, L, P, P]
+    lib.attend_decode.argtypes = [L, Int, L, L, P, P, P, P, P, L, P, L, L, P, P, P, L, L, L, P, P]
     return lib
 
 
-def _fp32_rows(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu for t in tensors)
+# Dtypes of the rows and caches (one dtype per call); parameters (ape, norm weights, sinks) are fp32.
+ROW_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rows(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+    """Contiguous CPU tensors of `dtype`."""
+    return all(t.dtype == dtype and t.is_contiguous() and t.is_cpu for t in tensors)
 
 
 class DecodeAttentionKernel:
     """`attend` serves a layer's single-token decode rows; `compress` (called first, per compressor) the
-    same rows' compressor rings and entries. `supports` takes `attend`'s arguments."""
+    same rows' compressor rings and entries. `supports` takes `attend`'s arguments: fp32 or bf16 rows and
+    caches, fp32 sinks, at most MAX_DECODE_ROWS rows."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._compress = lib.compress_decode
@@ -59,22 +66,24 @@ class DecodeAttentionKernel:
         caches = [window] + ([] if entries is None else [entries]) + ([] if indexer is None else list(indexer[:3]))
         # The indexer's entries are read with the attention entries' capacity (one compress rate, one max_len).
         same_capacity = indexer is None or indexer[2].shape[1] == entries.shape[1]
-        return (_fp32_rows(q, kv, sink, *caches) and same_capacity and slots.dtype == positions.dtype == torch.int64
-                and slots.is_contiguous() and positions.is_contiguous())
+        return (q.dtype in ROW_DTYPES and _rows(q.dtype, q, kv, *caches) and _rows(torch.float32, sink)
+                and same_capacity and _rows(torch.int64, slots, positions))
 
     def compress(self, kv: torch.Tensor, gate: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                  ring_kv: torch.Tensor, ring_gate: torch.Tensor, ape: torch.Tensor, rate: int, overlap: bool,
                  norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, entries: torch.Tensor) -> None:
         """Record rows kv, gate [B, width] (raw projections) in the rings [S, R, width] and write the entries
         [S, E_max, d] of the windows they complete (`Compressor.emit` for single-token rows)."""
-        if not (_fp32_rows(kv, gate, ring_kv, ring_gate, ape, norm_weight, inv_freq, entries)
-                and inv_freq.numel() <= MAX_ROTARY_PAIRS):
-            raise ValueError("compress: fp32 contiguous CPU tensors expected (`supports` gates the call)")
+        if not (kv.dtype in ROW_DTYPES and _rows(kv.dtype, kv, gate, ring_kv, ring_gate, entries)
+                and _rows(torch.float32, ape, norm_weight, inv_freq) and inv_freq.numel() <= MAX_ROTARY_PAIRS):
+            raise ValueError("compress: contiguous CPU rows and caches of one dtype (fp32 or bf16) and fp32 "
+                             "parameters expected (`supports` gates the call)")
         B, width = kv.shape
-        status = self._compress(B, slots.data_ptr(), positions.data_ptr(), kv.data_ptr(), gate.data_ptr(),
-                                ring_kv.data_ptr(), ring_gate.data_ptr(), ring_kv.shape[1], width, ape.data_ptr(),
-                                rate, int(overlap), norm_weight.data_ptr(), eps, inv_freq.data_ptr(),
-                                inv_freq.numel(), entries.data_ptr(), entries.shape[1], entries.shape[2])
+        status = self._compress(B, int(kv.dtype == torch.bfloat16), slots.data_ptr(), positions.data_ptr(),
+                                kv.data_ptr(), gate.data_ptr(), ring_kv.data_ptr(), ring_gate.data_ptr(),
+                                ring_kv.shape[1], width, ape.data_ptr(), rate, int(overlap), norm_weight.data_ptr(),
+                                eps, inv_freq.data_ptr(), inv_freq.numel(), entries.data_ptr(), entries.shape[1],
+                                entries.shape[2])
         check_status(status, "compress_decode", B)
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
@@ -92,8 +101,8 @@ class DecodeAttentionKernel:
             index_q, index_w, index_entries, topk = indexer
             nI, dI = index_q.shape[1], index_q.shape[2]
         status = self._attend(
-            B, H, hd, slots.data_ptr(), positions.data_ptr(), q.data_ptr(), kv.data_ptr(), window.data_ptr(),
-            window.shape[1], None if entries is None else entries.data_ptr(),
+            B, int(q.dtype == torch.bfloat16), H, hd, slots.data_ptr(), positions.data_ptr(), q.data_ptr(),
+            kv.data_ptr(), window.data_ptr(), window.shape[1], None if entries is None else entries.data_ptr(),
             0 if entries is None else entries.shape[1], rate or 1,
             None if index_q is None else index_q.data_ptr(), None if index_w is None else index_w.data_ptr(),
             None if index_entries is None else index_entries.data_ptr(), nI, dI, topk, sink.data_ptr(),
