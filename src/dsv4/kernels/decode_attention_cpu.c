@@ -98,6 +98,7 @@ static int ranks_below(const float *score, long a, long b) {
 /* chosen[s] = 1 for the k best of score[0, n) (heap of the k best, its root the lowest ranked). */
 static void top_k(const float *score, long n, long k, long *heap, char *chosen) {
     memset(chosen, 0, (size_t)n);
+    if (k <= 0) return;
     long size = 0;
     for (long s = 0; s < n; ++s) {
         long at;
