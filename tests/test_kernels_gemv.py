@@ -389,30 +389,43 @@ def test_fused_experts_reject_out_of_range_ids(lib, pool):
         FusedExperts(lib, pool)(x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
 
 
-def test_results_do_not_depend_on_threads_or_batch(lib, pool):
+@pytest.mark.parametrize("rows", [6, 41])  # 41: FP8 / FP4 products and experts take the many-row panel path
+def test_results_do_not_depend_on_threads_or_batch(lib, pool, rows):
     """Each output element is summed by one thread in a fixed order: 1 or 2 threads, and a row alone or with
-    others, give bit-identical results (batch invariance)."""
+    others, give bit-identical results (batch invariance), also where many rows per weight (or expert) run the
+    quantized products' panel path and the row alone runs the one-weight-row pass."""
     saved = torch.get_num_threads()
     w = _weight(3000, 512, torch.float32, seed=9)
     packed, scale = _fp4_weight(1000, 512, seed=9)
+    fp8, fp8_scale = quantize_fp8_blockwise(torch.randn(301, 256, generator=torch.Generator().manual_seed(9)),
+                                            FP8_BLOCK, scale_fmt="float")
     s = _dense_stacks(torch.float32, seed=9)
-    x = _rows(6, 512, torch.float32, seed=9)
-    xe = _rows(6, DIM, torch.float32, seed=9)
-    ids, weights = _routing(6, 2, seed=9)
+    q4, q8 = _quant_stacks("fp4", seed=9), _quant_stacks("fp8", seed=9)
+    x, x8 = _rows(rows, 512, torch.float32, seed=9), _rows(rows, 256, torch.float32, seed=10)
+    xe = _rows(rows, DIM, torch.float32, seed=9)
+    ids, weights = _routing(rows, 2, seed=9)
     dense, quant, experts = DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool)
+    quant_experts = FusedQuantExperts(lib, pool)
+
+    def products(keep: slice) -> tuple[torch.Tensor, ...]:
+        routed = (xe[keep], ids[keep], weights[keep])
+        return (dense(x[keep], w), quant(x[keep], packed, scale, FP4_BLOCK),
+                quant(x8[keep], fp8, fp8_scale.float(), FP8_BLOCK),
+                experts(*routed, s["w1"], s["w3"], s["w2"], LIMIT),
+                *(quant_experts(*routed, q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"],
+                                block, LIMIT) for q, block in ((q4, FP4_BLOCK), (q8, FP8_BLOCK))))
+
     results = []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append((dense(x, w), quant(x, packed, scale, FP4_BLOCK),
-                            experts(xe, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT),
-                            dense(x[2:3], w), quant(x[2:3], packed, scale, FP4_BLOCK),
-                            experts(xe[2:3], ids[2:3], weights[2:3], s["w1"], s["w3"], s["w2"], LIMIT)))
+            results.append((products(slice(None)), products(slice(2, 3))))
     finally:
         torch.set_num_threads(saved)
     for one, two in zip(*results):
-        assert torch.equal(one, two)
-    for batched, alone in zip(results[0][:3], results[0][3:]):
+        for a, b in zip(one, two):
+            assert torch.equal(a, b)
+    for batched, alone in zip(*results[0]):
         assert torch.equal(batched[2:3], alone)
 
 

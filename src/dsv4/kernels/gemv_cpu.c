@@ -360,6 +360,8 @@ static void dense_range(const float *x, long R, long K, long ldx, const void *w,
 #define MAX_QUANT_K 16384
 /* Rows of x one decoded weight row is reused for before the next chunk of rows. */
 #define ROW_CHUNK 16
+/* x bytes one call of the panel path (quant_rows_panel) takes at a time: well inside L2. */
+#define PANEL_X_BYTES (128 * 1024)
 
 /* Inputs of one FP4 decode step: 16 bytes = 32 codes. FP4 groups must be a multiple of this. */
 #define FP4_STEP 32
@@ -369,9 +371,17 @@ static void dense_range(const float *x, long R, long K, long ldx, const void *w,
 /* Rows of x one pass over a weight row serves: 2 accumulators per row stay in registers (an accumulator
    array indexed at run time would live in memory, and each FMA would wait on a store-to-load round trip). */
 #define ROW_BLOCK 4
+/* From PANEL_MIN_ROWS x rows on, a call decodes each weight row once into a small panel and runs every row
+   against it (quant_rows_panel) instead of decoding it again per ROW_BLOCK rows; blocks of PANEL_RB x rows by
+   PANEL_NB weight rows keep 2 * PANEL_RB * PANEL_NB accumulators in registers (12 of AVX2's 16) and load
+   PANEL_RB + PANEL_NB vectors per PANEL_RB * PANEL_NB FMAs. */
+#define PANEL_RB 2
+#define PANEL_NB 3
+#define PANEL_MIN_ROWS 8
 
 /* The vector paths below are written once over a few per-ISA primitives: `vec` (fp32 lanes), vec_zero,
-   vec_set1, vec_total (the lanes of two vectors summed), fma_step32 (one x row's 32 inputs of a step times
+   vec_set1, vec_load / vec_store / vec_fma (a * b + c, one rounding), vec_total (the lanes of two vectors
+   summed), fma_step32 (one x row's 32 inputs of a step times
    the step's decoded weights) and the decoders fp4_decode32 / fp8_decode32 (the 32 weights of a step
    times their scale). */
 #if defined(__AVX512F__)
@@ -380,6 +390,9 @@ typedef __m512 vec; /* 16 lanes: a 32-input step is 2 vectors */
 
 static inline vec vec_zero(void) { return _mm512_setzero_ps(); }
 static inline vec vec_set1(float v) { return _mm512_set1_ps(v); }
+static inline vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vec_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vec_total(vec a, vec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
 
 /* 32 inputs of one x row (xr) times a step's decoded weights v[0..1]: the first 16 into *first, the last 16
@@ -430,6 +443,9 @@ typedef __m256 vec; /* 8 lanes: a 32-input step is 4 vectors */
 
 static inline vec vec_zero(void) { return _mm256_setzero_ps(); }
 static inline vec vec_set1(float v) { return _mm256_set1_ps(v); }
+static inline vec vec_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 
 /* Sum of the lanes of a + b (a fixed order: results do not depend on the thread count or batch). */
 static inline float vec_total(vec a, vec b) {
@@ -535,11 +551,103 @@ static inline __attribute__((always_inline)) void quant_row_block(const int wfmt
     for (int r = 0; r < rb; ++r) out[r * ldout] = vec_total(first[r], second[r]);
 }
 
+/* Vectors of one 32-input step, and how fma_step32 splits them: the first half into `first`, the rest into
+   `second`. */
+#define STEP_VECS (VEC_STEP / VEC_LANES)
+
+/* Weight row wr (wfmt constant after inlining) decoded and scaled into dst[K], each step's vectors stored in
+   the order quant_row_block multiplies them: the values quant_row_block computes in registers. */
+static inline __attribute__((always_inline)) void quant_decode_row(const int wfmt, long K, const uint8_t *wr,
+                                                                   const void *srow, long block, float *dst) {
+    for (long b = 0, k0 = 0; k0 < K; ++b) {
+        const vec s = vec_set1(wfmt == FMT_FP4 ? e8m0_to_f32(((const uint8_t *)srow)[b]) : ((const float *)srow)[b]);
+        for (const long end = k0 + block < K ? k0 + block : K; k0 < end; k0 += VEC_STEP) {
+            vec v[STEP_VECS];
+            if (wfmt == FMT_FP4) fp4_decode32(wr + k0 / 2, s, v);
+            else fp8_decode32(wr + k0, s, v);
+            for (int i = 0; i < STEP_VECS; ++i) vec_store(dst + k0 + i * VEC_LANES, v[i]);
+        }
+    }
+}
+
+/* `rb` x rows against `nb` decoded weight rows of a panel (rows of K floats), rb and nb constant after
+   inlining: out[r * ldout + j] = row r . panel row j. Each output is summed exactly as quant_row_block sums
+   it (the same FMAs into the same two accumulators in the same order, then vec_total), so a row's result
+   does not depend on which path ran it; the rb * nb outputs share each loaded vector, which a one-weight-row
+   pass cannot (it reloads every x vector per weight row). */
+static inline __attribute__((always_inline)) void panel_block(const float *x, const int rb, const float *panel,
+                                                              const int nb, long K, float *out, long ldout) {
+    vec first[PANEL_RB][PANEL_NB], second[PANEL_RB][PANEL_NB];
+    for (int r = 0; r < rb; ++r)
+        for (int j = 0; j < nb; ++j) first[r][j] = second[r][j] = vec_zero();
+    for (long k0 = 0; k0 < K; k0 += VEC_STEP) {
+        for (int q = 0; q < STEP_VECS; ++q) {
+            const long k = k0 + q * VEC_LANES;
+            vec xv[PANEL_RB];
+            /* Each loaded vector is pinned to a register (the empty asm): folded into every FMA that uses it as
+               a memory operand, as the compiler otherwise does, it would be loaded once per FMA. */
+            for (int r = 0; r < rb; ++r) {
+                xv[r] = vec_load(x + r * K + k);
+                __asm__("" : "+x"(xv[r]));
+            }
+            for (int j = 0; j < nb; ++j) {
+                vec wv = vec_load(panel + j * K + k);
+                __asm__("" : "+x"(wv));
+                for (int r = 0; r < rb; ++r) {
+                    if (q < STEP_VECS / 2) first[r][j] = vec_fma(wv, xv[r], first[r][j]);
+                    else second[r][j] = vec_fma(wv, xv[r], second[r][j]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rb; ++r)
+        for (int j = 0; j < nb; ++j) out[r * ldout + j] = vec_total(first[r][j], second[r][j]);
+}
+
+/* panel_block for the block shapes a tile's edges leave (rb <= PANEL_RB, nb <= PANEL_NB). */
+static void panel_tile(const float *x, int rb, const float *panel, int nb, long K, float *out, long ldout) {
+#define PANEL_CASE(R_, N_)                                                                                        \
+    if (rb == R_ && nb == N_) {                                                                                 \
+        panel_block(x, R_, panel, N_, K, out, ldout);                                                           \
+        return;                                                                                                 \
+    }
+    PANEL_CASE(2, 3) PANEL_CASE(1, 3) PANEL_CASE(2, 2) PANEL_CASE(1, 2) PANEL_CASE(2, 1) PANEL_CASE(1, 1)
+#undef PANEL_CASE
+}
+
+/* quant_rows_vec for many x rows: PANEL_NB weight rows at a time decoded once into a panel (L1-sized for the
+   experts' K), then every x row against it, PANEL_RB rows per pass. Same results as the one-weight-row pass. */
+static inline __attribute__((always_inline)) void quant_rows_panel(const int wfmt, const float *x, long R, long K,
+                                                                   const uint8_t *w, const void *scale, long b0,
+                                                                   long b1, long n0, long n1, float *acc,
+                                                                   long ldacc) {
+    float panel[PANEL_NB * MAX_QUANT_K];
+    const long kb_count = (K + b1 - 1) / b1;
+    for (long t0 = n0; t0 < n1; t0 += PANEL_NB) {
+        const int nb = n1 - t0 < PANEL_NB ? (int)(n1 - t0) : PANEL_NB;
+        for (int j = 0; j < nb; ++j) {
+            const long n = t0 + j;
+            const uint8_t *wr = w + (wfmt == FMT_FP4 ? n * (K / 2) : n * K);
+            const void *srow = wfmt == FMT_FP4 ? (const void *)((const uint8_t *)scale + n * kb_count)
+                                               : (const void *)((const float *)scale + (n / b0) * kb_count);
+            quant_decode_row(wfmt, K, wr, srow, b1, panel + j * K);
+        }
+        for (long r0 = 0; r0 < R; r0 += PANEL_RB) {
+            const int rb = R - r0 < PANEL_RB ? (int)(R - r0) : PANEL_RB;
+            panel_tile(x + r0 * K, rb, panel, nb, K, acc + r0 * ldacc + (t0 - n0), ldacc);
+        }
+    }
+}
+
 /* Quantized rows [n0, n1) (wfmt constant after inlining) against R x rows, ROW_BLOCK x rows per pass.
    FP4: ue8m0 scales [N, K / b1]; FP8: fp32 scales [ceil(N / b0), ceil(K / b1)]. */
 static inline __attribute__((always_inline)) void quant_rows_vec(const int wfmt, const float *x, long R, long K,
                                                                  const uint8_t *w, const void *scale, long b0,
                                                                  long b1, long n0, long n1, float *acc, long ldacc) {
+    if (R >= PANEL_MIN_ROWS) {
+        quant_rows_panel(wfmt, x, R, K, w, scale, b0, b1, n0, n1, acc, ldacc);
+        return;
+    }
     const long kb_count = (K + b1 - 1) / b1;
     for (long n = n0; n < n1; ++n) {
         const uint8_t *wr = w + (wfmt == FMT_FP4 ? n * (K / 2) : n * K);
@@ -644,8 +752,11 @@ static void fp8_rows(const float *x, long R, long K, const uint8_t *w, const flo
 /* x: [R, K] rows, FP4-ordered (fp4_order_rows) when wfmt is FMT_FP4. */
 static void quant_range(const float *x, long R, long K, int wfmt, const void *w, const void *scale, long b0, long b1,
                         long n0, long n1, float *acc, long ldacc) {
-    for (long r0 = 0; r0 < R; r0 += ROW_CHUNK) {
-        long rows = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
+    /* The panel path reads its x rows once per weight-row tile: as many as stay in L2 (PANEL_X_BYTES). */
+    const long panel_rows = PANEL_X_BYTES / ((long)sizeof(float) * K);
+    const long chunk = VECTOR_ISA && R >= PANEL_MIN_ROWS && panel_rows > ROW_CHUNK ? panel_rows : ROW_CHUNK;
+    for (long r0 = 0; r0 < R; r0 += chunk) {
+        long rows = R - r0 < chunk ? R - r0 : chunk;
         if (wfmt == FMT_FP8)
             fp8_rows(x + r0 * K, rows, K, (const uint8_t *)w, (const float *)scale, b0, b1, n0, n1,
                      acc + r0 * ldacc, ldacc);
