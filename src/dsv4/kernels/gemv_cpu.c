@@ -2,7 +2,8 @@
  *
  * A decode step of a few rows is bound by reading the weights once: these loops stream each weight
  * byte once per call, split the output features across the caller's threads, and decode quantized
- * weights in registers (no dequantized copy is ever written). Python side: gemv_cpu.py.
+ * weights in registers (no dequantized copy is ever written; with many x rows a quantized weight row is
+ * decoded once per call into a panel of PANEL_NB rows that all x rows read). Python side: gemv_cpu.py.
  *
  *   dense_xw    y[R, N] = x[R, K] W^T, W resident input-major: storage [K, N] (row k contiguous), fp32 or bf16
  *   quant_xw    y[R, N] = x[R, K] W^T, W [N, K] output-major: FP8 e4m3 with fp32 block scales [ceil(N/b0),

@@ -1,12 +1,15 @@
 """Few-row products on CPU that read each weight byte once, in its resident layout (gemv_cpu.c).
 
 A decode step of one or a few rows is bound by reading the weights: one-row fp32 `F.linear` streams them
-at a fraction of the machine's bandwidth and gains nothing from a second thread, and FP4/FP8 experts are
-dequantised to a full fp32 copy per expert per call before their GEMM. These kernels stream the weights
-once, split the output features across torch's own intra-op threads, and decode FP8 (e4m3, 128x128
+at a fraction of the machine's bandwidth and gains nothing from a second thread, and the torch path of
+FP4/FP8 experts dequantises a full fp32 copy per expert per call before its GEMM. These kernels stream the
+weights once, split the output features across torch's own intra-op threads, and decode FP8 (e4m3, 128x128
 block scales) and FP4 (e2m1, one ue8m0 scale per 32 inputs) weights in registers, never materialising a
-dequantised matrix. Arithmetic is fp32 (bf16 activations are widened on load and rounded once on store);
-results differ from the torch references only by the order of the fp32 sums.
+dequantised matrix: with many rows per weight (prefill chunks, large batches) each quantized weight row is
+decoded once per call into a panel of a few rows (a few KiB, on the stack) that every row then reads, with the
+same sums in the same order as the one-row pass, so those products serve any row count. Arithmetic is fp32
+(bf16 activations are widened on load and rounded once on store); results differ from the torch references
+only by the order of the fp32 sums.
 
 Kernels (each `supports(*args)` / `__call__(*args)` with one signature, as the registry expects):
   DenseGemv         (x, weight): x [R, K] @ weight.T for a [N, K] weight stored input-major ([K, N] storage,
