@@ -926,57 +926,95 @@ static void matrix_range(const float *x, long R, expert_matrix m, long b0, long 
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
+/* Picks one gather task copies into the grouped rows. */
+#define GATHER_PICKS 64
+/* Tokens one combine task sums. */
+#define COMBINE_TOKENS 16
+
 typedef struct {
-    long D, I, E, b0, b1, chunk_i, chunk_d;
+    long T, D, I, E, topk, b0, b1, chunk_i, chunk_d, n_chunks_i, n_chunks_d;
     int fmt, act;
     float limit;
-    const long *start, *token;
-    const float *pick_w, *xs;
-    float *gate, *up, *h, *y, *accum; /* [P, I] x 3, [P, D], [T, D] */
+    const void *x;
+    const long *start, *token, *token_slots; /* token_slots[t * topk ...]: t's picks' slots, ascending */
+    const float *pick_w;
+    float *xs, *gate, *up, *h, *y; /* [P, D], [P, I] x 3, [P, D] */
     const void *w1, *s1, *w3, *s3, *w2, *s2;
+    void *out;
 } moe_job;
 
-/* Phase 1, chunk c: hidden columns [i0, i1) of every pick's row, expert by expert. */
-static void moe_hidden_chunk(const void *arg, long c) {
+/* Phase 0, chunk c: grouped rows [c * GATHER_PICKS, ...) = their tokens' x rows, as fp32 (FP4 weights read
+   their inputs FP4-ordered). */
+static void moe_gather_chunk(const void *arg, long c) {
     const moe_job *j = arg;
-    const long i0 = c * j->chunk_i, i1 = i0 + j->chunk_i < j->I ? i0 + j->chunk_i : j->I;
-    for (long e = 0; e < j->E; ++e) {
-        const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
-        if (rows == 0) continue;
-        const float *xe = j->xs + first * j->D;
-        float *gate = j->gate + first * j->I, *up = j->up + first * j->I, *h = j->h + first * j->I;
-        matrix_range(xe, rows, expert(j->fmt, j->w1, j->s1, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1,
-                     gate + i0, j->I);
-        matrix_range(xe, rows, expert(j->fmt, j->w3, j->s3, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1,
-                     up + i0, j->I);
-        for (long r = 0; r < rows; ++r)
-            for (long i = i0; i < i1; ++i) {
-                const float g = gate[r * j->I + i], u = up[r * j->I + i];
-                const float gc = g < j->limit ? g : j->limit;
-                const float uc = u < -j->limit ? -j->limit : (u > j->limit ? j->limit : u);
-                h[r * j->I + (j->fmt == FMT_FP4 ? fp4_position(i) : i)] = silu(gc) * uc; /* w2's input order */
-            }
+    const long P = j->T * j->topk, s0 = c * GATHER_PICKS, s1 = s0 + GATHER_PICKS < P ? s0 + GATHER_PICKS : P;
+    long position[FP4_STEP];
+    for (long i = 0; i < FP4_STEP; ++i) position[i] = j->fmt == FMT_FP4 ? fp4_position(i) : i;
+    for (long s = s0; s < s1; ++s) {
+        float *dst = j->xs + s * j->D;
+        const long row = j->token[s] * j->D;
+        long d = 0;
+        for (; d + FP4_STEP <= j->D; d += FP4_STEP)
+            for (long i = 0; i < FP4_STEP; ++i)
+                dst[d + position[i]] = j->act == ACT_F32 ? ((const float *)j->x)[row + d + i]
+                                                         : bf16_to_f32(((const uint16_t *)j->x)[row + d + i]);
+        for (; d < j->D; ++d) /* a tail shorter than a step: never FP4 (its inputs are multiples of a step) */
+            dst[d] = j->act == ACT_F32 ? ((const float *)j->x)[row + d]
+                                       : bf16_to_f32(((const uint16_t *)j->x)[row + d]);
     }
 }
 
-/* Phase 2, chunk c: output columns [d0, d1), experts in ascending order into each token's sum. */
+/* Phase 1, chunk c: expert c / n_chunks_i, hidden columns [i0, i1) of its picks' rows. Expert-major chunks: the
+   chunks of one expert run back to back, so its rows are read from cache, not memory, by all but the first. */
+static void moe_hidden_chunk(const void *arg, long c) {
+    const moe_job *j = arg;
+    const long e = c / j->n_chunks_i, i0 = (c % j->n_chunks_i) * j->chunk_i;
+    const long i1 = i0 + j->chunk_i < j->I ? i0 + j->chunk_i : j->I;
+    const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
+    if (rows == 0) return;
+    const float *xe = j->xs + first * j->D;
+    float *gate = j->gate + first * j->I, *up = j->up + first * j->I, *h = j->h + first * j->I;
+    matrix_range(xe, rows, expert(j->fmt, j->w1, j->s1, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1, gate + i0,
+                 j->I);
+    matrix_range(xe, rows, expert(j->fmt, j->w3, j->s3, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1, up + i0,
+                 j->I);
+    for (long r = 0; r < rows; ++r)
+        for (long i = i0; i < i1; ++i) {
+            const float g = gate[r * j->I + i], u = up[r * j->I + i];
+            const float gc = g < j->limit ? g : j->limit;
+            const float uc = u < -j->limit ? -j->limit : (u > j->limit ? j->limit : u);
+            h[r * j->I + (j->fmt == FMT_FP4 ? fp4_position(i) : i)] = silu(gc) * uc; /* w2's input order */
+        }
+}
+
+/* Phase 2, chunk c: expert c / n_chunks_d, output columns [d0, d1) of its picks' rows (y, unweighted). */
 static void moe_output_chunk(const void *arg, long c) {
     const moe_job *j = arg;
-    const long d0 = c * j->chunk_d, d1 = d0 + j->chunk_d < j->D ? d0 + j->chunk_d : j->D;
-    for (long e = 0; e < j->E; ++e) {
-        const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
-        if (rows == 0) continue;
-        float *y = j->y + first * j->D;
-        matrix_range(j->h + first * j->I, rows, expert(j->fmt, j->w2, j->s2, e, j->I, j->D, j->b0, j->b1), j->b0,
-                     j->b1, d0, d1, y + d0, j->D);
-        for (long r = 0; r < rows; ++r) {
-            const long s = first + r;
-            float *dst = j->accum + j->token[s] * j->D;
-            for (long d = d0; d < d1; ++d) {
-                const float v = y[r * j->D + d] * j->pick_w[s];
-                /* bf16: the reference adds bf16-rounded products into a bf16 sum */
-                dst[d] = j->act == ACT_F32 ? dst[d] + v
-                                           : bf16_to_f32(f32_to_bf16(dst[d] + bf16_to_f32(f32_to_bf16(v))));
+    const long e = c / j->n_chunks_d, d0 = (c % j->n_chunks_d) * j->chunk_d;
+    const long d1 = d0 + j->chunk_d < j->D ? d0 + j->chunk_d : j->D;
+    const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
+    if (rows == 0) return;
+    matrix_range(j->h + first * j->I, rows, expert(j->fmt, j->w2, j->s2, e, j->I, j->D, j->b0, j->b1), j->b0, j->b1,
+                 d0, d1, j->y + first * j->D + d0, j->D);
+}
+
+/* Phase 3, chunk c: tokens [c * COMBINE_TOKENS, ...): out[t] = sum over t's picks of pick weight * y, the picks
+   in ascending expert order (the reference loop's order: its index_add runs expert by expert), summed in out's
+   row itself (fp32; bf16: the reference adds bf16-rounded products into a bf16 sum, which out's row holds). */
+static void moe_combine_chunk(const void *arg, long c) {
+    const moe_job *j = arg;
+    const long t0 = c * COMBINE_TOKENS, t1 = t0 + COMBINE_TOKENS < j->T ? t0 + COMBINE_TOKENS : j->T;
+    for (long t = t0; t < t1; ++t) {
+        float *o32 = (float *)j->out + t * j->D;
+        uint16_t *o16 = (uint16_t *)j->out + t * j->D;
+        for (long q = 0; q < j->topk; ++q) {
+            const long s = j->token_slots[t * j->topk + q];
+            const float w = j->pick_w[s], *ys = j->y + s * j->D;
+            if (j->act == ACT_F32) {
+                for (long d = 0; d < j->D; ++d) o32[d] = (q ? o32[d] : 0.0f) + ys[d] * w;
+            } else {
+                for (long d = 0; d < j->D; ++d)
+                    o16[d] = f32_to_bf16((q ? bf16_to_f32(o16[d]) : 0.0f) + bf16_to_f32(f32_to_bf16(ys[d] * w)));
             }
         }
     }
@@ -984,8 +1022,10 @@ static void moe_output_chunk(const void *arg, long c) {
 
 /* x [T, D] (act), ids [T, k] int64, weights [T, k] fp32 -> out [T, D] (act, overwritten).
    w1/w3: [E, I, D] logical (gate / up), w2: [E, D, I] logical, in format fmt (dense: input-major storage).
-   Experts run in ascending id order and each output element accumulates in that order, as the reference
-   loop does; the only differences from it are the fp32 summation orders inside the products. */
+   Each token's picks are added in ascending expert order, as the reference loop does; the only differences
+   from it are the fp32 summation orders inside the products. Phases (each split across the pool): gather the
+   picks' rows grouped by expert; gate, up and SwiGLU rows per (expert, hidden columns); the down projection
+   per (expert, output columns); each token's weighted sum. */
 int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long topk, const int64_t *ids,
                 const float *weights, long E, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
                 const void *w2, const void *s2, long b0, long b1, float limit, void *out, int nthreads) {
@@ -996,14 +1036,14 @@ int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long to
     for (long q = 0; q < P; ++q)
         if (ids[q] < 0 || ids[q] >= E) return ERR_ARGS;
     long *start = calloc((size_t)E + 1, sizeof(long)), *fill = malloc(sizeof(long) * (size_t)E);
-    long *token = malloc(sizeof(long) * (size_t)P);
+    long *token = malloc(sizeof(long) * (size_t)P), *token_slots = malloc(sizeof(long) * (size_t)P);
+    long *taken = calloc((size_t)T, sizeof(long)); /* slots of each token listed so far */
     float *pick_w = malloc(sizeof(float) * (size_t)P);
     float *xs = malloc(sizeof(float) * (size_t)(P * D)); /* gathered rows, grouped by expert */
     float *hidden = malloc(sizeof(float) * (size_t)(3 * P * I)); /* gate | up | SwiGLU */
     float *y = malloc(sizeof(float) * (size_t)(P * D));
-    float *accum = calloc((size_t)(T * D), sizeof(float));
     int status = OK;
-    if (!start || !fill || !token || !pick_w || !xs || !hidden || !y || !accum) {
+    if (!start || !fill || !token || !token_slots || !taken || !pick_w || !xs || !hidden || !y) {
         status = ERR_ALLOC;
         goto done;
     }
@@ -1016,30 +1056,32 @@ int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long to
         token[slot] = q / topk;
         pick_w[slot] = weights[q];
     }
-    for (long s = 0; s < P; ++s) {
-        for (long d = 0; d < D; ++d) { /* FP4 weights read their inputs FP4-ordered */
-            const float v = act == ACT_F32 ? ((const float *)x)[token[s] * D + d]
-                                           : bf16_to_f32(((const uint16_t *)x)[token[s] * D + d]);
-            xs[s * D + (fmt == FMT_FP4 ? fp4_position(d) : d)] = v;
-        }
-    }
+    /* Each token's slots, ascending (slots run expert by expert: ascending expert order, as the reference adds). */
+    for (long s = 0; s < P; ++s) token_slots[token[s] * topk + taken[token[s]]++] = s;
     const long used = P < E ? P : E; /* at most P distinct experts are read */
     const long matrix = matrix_bytes(fmt, D * I);
-    moe_job job = {D, I, E, b0, b1, chunk_size(I, nthreads, 2 * matrix * used, SPLIT_ALIGN, SPLIT_ALIGN),
-                   chunk_size(D, nthreads, matrix * used, SPLIT_ALIGN, SPLIT_ALIGN), fmt, act, limit, start, token,
-                   pick_w, xs, hidden, hidden + P * I, hidden + 2 * P * I, y, accum, w1, s1, w3, s3, w2, s2};
-    pool_run(p, (I + job.chunk_i - 1) / job.chunk_i, moe_hidden_chunk, &job, nthreads);
-    pool_run(p, (D + job.chunk_d - 1) / job.chunk_d, moe_output_chunk, &job, nthreads);
-    for (long t = 0; t < T; ++t) store_row(out, act, t * D, accum + t * D, D);
+    const long chunk_i = chunk_size(I, nthreads, 2 * matrix * used, SPLIT_ALIGN, SPLIT_ALIGN);
+    const long chunk_d = chunk_size(D, nthreads, matrix * used, SPLIT_ALIGN, SPLIT_ALIGN);
+    moe_job job = {.T = T, .D = D, .I = I, .E = E, .topk = topk, .b0 = b0, .b1 = b1, .chunk_i = chunk_i,
+                   .chunk_d = chunk_d, .n_chunks_i = (I + chunk_i - 1) / chunk_i,
+                   .n_chunks_d = (D + chunk_d - 1) / chunk_d, .fmt = fmt, .act = act, .limit = limit, .x = x,
+                   .start = start, .token = token, .token_slots = token_slots, .pick_w = pick_w, .xs = xs,
+                   .gate = hidden, .up = hidden + P * I, .h = hidden + 2 * P * I, .y = y, .w1 = w1, .s1 = s1,
+                   .w3 = w3, .s3 = s3, .w2 = w2, .s2 = s2, .out = out};
+    pool_run(p, (P + GATHER_PICKS - 1) / GATHER_PICKS, moe_gather_chunk, &job, nthreads);
+    pool_run(p, E * job.n_chunks_i, moe_hidden_chunk, &job, nthreads);
+    pool_run(p, E * job.n_chunks_d, moe_output_chunk, &job, nthreads);
+    pool_run(p, (T + COMBINE_TOKENS - 1) / COMBINE_TOKENS, moe_combine_chunk, &job, nthreads);
 done:
     free(start);
     free(fill);
     free(token);
+    free(token_slots);
+    free(taken);
     free(pick_w);
     free(xs);
     free(hidden);
     free(y);
-    free(accum);
     return status;
 }
 
