@@ -964,12 +964,20 @@ static void moe_gather_chunk(const void *arg, long c) {
     }
 }
 
+/* Chunk c of an expert-major split (n_chunks chunks of `chunk` columns per expert, n columns): its expert,
+   and its columns [*lo, *hi). */
+static long expert_columns(long c, long n_chunks, long chunk, long n, long *lo, long *hi) {
+    *lo = (c % n_chunks) * chunk;
+    *hi = *lo + chunk < n ? *lo + chunk : n;
+    return c / n_chunks;
+}
+
 /* Phase 1, chunk c: expert c / n_chunks_i, hidden columns [i0, i1) of its picks' rows. Expert-major chunks: the
    chunks of one expert run back to back, so its rows are read from cache, not memory, by all but the first. */
 static void moe_hidden_chunk(const void *arg, long c) {
     const moe_job *j = arg;
-    const long e = c / j->n_chunks_i, i0 = (c % j->n_chunks_i) * j->chunk_i;
-    const long i1 = i0 + j->chunk_i < j->I ? i0 + j->chunk_i : j->I;
+    long i0, i1;
+    const long e = expert_columns(c, j->n_chunks_i, j->chunk_i, j->I, &i0, &i1);
     const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
     if (rows == 0) return;
     const float *xe = j->xs + first * j->D;
@@ -990,8 +998,8 @@ static void moe_hidden_chunk(const void *arg, long c) {
 /* Phase 2, chunk c: expert c / n_chunks_d, output columns [d0, d1) of its picks' rows (y, unweighted). */
 static void moe_output_chunk(const void *arg, long c) {
     const moe_job *j = arg;
-    const long e = c / j->n_chunks_d, d0 = (c % j->n_chunks_d) * j->chunk_d;
-    const long d1 = d0 + j->chunk_d < j->D ? d0 + j->chunk_d : j->D;
+    long d0, d1;
+    const long e = expert_columns(c, j->n_chunks_d, j->chunk_d, j->D, &d0, &d1);
     const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
     if (rows == 0) return;
     matrix_range(j->h + first * j->I, rows, expert(j->fmt, j->w2, j->s2, e, j->I, j->D, j->b0, j->b1), j->b0, j->b1,
