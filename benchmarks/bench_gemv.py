@@ -7,6 +7,10 @@ the output head, and the routed experts of one MoE layer. For each, at each row 
   fp8 / fp4           QuantGemv vs dequantise + matmul (the reference path: `dequantize_*` then `x @ W.T`)
   experts fp32/fp8/fp4  FusedExperts / FusedQuantExperts vs `loop_experts` (the model's loop, which
                       dequantises each used FP8/FP4 expert per call), k=2 random picks of E=16 per token
+  fp8/fp4 vs fp32     the FP8 / FP4 experts as the model runs them (FusedQuantExperts, any row count) vs the
+                      same values as dense fp32 experts as the model runs them (FusedExperts where its
+                      `supports` takes the call, else GroupedExperts' grouped GEMMs), --expert-tokens tokens:
+                      ratio > 1 means the quantized experts are faster (issue 18: at least as fast everywhere)
 
 Weights are "cold": each call reads a different copy from a pool larger than the last-level cache
 (--pool-mb), as a decode step reads each layer's weights once; --warm reuses one copy. The two
@@ -19,6 +23,7 @@ Usage: python benchmarks/bench_gemv.py [--threads 2] [--rows 1 4 8 16] [--quick]
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -30,7 +35,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from dsv4.kernels.gathered_experts import loop_experts  # noqa: E402
+from dsv4.kernels.gathered_experts import GroupedExperts, loop_experts  # noqa: E402
 from dsv4.kernels.gemv_cpu import build_kernels  # noqa: E402
 from dsv4.model.linear import input_major  # noqa: E402
 from dsv4.model.moe import swiglu  # noqa: E402
@@ -125,29 +130,13 @@ def bench_experts(args, fused, fused_quant) -> list[dict]:
     rows_out = []
     for kind in ("fp32", "fp8", "fp4"):
         def make(kind=kind):
-            stacks = []
-            for out_features, in_features in ((INTER, DIM), (INTER, DIM), (DIM, INTER)):
-                dense = torch.randn(EXPERTS, out_features, in_features) / in_features**0.5
-                if kind == "fp32":
-                    w = input_major(out_features, in_features, torch.float32, stack=(EXPERTS,))
-                    w.copy_(dense)
-                    stacks += [w, None]
-                elif kind == "fp8":
-                    pairs = [quantize_fp8_blockwise(m, FP8_BLOCK, scale_fmt="float") for m in dense]
-                    stacks += [torch.stack([q for q, _ in pairs]), torch.stack([s.float() for _, s in pairs])]
-                else:
-                    pairs = [quantize_fp4(m) for m in dense]
-                    stacks += [torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])]
-            return tuple(stacks)
+            return tuple(_stacks(kind, _random_matrices()))
 
         per_expert = 3 * DIM * INTER * {"fp32": 4, "fp8": 1, "fp4": 0.5}[kind]
         pool = Pool(make, int(per_expert * EXPERTS), args.pool)
         block = FP8_BLOCK if kind == "fp8" else FP4_BLOCK
         for tokens in args.rows:
-            g = torch.Generator().manual_seed(tokens)
-            x = torch.randn(tokens, DIM, generator=g)
-            ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(tokens)])
-            weights = torch.rand(tokens, TOPK, generator=g)
+            x, ids, weights = _routing(tokens)
             used = ids.unique().numel()
 
             def kernel(w1, s1, w3, s3, w2, s2, x=x, ids=ids, weights=weights, kind=kind, block=block):
@@ -170,6 +159,66 @@ def bench_experts(args, fused, fused_quant) -> list[dict]:
 
             rows_out.append(_row(f"E={EXPERTS} k={TOPK}", f"experts {kind}", tokens, int(per_expert * used), kernel,
                                  reference, pool, args.repeats))
+    return rows_out
+
+
+def _stacks(kind: str, dense_matrices: list[torch.Tensor]) -> list:
+    """[w1, s1, w3, s3, w2, s2] of `kind` ("fp32": input-major, scales None; "fp8" / "fp4") holding the
+    matrices [E, out, in] given (w1, w3, w2)."""
+    stacks = []
+    for dense in dense_matrices:
+        if kind == "fp32":
+            w = input_major(dense.shape[1], dense.shape[2], torch.float32, stack=(EXPERTS,))
+            w.copy_(dense)
+            stacks += [w, None]
+        elif kind == "fp8":
+            pairs = [quantize_fp8_blockwise(m, FP8_BLOCK, scale_fmt="float") for m in dense]
+            stacks += [torch.stack([q for q, _ in pairs]), torch.stack([s.float() for _, s in pairs])]
+        else:
+            pairs = [quantize_fp4(m) for m in dense]
+            stacks += [torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])]
+    return stacks
+
+
+def _random_matrices() -> list[torch.Tensor]:
+    return [torch.randn(EXPERTS, o, i) / i**0.5 for o, i in ((INTER, DIM), (INTER, DIM), (DIM, INTER))]
+
+
+def _routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, DIM, generator=g)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(tokens)])
+    return x, ids, torch.rand(tokens, TOPK, generator=g)
+
+
+def bench_quant_vs_dense(args, fused, fused_quant) -> list[dict]:
+    """FP8 / FP4 experts against dense fp32 experts of the same values, each as the model runs it."""
+    rows_out, grouped = [], GroupedExperts()
+    for kind in ("fp8", "fp4"):
+        block = FP8_BLOCK if kind == "fp8" else FP4_BLOCK
+
+        def make(kind=kind, block=block):
+            quant = _stacks(kind, _random_matrices())
+            # the quantized values as dense fp32: both sides compute the same experts
+            dequantize = functools.partial(dequantize_fp8_blockwise, block=block) if kind == "fp8" else dequantize_fp4
+            dense = _stacks("fp32", [torch.stack([dequantize(q[e], s[e]) for e in range(EXPERTS)])
+                                     for q, s in zip(quant[::2], quant[1::2])])
+            return (*quant, *dense[::2])
+
+        per_expert = 3 * DIM * INTER * {"fp8": 1, "fp4": 0.5}[kind]
+        pool = Pool(make, int((per_expert + 3 * DIM * INTER * 4) * EXPERTS), args.pool)
+        for tokens in args.expert_tokens:
+            x, ids, weights = _routing(tokens)
+
+            def quant(w1, s1, w3, s3, w2, s2, d1, d3, d2, x=x, ids=ids, weights=weights, block=block):
+                return fused_quant(x, ids, weights, w1, s1, w3, s3, w2, s2, block, LIMIT)
+
+            def dense(w1, s1, w3, s3, w2, s2, d1, d3, d2, x=x, ids=ids, weights=weights):
+                call = (x, ids, weights, d1, d3, d2, LIMIT)
+                return fused(*call) if fused.supports(*call) else grouped(*call, swiglu)
+
+            rows_out.append(_row(f"E={EXPERTS} k={TOPK}", f"{kind} vs fp32", tokens,
+                                 int(per_expert * ids.unique().numel()), quant, dense, pool, args.repeats))
     return rows_out
 
 
@@ -200,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64])
+    parser.add_argument("--expert-tokens", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512],
+                        help="tokens of the FP8 / FP4 vs dense fp32 expert rows (prefill chunks included)")
+    parser.add_argument("--only", choices=["dense", "experts", "quant-vs-dense"], nargs="+",
+                        default=["dense", "experts", "quant-vs-dense"], help="which groups of rows to run")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pool-mb", type=int, default=512, help="bytes of weight copies cycled per shape")
     parser.add_argument("--warm", action="store_true", help="one copy per shape (weights stay in cache)")
@@ -207,13 +260,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rows, args.repeats, args.pool_mb = [1, 4], 1, 8
+        args.rows, args.expert_tokens, args.repeats, args.pool_mb = [1, 4], [1, 64], 1, 8
     args.pool = 0 if args.warm else args.pool_mb * 2**20
     torch.set_num_threads(args.threads)
     dense, quant, fused, fused_quant, _ = build_kernels()
+    rows = []
+    if "dense" in args.only:
+        rows += bench_dense(args, dense, quant)
+    if "experts" in args.only:
+        rows += bench_experts(args, fused, fused_quant)
+    if "quant-vs-dense" in args.only:
+        rows += bench_quant_vs_dense(args, fused, fused_quant)
     results = {"threads": args.threads, "warm": args.warm, "repeats": args.repeats, "pool_mb": args.pool_mb,
-               "torch": torch.__version__, "rows": bench_dense(args, dense, quant) + bench_experts(args, fused,
-                                                                                                     fused_quant)}
+               "torch": torch.__version__, "rows": rows}
     write_report(args.out / f"bench_gemv_t{args.threads}{'_warm' if args.warm else ''}", results, plot)
     return 0
 

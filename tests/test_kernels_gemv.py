@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from dsv4.engine.llm import LLM
 from dsv4.engine.sampling_params import SamplingParams
+from dsv4.kernels import gemv_cpu
 from dsv4.kernels.gathered_experts import loop_experts
 from dsv4.kernels.gemv_cpu import (
     MAX_BF16_ROWS,
@@ -346,7 +347,7 @@ def test_fused_quant_experts_match_loop(lib, pool, two_threads, fmt, block, toke
     ids, weights = _routing(tokens, k, seed=tokens * k)
     kernel = FusedQuantExperts(lib, pool)
     args = (x, ids, weights, s["w1"], s["w1_scale"], s["w3"], s["w3_scale"], s["w2"], s["w2_scale"], block, LIMIT)
-    assert kernel.supports(*args) == (tokens * k <= MAX_PICKS_PER_EXPERT[s["w1"].dtype] * E)
+    assert kernel.supports(*args)  # any number of picks per expert (64 tokens: the panel path)
     got = kernel(*args)
     exact = _reference(x.float(), ids, weights, _dequantized(s, fmt, block))
     if dtype == torch.float32:
@@ -359,6 +360,21 @@ def test_fused_quant_experts_match_loop(lib, pool, two_threads, fmt, block, toke
         want = _reference(x, ids, weights, bf16_weight)
         kernel_error, reference_error = (got.float() - exact).abs(), (want.float() - exact).abs()
         assert kernel_error.max() <= reference_error.max() and kernel_error.mean() <= reference_error.mean()
+
+
+def test_fused_quant_experts_slice_long_calls_without_changing_values(lib, pool, two_threads, monkeypatch):
+    """A call whose scratch rows would pass MAX_EXPERT_SCRATCH_BYTES runs a slice of tokens at a time: the
+    same bits as one call (each token's result is computed alone)."""
+    s = _quant_stacks("fp4", seed=8)
+    x = _rows(23, DIM, torch.float32, seed=8)
+    ids, weights = _routing(23, 2, seed=8)
+    args = (x, ids, weights, s["w1"], s["w1_scale"], s["w3"], s["w3_scale"], s["w2"], s["w2_scale"], FP4_BLOCK,
+            LIMIT)
+    kernel = FusedQuantExperts(lib, pool)
+    whole = kernel(*args)
+    per_token = 2 * (2 * DIM + 3 * INTER) * 4
+    monkeypatch.setattr(gemv_cpu, "MAX_EXPERT_SCRATCH_BYTES", 5 * per_token)  # slices of 5 tokens, then 3
+    assert torch.equal(kernel(*args), whole)
 
 
 def test_fused_experts_decline_what_they_cannot_run(lib, pool):
@@ -389,30 +405,43 @@ def test_fused_experts_reject_out_of_range_ids(lib, pool):
         FusedExperts(lib, pool)(x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
 
 
-def test_results_do_not_depend_on_threads_or_batch(lib, pool):
+@pytest.mark.parametrize("rows", [6, 41])  # 41: FP8 / FP4 products and experts take the many-row panel path
+def test_results_do_not_depend_on_threads_or_batch(lib, pool, rows):
     """Each output element is summed by one thread in a fixed order: 1 or 2 threads, and a row alone or with
-    others, give bit-identical results (batch invariance)."""
+    others, give bit-identical results (batch invariance), also where many rows per weight (or expert) run the
+    quantized products' panel path and the row alone runs the one-weight-row pass."""
     saved = torch.get_num_threads()
     w = _weight(3000, 512, torch.float32, seed=9)
     packed, scale = _fp4_weight(1000, 512, seed=9)
+    fp8, fp8_scale = quantize_fp8_blockwise(torch.randn(301, 256, generator=torch.Generator().manual_seed(9)),
+                                            FP8_BLOCK, scale_fmt="float")
     s = _dense_stacks(torch.float32, seed=9)
-    x = _rows(6, 512, torch.float32, seed=9)
-    xe = _rows(6, DIM, torch.float32, seed=9)
-    ids, weights = _routing(6, 2, seed=9)
+    q4, q8 = _quant_stacks("fp4", seed=9), _quant_stacks("fp8", seed=9)
+    x, x8 = _rows(rows, 512, torch.float32, seed=9), _rows(rows, 256, torch.float32, seed=10)
+    xe = _rows(rows, DIM, torch.float32, seed=9)
+    ids, weights = _routing(rows, 2, seed=9)
     dense, quant, experts = DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool)
+    quant_experts = FusedQuantExperts(lib, pool)
+
+    def products(keep: slice) -> tuple[torch.Tensor, ...]:
+        routed = (xe[keep], ids[keep], weights[keep])
+        return (dense(x[keep], w), quant(x[keep], packed, scale, FP4_BLOCK),
+                quant(x8[keep], fp8, fp8_scale.float(), FP8_BLOCK),
+                experts(*routed, s["w1"], s["w3"], s["w2"], LIMIT),
+                *(quant_experts(*routed, q["w1"], q["w1_scale"], q["w3"], q["w3_scale"], q["w2"], q["w2_scale"],
+                                block, LIMIT) for q, block in ((q4, FP4_BLOCK), (q8, FP8_BLOCK))))
+
     results = []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append((dense(x, w), quant(x, packed, scale, FP4_BLOCK),
-                            experts(xe, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT),
-                            dense(x[2:3], w), quant(x[2:3], packed, scale, FP4_BLOCK),
-                            experts(xe[2:3], ids[2:3], weights[2:3], s["w1"], s["w3"], s["w2"], LIMIT)))
+            results.append((products(slice(None)), products(slice(2, 3))))
     finally:
         torch.set_num_threads(saved)
     for one, two in zip(*results):
-        assert torch.equal(one, two)
-    for batched, alone in zip(results[0][:3], results[0][3:]):
+        for a, b in zip(one, two):
+            assert torch.equal(a, b)
+    for batched, alone in zip(*results[0]):
         assert torch.equal(batched[2:3], alone)
 
 

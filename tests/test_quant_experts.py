@@ -1,8 +1,9 @@
 """`dsv4::quant_experts` (kernels/quant_experts.py), the op a compiled graph calls for FP8 / FP4 routed experts,
 against the eager forward's reference (`RoutedExperts.forward_reference`: each used expert dequantized with
-dsv4.quant, itself checked against independent formulas in test_quant.py, then the reference loop), at row
-counts on both sides of the fused kernel's limit; it runs the fused kernel exactly where the registry's
-`supports` takes the call, and passes torch's custom-op checks (schema, fake shapes)."""
+dsv4.quant, itself checked against independent formulas in test_quant.py, then the reference loop), at few
+and many rows per expert (the fused kernel takes any count) and on a call the kernel declines; it runs the
+fused kernel exactly where the registry's `supports` takes the call, and passes torch's custom-op checks
+(schema, fake shapes)."""
 
 import pytest
 import torch
@@ -10,7 +11,6 @@ import torch
 from dsv4.config import ModelConfig, QuantConfig
 from dsv4.embedded import EMBEDDED_MODELS
 from dsv4.kernels import quant_experts as quant_experts_module
-from dsv4.kernels.gemv_cpu import MAX_PICKS_PER_EXPERT
 from dsv4.kernels.quant_experts import quant_experts
 from dsv4.model.moe import RoutedExperts
 from dsv4.quant import quantize_fp4, quantize_fp8_blockwise
@@ -74,19 +74,20 @@ def spy(monkeypatch) -> _SpyKernel:
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
 def test_op_equals_reference_and_runs_the_fused_kernel_where_it_supports_the_call(spy, fmt):
     experts = _experts(fmt, seed=3)
-    most = MAX_PICKS_PER_EXPERT[experts.w1.dtype] * experts.num_experts // K  # tokens the fused kernel takes
-    for tokens in (1, 3, most, most + 1):
+    many = 16 * experts.num_experts // K  # 16 picks per expert on average: the kernel's many-row panel path
+    for tokens, int32_ids in ((1, False), (3, False), (many, False), (3, True)):
         x, ids, weights = _routing(experts, tokens, seed=tokens)
+        ids = ids.int() if int32_ids else ids  # int32 ids: a call the kernel declines (the loop runs it)
         want = experts.forward_reference(x, ids, weights)
         before = spy.calls
         got = quant_experts(*_op_args(experts, x, ids, weights, fused=True))
-        assert spy.calls - before == (tokens <= most), tokens
+        assert spy.calls - before == (not int32_ids), tokens
         torch.testing.assert_close(got, want, **FP32_TOL)
         # The eager forward's own choice gives the same values.
         torch.testing.assert_close(experts(x, ids, weights), got, **FP32_TOL)
         # fused=False (a registry that resolved QUANT_EXPERTS to the reference): the reference itself.
         assert torch.equal(quant_experts(*_op_args(experts, x, ids, weights, fused=False)), want)
-        assert spy.calls - before == (tokens <= most)
+        assert spy.calls - before == (not int32_ids)
 
 
 def test_op_takes_rows_of_any_strides():

@@ -1,4 +1,5 @@
-"""Ways to compute routed experts (dense stacks; FP8/FP4 experts are dequantised per expert by the loop).
+"""Ways to compute routed experts over dense stacks (FP8/FP4 stacks run in gemv_cpu's FusedQuantExperts;
+their reference, quant_experts.dequantizing_loop, is this loop over experts dequantised per call).
 
 - `loop_experts`, the reference: a Python loop over the experts in use, ~8 ops each plus one host read of
   the expert counts. Also the fast choice when most experts are idle (few picks).

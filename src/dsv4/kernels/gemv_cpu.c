@@ -2,7 +2,8 @@
  *
  * A decode step of a few rows is bound by reading the weights once: these loops stream each weight
  * byte once per call, split the output features across the caller's threads, and decode quantized
- * weights in registers (no dequantized copy is ever written). Python side: gemv_cpu.py.
+ * weights in registers (no dequantized copy is ever written; with many x rows a quantized weight row is
+ * decoded once per call into a panel of PANEL_NB rows that all x rows read). Python side: gemv_cpu.py.
  *
  *   dense_xw    y[R, N] = x[R, K] W^T, W resident input-major: storage [K, N] (row k contiguous), fp32 or bf16
  *   quant_xw    y[R, N] = x[R, K] W^T, W [N, K] output-major: FP8 e4m3 with fp32 block scales [ceil(N/b0),
@@ -360,6 +361,8 @@ static void dense_range(const float *x, long R, long K, long ldx, const void *w,
 #define MAX_QUANT_K 16384
 /* Rows of x one decoded weight row is reused for before the next chunk of rows. */
 #define ROW_CHUNK 16
+/* x bytes one call of the panel path (quant_rows_panel) takes at a time: well inside L2. */
+#define PANEL_X_BYTES (128 * 1024)
 
 /* Inputs of one FP4 decode step: 16 bytes = 32 codes. FP4 groups must be a multiple of this. */
 #define FP4_STEP 32
@@ -369,9 +372,17 @@ static void dense_range(const float *x, long R, long K, long ldx, const void *w,
 /* Rows of x one pass over a weight row serves: 2 accumulators per row stay in registers (an accumulator
    array indexed at run time would live in memory, and each FMA would wait on a store-to-load round trip). */
 #define ROW_BLOCK 4
+/* From PANEL_MIN_ROWS x rows on, a call decodes each weight row once into a small panel and runs every row
+   against it (quant_rows_panel) instead of decoding it again per ROW_BLOCK rows; blocks of PANEL_RB x rows by
+   PANEL_NB weight rows keep 2 * PANEL_RB * PANEL_NB accumulators in registers (12 of AVX2's 16) and load
+   PANEL_RB + PANEL_NB vectors per PANEL_RB * PANEL_NB FMAs. */
+#define PANEL_RB 2
+#define PANEL_NB 3
+#define PANEL_MIN_ROWS 8
 
 /* The vector paths below are written once over a few per-ISA primitives: `vec` (fp32 lanes), vec_zero,
-   vec_set1, vec_total (the lanes of two vectors summed), fma_step32 (one x row's 32 inputs of a step times
+   vec_set1, vec_load / vec_store / vec_fma (a * b + c, one rounding), vec_total (the lanes of two vectors
+   summed) and vec_total_pair (two of them), fma_step32 (one x row's 32 inputs of a step times
    the step's decoded weights) and the decoders fp4_decode32 / fp8_decode32 (the 32 weights of a step
    times their scale). */
 #if defined(__AVX512F__)
@@ -380,7 +391,15 @@ typedef __m512 vec; /* 16 lanes: a 32-input step is 2 vectors */
 
 static inline vec vec_zero(void) { return _mm512_setzero_ps(); }
 static inline vec vec_set1(float v) { return _mm512_set1_ps(v); }
+static inline vec vec_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vec_store(float *p, vec v) { _mm512_storeu_ps(p, v); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vec_total(vec a, vec b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+/* vec_total(a0, b0) and vec_total(a1, b1). */
+static inline void vec_total_pair(vec a0, vec b0, vec a1, vec b1, float *t0, float *t1) {
+    *t0 = vec_total(a0, b0);
+    *t1 = vec_total(a1, b1);
+}
 
 /* 32 inputs of one x row (xr) times a step's decoded weights v[0..1]: the first 16 into *first, the last 16
    into *second. Inlined, the accumulators stay in registers. */
@@ -430,6 +449,9 @@ typedef __m256 vec; /* 8 lanes: a 32-input step is 4 vectors */
 
 static inline vec vec_zero(void) { return _mm256_setzero_ps(); }
 static inline vec vec_set1(float v) { return _mm256_set1_ps(v); }
+static inline vec vec_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vec_store(float *p, vec v) { _mm256_storeu_ps(p, v); }
+static inline vec vec_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 
 /* Sum of the lanes of a + b (a fixed order: results do not depend on the thread count or batch). */
 static inline float vec_total(vec a, vec b) {
@@ -437,6 +459,17 @@ static inline float vec_total(vec a, vec b) {
     const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
     return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+/* vec_total(a0, b0) and vec_total(a1, b1), bit for bit (the same adds of the same lanes), the two sums side by
+   side in the 128-bit halves: half the instructions of two vec_totals. */
+static inline void vec_total_pair(vec a0, vec b0, vec a1, vec b1, float *t0, float *t1) {
+    const __m256 v0 = _mm256_add_ps(a0, b0), v1 = _mm256_add_ps(a1, b1);
+    const __m256 four = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+    const __m256 two = _mm256_add_ps(four, _mm256_permute_ps(four, 0xee)); /* lanes 0 + 2, 1 + 3 */
+    const __m256 one = _mm256_add_ps(two, _mm256_permute_ps(two, 0x55));   /* lane 0 + lane 1 */
+    *t0 = _mm256_cvtss_f32(one);
+    *t1 = _mm_cvtss_f32(_mm256_extractf128_ps(one, 1));
 }
 
 /* 32 inputs of one x row (xr) times a step's decoded weights v[0..3] (8 each): the first 16 into *first,
@@ -535,11 +568,108 @@ static inline __attribute__((always_inline)) void quant_row_block(const int wfmt
     for (int r = 0; r < rb; ++r) out[r * ldout] = vec_total(first[r], second[r]);
 }
 
+/* Vectors of one 32-input step, and how fma_step32 splits them: the first half into `first`, the rest into
+   `second`. */
+#define STEP_VECS (VEC_STEP / VEC_LANES)
+
+/* Weight row wr (wfmt constant after inlining) decoded and scaled into dst[K], each step's vectors stored in
+   the order quant_row_block multiplies them: the values quant_row_block computes in registers. */
+static inline __attribute__((always_inline)) void quant_decode_row(const int wfmt, long K, const uint8_t *wr,
+                                                                   const void *srow, long block, float *dst) {
+    for (long b = 0, k0 = 0; k0 < K; ++b) {
+        const vec s = vec_set1(wfmt == FMT_FP4 ? e8m0_to_f32(((const uint8_t *)srow)[b]) : ((const float *)srow)[b]);
+        for (const long end = k0 + block < K ? k0 + block : K; k0 < end; k0 += VEC_STEP) {
+            vec v[STEP_VECS];
+            if (wfmt == FMT_FP4) fp4_decode32(wr + k0 / 2, s, v);
+            else fp8_decode32(wr + k0, s, v);
+            for (int i = 0; i < STEP_VECS; ++i) vec_store(dst + k0 + i * VEC_LANES, v[i]);
+        }
+    }
+}
+
+/* `rb` x rows against `nb` decoded weight rows of a panel (rows of K floats), rb and nb constant after
+   inlining: out[r * ldout + j] = row r . panel row j. Each output is summed exactly as quant_row_block sums
+   it (the same FMAs into the same two accumulators in the same order, then vec_total), so a row's result
+   does not depend on which path ran it; the rb * nb outputs share each loaded vector, which a one-weight-row
+   pass cannot (it reloads every x vector per weight row). */
+static inline __attribute__((always_inline)) void panel_block(const float *x, const int rb, const float *panel,
+                                                              const int nb, long K, float *out, long ldout) {
+    vec first[PANEL_RB][PANEL_NB], second[PANEL_RB][PANEL_NB];
+    for (int r = 0; r < rb; ++r)
+        for (int j = 0; j < nb; ++j) first[r][j] = second[r][j] = vec_zero();
+    for (long k0 = 0; k0 < K; k0 += VEC_STEP) {
+        for (int q = 0; q < STEP_VECS; ++q) {
+            const long k = k0 + q * VEC_LANES;
+            vec xv[PANEL_RB];
+            /* Each loaded vector is pinned to a register (the empty asm): folded into every FMA that uses it as
+               a memory operand, as the compiler otherwise does, it would be loaded once per FMA. */
+            for (int r = 0; r < rb; ++r) {
+                xv[r] = vec_load(x + r * K + k);
+                __asm__("" : "+x"(xv[r]));
+            }
+            for (int j = 0; j < nb; ++j) {
+                vec wv = vec_load(panel + j * K + k);
+                __asm__("" : "+x"(wv));
+                for (int r = 0; r < rb; ++r) {
+                    if (q < STEP_VECS / 2) first[r][j] = vec_fma(wv, xv[r], first[r][j]);
+                    else second[r][j] = vec_fma(wv, xv[r], second[r][j]);
+                }
+            }
+        }
+    }
+    int o = 0; /* outputs in pairs (vec_total_pair), the last alone when rb * nb is odd */
+    for (; o + 1 < rb * nb; o += 2) {
+        const int r0 = o / nb, j0 = o % nb, r1 = (o + 1) / nb, j1 = (o + 1) % nb;
+        vec_total_pair(first[r0][j0], second[r0][j0], first[r1][j1], second[r1][j1], &out[r0 * ldout + j0],
+                       &out[r1 * ldout + j1]);
+    }
+    if (o < rb * nb) out[(o / nb) * ldout + o % nb] = vec_total(first[o / nb][o % nb], second[o / nb][o % nb]);
+}
+
+/* panel_block for the block shapes a tile's edges leave (rb <= PANEL_RB, nb <= PANEL_NB). */
+static void panel_tile(const float *x, int rb, const float *panel, int nb, long K, float *out, long ldout) {
+#define PANEL_CASE(R_, N_)                                                                                        \
+    if (rb == R_ && nb == N_) {                                                                                 \
+        panel_block(x, R_, panel, N_, K, out, ldout);                                                           \
+        return;                                                                                                 \
+    }
+    PANEL_CASE(2, 3) PANEL_CASE(1, 3) PANEL_CASE(2, 2) PANEL_CASE(1, 2) PANEL_CASE(2, 1) PANEL_CASE(1, 1)
+#undef PANEL_CASE
+}
+
+/* quant_rows_vec for many x rows: PANEL_NB weight rows at a time decoded once into a panel (L1-sized for the
+   experts' K), then every x row against it, PANEL_RB rows per pass. Same results as the one-weight-row pass. */
+static inline __attribute__((always_inline)) void quant_rows_panel(const int wfmt, const float *x, long R, long K,
+                                                                   const uint8_t *w, const void *scale, long b0,
+                                                                   long b1, long n0, long n1, float *acc,
+                                                                   long ldacc) {
+    float panel[PANEL_NB * MAX_QUANT_K];
+    const long kb_count = (K + b1 - 1) / b1;
+    for (long t0 = n0; t0 < n1; t0 += PANEL_NB) {
+        const int nb = n1 - t0 < PANEL_NB ? (int)(n1 - t0) : PANEL_NB;
+        for (int j = 0; j < nb; ++j) {
+            const long n = t0 + j;
+            const uint8_t *wr = w + (wfmt == FMT_FP4 ? n * (K / 2) : n * K);
+            const void *srow = wfmt == FMT_FP4 ? (const void *)((const uint8_t *)scale + n * kb_count)
+                                               : (const void *)((const float *)scale + (n / b0) * kb_count);
+            quant_decode_row(wfmt, K, wr, srow, b1, panel + j * K);
+        }
+        for (long r0 = 0; r0 < R; r0 += PANEL_RB) {
+            const int rb = R - r0 < PANEL_RB ? (int)(R - r0) : PANEL_RB;
+            panel_tile(x + r0 * K, rb, panel, nb, K, acc + r0 * ldacc + (t0 - n0), ldacc);
+        }
+    }
+}
+
 /* Quantized rows [n0, n1) (wfmt constant after inlining) against R x rows, ROW_BLOCK x rows per pass.
    FP4: ue8m0 scales [N, K / b1]; FP8: fp32 scales [ceil(N / b0), ceil(K / b1)]. */
 static inline __attribute__((always_inline)) void quant_rows_vec(const int wfmt, const float *x, long R, long K,
                                                                  const uint8_t *w, const void *scale, long b0,
                                                                  long b1, long n0, long n1, float *acc, long ldacc) {
+    if (R >= PANEL_MIN_ROWS) {
+        quant_rows_panel(wfmt, x, R, K, w, scale, b0, b1, n0, n1, acc, ldacc);
+        return;
+    }
     const long kb_count = (K + b1 - 1) / b1;
     for (long n = n0; n < n1; ++n) {
         const uint8_t *wr = w + (wfmt == FMT_FP4 ? n * (K / 2) : n * K);
@@ -644,8 +774,11 @@ static void fp8_rows(const float *x, long R, long K, const uint8_t *w, const flo
 /* x: [R, K] rows, FP4-ordered (fp4_order_rows) when wfmt is FMT_FP4. */
 static void quant_range(const float *x, long R, long K, int wfmt, const void *w, const void *scale, long b0, long b1,
                         long n0, long n1, float *acc, long ldacc) {
-    for (long r0 = 0; r0 < R; r0 += ROW_CHUNK) {
-        long rows = R - r0 < ROW_CHUNK ? R - r0 : ROW_CHUNK;
+    /* The panel path reads its x rows once per weight-row tile: as many as stay in L2 (PANEL_X_BYTES). */
+    const long panel_rows = PANEL_X_BYTES / ((long)sizeof(float) * K);
+    const long chunk = VECTOR_ISA && R >= PANEL_MIN_ROWS && panel_rows > ROW_CHUNK ? panel_rows : ROW_CHUNK;
+    for (long r0 = 0; r0 < R; r0 += chunk) {
+        long rows = R - r0 < chunk ? R - r0 : chunk;
         if (wfmt == FMT_FP8)
             fp8_rows(x + r0 * K, rows, K, (const uint8_t *)w, (const float *)scale, b0, b1, n0, n1,
                      acc + r0 * ldacc, ldacc);
@@ -793,57 +926,103 @@ static void matrix_range(const float *x, long R, expert_matrix m, long b0, long 
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
+/* Picks one gather task copies into the grouped rows. */
+#define GATHER_PICKS 64
+/* Tokens one combine task sums. */
+#define COMBINE_TOKENS 16
+
 typedef struct {
-    long D, I, E, b0, b1, chunk_i, chunk_d;
+    long T, D, I, E, topk, b0, b1, chunk_i, chunk_d, n_chunks_i, n_chunks_d;
     int fmt, act;
     float limit;
-    const long *start, *token;
-    const float *pick_w, *xs;
-    float *gate, *up, *h, *y, *accum; /* [P, I] x 3, [P, D], [T, D] */
+    const void *x;
+    const long *start, *token, *token_slots; /* token_slots[t * topk ...]: t's picks' slots, ascending */
+    const float *pick_w;
+    float *xs, *gate, *up, *h, *y; /* [P, D], [P, I] x 3, [P, D] */
     const void *w1, *s1, *w3, *s3, *w2, *s2;
+    void *out;
 } moe_job;
 
-/* Phase 1, chunk c: hidden columns [i0, i1) of every pick's row, expert by expert. */
-static void moe_hidden_chunk(const void *arg, long c) {
+/* Phase 0, chunk c: grouped rows [c * GATHER_PICKS, ...) = their tokens' x rows, as fp32 (FP4 weights read
+   their inputs FP4-ordered). */
+static void moe_gather_chunk(const void *arg, long c) {
     const moe_job *j = arg;
-    const long i0 = c * j->chunk_i, i1 = i0 + j->chunk_i < j->I ? i0 + j->chunk_i : j->I;
-    for (long e = 0; e < j->E; ++e) {
-        const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
-        if (rows == 0) continue;
-        const float *xe = j->xs + first * j->D;
-        float *gate = j->gate + first * j->I, *up = j->up + first * j->I, *h = j->h + first * j->I;
-        matrix_range(xe, rows, expert(j->fmt, j->w1, j->s1, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1,
-                     gate + i0, j->I);
-        matrix_range(xe, rows, expert(j->fmt, j->w3, j->s3, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1,
-                     up + i0, j->I);
-        for (long r = 0; r < rows; ++r)
-            for (long i = i0; i < i1; ++i) {
-                const float g = gate[r * j->I + i], u = up[r * j->I + i];
-                const float gc = g < j->limit ? g : j->limit;
-                const float uc = u < -j->limit ? -j->limit : (u > j->limit ? j->limit : u);
-                h[r * j->I + (j->fmt == FMT_FP4 ? fp4_position(i) : i)] = silu(gc) * uc; /* w2's input order */
-            }
+    const long P = j->T * j->topk, s0 = c * GATHER_PICKS, s1 = s0 + GATHER_PICKS < P ? s0 + GATHER_PICKS : P;
+    long position[FP4_STEP];
+    for (long i = 0; i < FP4_STEP; ++i) position[i] = j->fmt == FMT_FP4 ? fp4_position(i) : i;
+    for (long s = s0; s < s1; ++s) {
+        float *dst = j->xs + s * j->D;
+        const long row = j->token[s] * j->D;
+        long d = 0;
+        for (; d + FP4_STEP <= j->D; d += FP4_STEP)
+            for (long i = 0; i < FP4_STEP; ++i)
+                dst[d + position[i]] = j->act == ACT_F32 ? ((const float *)j->x)[row + d + i]
+                                                         : bf16_to_f32(((const uint16_t *)j->x)[row + d + i]);
+        for (; d < j->D; ++d) /* a tail shorter than a step: never FP4 (its inputs are multiples of a step) */
+            dst[d] = j->act == ACT_F32 ? ((const float *)j->x)[row + d]
+                                       : bf16_to_f32(((const uint16_t *)j->x)[row + d]);
     }
 }
 
-/* Phase 2, chunk c: output columns [d0, d1), experts in ascending order into each token's sum. */
+/* Chunk c of an expert-major split (n_chunks chunks of `chunk` columns per expert, n columns): its expert,
+   and its columns [*lo, *hi). */
+static long expert_columns(long c, long n_chunks, long chunk, long n, long *lo, long *hi) {
+    *lo = (c % n_chunks) * chunk;
+    *hi = *lo + chunk < n ? *lo + chunk : n;
+    return c / n_chunks;
+}
+
+/* Phase 1, chunk c: expert c / n_chunks_i, hidden columns [i0, i1) of its picks' rows. Expert-major chunks: the
+   chunks of one expert run back to back, so its rows are read from cache, not memory, by all but the first. */
+static void moe_hidden_chunk(const void *arg, long c) {
+    const moe_job *j = arg;
+    long i0, i1;
+    const long e = expert_columns(c, j->n_chunks_i, j->chunk_i, j->I, &i0, &i1);
+    const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
+    if (rows == 0) return;
+    const float *xe = j->xs + first * j->D;
+    float *gate = j->gate + first * j->I, *up = j->up + first * j->I, *h = j->h + first * j->I;
+    matrix_range(xe, rows, expert(j->fmt, j->w1, j->s1, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1, gate + i0,
+                 j->I);
+    matrix_range(xe, rows, expert(j->fmt, j->w3, j->s3, e, j->D, j->I, j->b0, j->b1), j->b0, j->b1, i0, i1, up + i0,
+                 j->I);
+    for (long r = 0; r < rows; ++r)
+        for (long i = i0; i < i1; ++i) {
+            const float g = gate[r * j->I + i], u = up[r * j->I + i];
+            const float gc = g < j->limit ? g : j->limit;
+            const float uc = u < -j->limit ? -j->limit : (u > j->limit ? j->limit : u);
+            h[r * j->I + (j->fmt == FMT_FP4 ? fp4_position(i) : i)] = silu(gc) * uc; /* w2's input order */
+        }
+}
+
+/* Phase 2, chunk c: expert c / n_chunks_d, output columns [d0, d1) of its picks' rows (y, unweighted). */
 static void moe_output_chunk(const void *arg, long c) {
     const moe_job *j = arg;
-    const long d0 = c * j->chunk_d, d1 = d0 + j->chunk_d < j->D ? d0 + j->chunk_d : j->D;
-    for (long e = 0; e < j->E; ++e) {
-        const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
-        if (rows == 0) continue;
-        float *y = j->y + first * j->D;
-        matrix_range(j->h + first * j->I, rows, expert(j->fmt, j->w2, j->s2, e, j->I, j->D, j->b0, j->b1), j->b0,
-                     j->b1, d0, d1, y + d0, j->D);
-        for (long r = 0; r < rows; ++r) {
-            const long s = first + r;
-            float *dst = j->accum + j->token[s] * j->D;
-            for (long d = d0; d < d1; ++d) {
-                const float v = y[r * j->D + d] * j->pick_w[s];
-                /* bf16: the reference adds bf16-rounded products into a bf16 sum */
-                dst[d] = j->act == ACT_F32 ? dst[d] + v
-                                           : bf16_to_f32(f32_to_bf16(dst[d] + bf16_to_f32(f32_to_bf16(v))));
+    long d0, d1;
+    const long e = expert_columns(c, j->n_chunks_d, j->chunk_d, j->D, &d0, &d1);
+    const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
+    if (rows == 0) return;
+    matrix_range(j->h + first * j->I, rows, expert(j->fmt, j->w2, j->s2, e, j->I, j->D, j->b0, j->b1), j->b0, j->b1,
+                 d0, d1, j->y + first * j->D + d0, j->D);
+}
+
+/* Phase 3, chunk c: tokens [c * COMBINE_TOKENS, ...): out[t] = sum over t's picks of pick weight * y, the picks
+   in ascending expert order (the reference loop's order: its index_add runs expert by expert), summed in out's
+   row itself (fp32; bf16: the reference adds bf16-rounded products into a bf16 sum, which out's row holds). */
+static void moe_combine_chunk(const void *arg, long c) {
+    const moe_job *j = arg;
+    const long t0 = c * COMBINE_TOKENS, t1 = t0 + COMBINE_TOKENS < j->T ? t0 + COMBINE_TOKENS : j->T;
+    for (long t = t0; t < t1; ++t) {
+        float *o32 = (float *)j->out + t * j->D;
+        uint16_t *o16 = (uint16_t *)j->out + t * j->D;
+        for (long q = 0; q < j->topk; ++q) {
+            const long s = j->token_slots[t * j->topk + q];
+            const float w = j->pick_w[s], *ys = j->y + s * j->D;
+            if (j->act == ACT_F32) {
+                for (long d = 0; d < j->D; ++d) o32[d] = (q ? o32[d] : 0.0f) + ys[d] * w;
+            } else {
+                for (long d = 0; d < j->D; ++d)
+                    o16[d] = f32_to_bf16((q ? bf16_to_f32(o16[d]) : 0.0f) + bf16_to_f32(f32_to_bf16(ys[d] * w)));
             }
         }
     }
@@ -851,8 +1030,10 @@ static void moe_output_chunk(const void *arg, long c) {
 
 /* x [T, D] (act), ids [T, k] int64, weights [T, k] fp32 -> out [T, D] (act, overwritten).
    w1/w3: [E, I, D] logical (gate / up), w2: [E, D, I] logical, in format fmt (dense: input-major storage).
-   Experts run in ascending id order and each output element accumulates in that order, as the reference
-   loop does; the only differences from it are the fp32 summation orders inside the products. */
+   Each token's picks are added in ascending expert order, as the reference loop does; the only differences
+   from it are the fp32 summation orders inside the products. Phases (each split across the pool): gather the
+   picks' rows grouped by expert; gate, up and SwiGLU rows per (expert, hidden columns); the down projection
+   per (expert, output columns); each token's weighted sum. */
 int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long topk, const int64_t *ids,
                 const float *weights, long E, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
                 const void *w2, const void *s2, long b0, long b1, float limit, void *out, int nthreads) {
@@ -863,14 +1044,14 @@ int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long to
     for (long q = 0; q < P; ++q)
         if (ids[q] < 0 || ids[q] >= E) return ERR_ARGS;
     long *start = calloc((size_t)E + 1, sizeof(long)), *fill = malloc(sizeof(long) * (size_t)E);
-    long *token = malloc(sizeof(long) * (size_t)P);
+    long *token = malloc(sizeof(long) * (size_t)P), *token_slots = malloc(sizeof(long) * (size_t)P);
+    long *taken = calloc((size_t)T, sizeof(long)); /* slots of each token listed so far */
     float *pick_w = malloc(sizeof(float) * (size_t)P);
     float *xs = malloc(sizeof(float) * (size_t)(P * D)); /* gathered rows, grouped by expert */
     float *hidden = malloc(sizeof(float) * (size_t)(3 * P * I)); /* gate | up | SwiGLU */
     float *y = malloc(sizeof(float) * (size_t)(P * D));
-    float *accum = calloc((size_t)(T * D), sizeof(float));
     int status = OK;
-    if (!start || !fill || !token || !pick_w || !xs || !hidden || !y || !accum) {
+    if (!start || !fill || !token || !token_slots || !taken || !pick_w || !xs || !hidden || !y) {
         status = ERR_ALLOC;
         goto done;
     }
@@ -883,30 +1064,32 @@ int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long to
         token[slot] = q / topk;
         pick_w[slot] = weights[q];
     }
-    for (long s = 0; s < P; ++s) {
-        for (long d = 0; d < D; ++d) { /* FP4 weights read their inputs FP4-ordered */
-            const float v = act == ACT_F32 ? ((const float *)x)[token[s] * D + d]
-                                           : bf16_to_f32(((const uint16_t *)x)[token[s] * D + d]);
-            xs[s * D + (fmt == FMT_FP4 ? fp4_position(d) : d)] = v;
-        }
-    }
+    /* Each token's slots, ascending (slots run expert by expert: ascending expert order, as the reference adds). */
+    for (long s = 0; s < P; ++s) token_slots[token[s] * topk + taken[token[s]]++] = s;
     const long used = P < E ? P : E; /* at most P distinct experts are read */
     const long matrix = matrix_bytes(fmt, D * I);
-    moe_job job = {D, I, E, b0, b1, chunk_size(I, nthreads, 2 * matrix * used, SPLIT_ALIGN, SPLIT_ALIGN),
-                   chunk_size(D, nthreads, matrix * used, SPLIT_ALIGN, SPLIT_ALIGN), fmt, act, limit, start, token,
-                   pick_w, xs, hidden, hidden + P * I, hidden + 2 * P * I, y, accum, w1, s1, w3, s3, w2, s2};
-    pool_run(p, (I + job.chunk_i - 1) / job.chunk_i, moe_hidden_chunk, &job, nthreads);
-    pool_run(p, (D + job.chunk_d - 1) / job.chunk_d, moe_output_chunk, &job, nthreads);
-    for (long t = 0; t < T; ++t) store_row(out, act, t * D, accum + t * D, D);
+    const long chunk_i = chunk_size(I, nthreads, 2 * matrix * used, SPLIT_ALIGN, SPLIT_ALIGN);
+    const long chunk_d = chunk_size(D, nthreads, matrix * used, SPLIT_ALIGN, SPLIT_ALIGN);
+    moe_job job = {.T = T, .D = D, .I = I, .E = E, .topk = topk, .b0 = b0, .b1 = b1, .chunk_i = chunk_i,
+                   .chunk_d = chunk_d, .n_chunks_i = (I + chunk_i - 1) / chunk_i,
+                   .n_chunks_d = (D + chunk_d - 1) / chunk_d, .fmt = fmt, .act = act, .limit = limit, .x = x,
+                   .start = start, .token = token, .token_slots = token_slots, .pick_w = pick_w, .xs = xs,
+                   .gate = hidden, .up = hidden + P * I, .h = hidden + 2 * P * I, .y = y, .w1 = w1, .s1 = s1,
+                   .w3 = w3, .s3 = s3, .w2 = w2, .s2 = s2, .out = out};
+    pool_run(p, (P + GATHER_PICKS - 1) / GATHER_PICKS, moe_gather_chunk, &job, nthreads);
+    pool_run(p, E * job.n_chunks_i, moe_hidden_chunk, &job, nthreads);
+    pool_run(p, E * job.n_chunks_d, moe_output_chunk, &job, nthreads);
+    pool_run(p, (T + COMBINE_TOKENS - 1) / COMBINE_TOKENS, moe_combine_chunk, &job, nthreads);
 done:
     free(start);
     free(fill);
     free(token);
+    free(token_slots);
+    free(taken);
     free(pick_w);
     free(xs);
     free(hidden);
     free(y);
-    free(accum);
     return status;
 }
 

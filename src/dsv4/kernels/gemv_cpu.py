@@ -1,12 +1,15 @@
 """Few-row products on CPU that read each weight byte once, in its resident layout (gemv_cpu.c).
 
 A decode step of one or a few rows is bound by reading the weights: one-row fp32 `F.linear` streams them
-at a fraction of the machine's bandwidth and gains nothing from a second thread, and FP4/FP8 experts are
-dequantised to a full fp32 copy per expert per call before their GEMM. These kernels stream the weights
-once, split the output features across torch's own intra-op threads, and decode FP8 (e4m3, 128x128
+at a fraction of the machine's bandwidth and gains nothing from a second thread, and the torch path of
+FP4/FP8 experts dequantises a full fp32 copy per expert per call before its GEMM. These kernels stream the
+weights once, split the output features across torch's own intra-op threads, and decode FP8 (e4m3, 128x128
 block scales) and FP4 (e2m1, one ue8m0 scale per 32 inputs) weights in registers, never materialising a
-dequantised matrix. Arithmetic is fp32 (bf16 activations are widened on load and rounded once on store);
-results differ from the torch references only by the order of the fp32 sums.
+dequantised matrix: with many rows per weight (prefill chunks, large batches) each quantized weight row is
+decoded once per call into a panel of a few rows (PANEL_NB rows of K floats, on the stack) that every row reads, the
+same sums in the same order as the one-row pass, so those products serve any row count. Arithmetic is fp32
+(bf16 activations are widened on load and rounded once on store); results differ from the torch references
+only by the order of the fp32 sums.
 
 Kernels (each `supports(*args)` / `__call__(*args)` with one signature, as the registry expects):
   DenseGemv         (x, weight): x [R, K] @ weight.T for a [N, K] weight stored input-major ([K, N] storage,
@@ -92,18 +95,24 @@ _DENSE_ROWS = {(torch.bfloat16, torch.bfloat16): MAX_BF16_ROWS, (torch.float32, 
 MAX_QUANT_K = 16384
 # FP4 inputs one decode step reads (16 bytes): an FP4 scale group must be a multiple of it (FP4_STEP in C).
 FP4_STEP = 32
-# Picks (tokens x k) per expert of the layer up to which the fused expert kernels are used, by weight format:
-# each used expert's weights are read once for all its rows, which wins while the rows per expert are few;
-# beyond, the GEMM paths (grouped_mm, or dequantise-then-GEMM per expert) win. Measured with
-# benchmarks/bench_gemv.py-style calls on the small config (E=16, k=2, 2 threads, cold weights), fused kernel
-# vs what the model runs without it: fp32 x2.4 at 1 token, x1.24 at 16, x1.03 at 32 (4 picks per expert), x0.76
-# at 64; FP8 (table decode) x1.8 at 16 tokens, x1.41 at 32, x0.96 at 64; FP4 x2.8 at 32, x1.43 at 128 (16 picks
-# per expert); bf16 x4-13 from 1 to 64 tokens (oneDNN's small bf16 GEMMs are slow). Keyed by the weights' dtype:
-# fp32 activations on bf16 stacks take the bf16 count (the alternative there is the loop over widened experts).
-# FP8 takes FP4's count since its AVX2 decode (half floats) costs about what FP4's does: FP8 / FP4 fused vs the
-# dequantizing loop, 2 threads, busy shared machine: x26 / x28 at 64 tokens (8 picks per expert), x23 / x24 at
-# 128 tokens, x8 at 256 tokens (the loop's time there swings ~2x between runs, the kernel's much less).
-MAX_PICKS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16, torch.float8_e4m3fn: 16, torch.int8: 16}
+# Picks (tokens x k) per expert of the layer up to which the fused dense expert kernel is used, by the stacks'
+# dtype: each used expert's weights are read once for all its rows, which wins while the rows per expert are
+# few; beyond, the grouped GEMMs (grouped_mm) win. Measured with benchmarks/bench_gemv.py-style calls on the
+# small config (E=16, k=2, 2 threads, cold weights), fused kernel vs what the model runs without it: fp32 x2.4
+# at 1 token, x1.24 at 16, x1.03 at 32 (4 picks per expert), x0.76 at 64; bf16 x4-13 from 1 to 64 tokens
+# (oneDNN's small bf16 GEMMs are slow). fp32 activations on bf16 stacks take the bf16 count (the alternative
+# there is the loop over widened experts). FP8 / FP4 stacks have no limit: from PANEL_MIN_ROWS rows per expert
+# the C kernel decodes each weight row once per call into a small panel (gemv_cpu.c quant_rows_panel), and it
+# beat the dequantizing loop, the alternative, at every size measured (small config, 2 threads, busy shared
+# machine: x4-16 at 512 to 4096 tokens, 16 to 256 picks per expert). Against dense fp32 experts of the same
+# values (their grouped GEMMs; bench_gemv.py "vs fp32" rows), 1 thread, busy machine: x1.8 at 128 tokens,
+# x1.2-1.4 at 256, about equal at 512, x0.7-0.85 at 1024-4096 tokens (MKL's GEMM outruns the panel's
+# dot-product blocks once every expert has ~64 rows or more).
+MAX_PICKS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16}
+# Bytes of per-call scratch rows (gathered inputs, gate / up / SwiGLU rows and outputs of every pick) one
+# moe_experts call may allocate: larger calls (long prefill chunks) run a slice of tokens at a time. Each token's
+# result is computed alone, so slicing changes no value; each slice reads the used experts' weights again.
+MAX_EXPERT_SCRATCH_BYTES = 256 * 2**20
 
 
 def build_library(march: str = NATIVE) -> ctypes.CDLL:
@@ -300,22 +309,29 @@ class QuantGemv(_PoolKernel):
 
 
 def _routing_ok(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor) -> bool:
-    """Routing tensors of x's tokens, and few enough picks per expert for the fused kernel to win
-    (MAX_PICKS_PER_EXPERT of w1's format)."""
-    experts, per_expert = w1.shape[0], MAX_PICKS_PER_EXPERT.get(w1.dtype, 0)
-    return (_cpu_rows(x) and ids.dtype == torch.int64 and ids.is_contiguous() and weights.dtype == torch.float32
-            and weights.is_contiguous() and ids.dim() == 2 and ids.shape == weights.shape
-            and ids.shape[0] == x.shape[0] and experts > 0
-            and ids.numel() <= per_expert * experts)
+    """Routing tensors of x's tokens (and for dense stacks few enough picks per expert for the fused kernel to
+    win: MAX_PICKS_PER_EXPERT of their dtype)."""
+    experts = w1.shape[0]
+    routing = (_cpu_rows(x) and ids.dtype == torch.int64 and ids.is_contiguous() and weights.dtype == torch.float32
+               and weights.is_contiguous() and ids.dim() == 2 and ids.shape == weights.shape
+               and ids.shape[0] == x.shape[0] and experts > 0)
+    if _quant_format(w1) is not None:
+        return routing
+    return routing and ids.numel() <= MAX_PICKS_PER_EXPERT.get(w1.dtype, 0) * experts
 
 
 def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, limit) -> torch.Tensor:
-    (T, D), (E, inter) = x.shape, (w1.shape[0], w1.shape[1])
+    """moe_experts over x's tokens, MAX_EXPERT_SCRATCH_BYTES of scratch rows at a time."""
+    (T, D), (E, inter), k = x.shape, (w1.shape[0], w1.shape[1]), ids.shape[1]
     out = torch.empty_like(x)
-    status = fn(pool.handle, x.data_ptr(), _ACT[x.dtype], T, D, inter, ids.shape[1], ids.data_ptr(),
-                weights.data_ptr(), E, fmt, w1.data_ptr(), s1, w3.data_ptr(), s3, w2.data_ptr(), s2, block[0], block[1],
-                float(limit), out.data_ptr(), pool.threads())
-    _check(status, "moe_experts")
+    per_token = k * (2 * D + 3 * inter) * 4  # fp32 scratch rows of one token's picks (gemv_cpu.c moe_experts)
+    step = max(1, MAX_EXPERT_SCRATCH_BYTES // per_token)
+    for t0 in range(0, T, step):
+        rows = min(step, T - t0)
+        status = fn(pool.handle, x[t0].data_ptr(), _ACT[x.dtype], rows, D, inter, k, ids[t0].data_ptr(),
+                    weights[t0].data_ptr(), E, fmt, w1.data_ptr(), s1, w3.data_ptr(), s3, w2.data_ptr(), s2, block[0],
+                    block[1], float(limit), out[t0].data_ptr(), pool.threads())
+        _check(status, "moe_experts")
     return out
 
 

@@ -1,13 +1,15 @@
 """Routed FP8 / FP4 experts inside a graph torch.compile captures: one custom op, `dsv4::quant_experts`.
 
 Eager, a MoE layer over quantized stacks (model/moe.py) asks its kernel registry for the fused C kernel
-(QUANT_EXPERTS: gemv_cpu.py's FusedQuantExperts, weights decoded in registers) and otherwise runs
-`dequantizing_loop`, which dequantizes only the experts in use, one at a time, for that call. Neither can
+(QUANT_EXPERTS: gemv_cpu.py's FusedQuantExperts, weights decoded in registers or, for many rows per expert,
+a few rows at a time into a per-call panel) and otherwise runs `dequantizing_loop`, the reference, which
+dequantizes only the experts in use, one at a time, for that call. Neither can
 be traced: the kernel is a ctypes call, and the loop reads the expert counts on the host to pick its
 experts. The compiled decode step (model/static_decode.py) therefore calls both through this op, opaque
 to the compiler (its fake gives the output's shape and dtype), which makes the eager forward's choice per
-call: the fused kernel at the row counts where its `supports` takes the call (the registry's own test),
-the loop elsewhere. So the compiled step computes what the eager step computes, row count for row count.
+call: the fused kernel wherever its `supports` takes the call (the registry's own test: any row count over
+stacks of a supported layout), the loop elsewhere. So the compiled step computes what the eager step
+computes, row count for row count.
 
 The weights stay quantized at rest: the op reads the resident stacks, which the graph takes as inputs by
 address (never as constants), so an in-place refit is seen by the next call.

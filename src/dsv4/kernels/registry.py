@@ -140,8 +140,8 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
     ),
     QUANT_EXPERTS: (
         Backend("cpu_c", functools.partial(_build_few_row, 3),
-                "FP8 / FP4 routed experts decoded in registers, no dequantised copy (gemv_cpu.c "
-                "FusedQuantExperts)"),
+                "FP8 / FP4 routed experts at any batch, decoded in registers (many rows per expert: a few weight "
+                "rows at a time into a per-call panel), no dequantised copy (gemv_cpu.c FusedQuantExperts)"),
     ),
     MOE_LAYER: (
         Backend("cpu_c", functools.partial(_build_few_row, 4),

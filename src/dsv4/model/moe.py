@@ -71,7 +71,8 @@ class Router(nn.Module):
 class RoutedExperts(nn.Module):
     """E SwiGLU experts, stacked: w1 (gate) and w3 (up) [E, I, D], w2 (down) [E, D, I].
 
-    Layouts (one resident copy, dequantised per used expert inside forward):
+    Layouts (one resident copy; FP8/FP4 decoded inside the fused kernel, or dequantised per used expert by
+    the reference loop, never kept):
       dense  model dtype, stored input-major (linear.py): the grouped GEMMs read [E, in, out]
       fp8    float8_e4m3fn weights + fp32 block scales [E, ceil(out/b0), ceil(in/b1)]
       fp4    int8 [E, out, in/2] (two e2m1 codes per byte, low nibble = even input) + ue8m0 bytes
@@ -132,8 +133,9 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]. The registry's fused C kernels
-        serve the few-token calls (dense: FEW_ROW_EXPERTS; FP8/FP4: QUANT_EXPERTS, decoded in registers), its
-        grouped/gathered GEMMs larger dense batches; otherwise the reference loop. Inside a compiled graph
+        serve dense few-token calls (FEW_ROW_EXPERTS) and FP8/FP4 calls of any size (QUANT_EXPERTS, decoded in
+        registers or a per-call panel), its grouped/gathered GEMMs larger dense batches; otherwise the
+        reference loop. Inside a compiled graph
         FP8/FP4 experts run as one op making the same choice per call (kernels/quant_experts.py). Expert
         parallel: the sum over the experts this rank holds (ids are global)."""
         if self.parallel.expert_parallel:
