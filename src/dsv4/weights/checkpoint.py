@@ -7,18 +7,21 @@ Tensors stream one at a time, in file order, and reading costs the one copy into
 whose bytes go into the model as they are (FP4 expert bytes and scales, float tensors in the resident dtype
 and layout: `WeightWriter.destination`) is read with preadv(2) straight into its destination: the kernel
 copies it out of the page cache, and none of its pages is ever mapped (a mapped copy also pays a fault per
-mapped page and the release of the mapping). Every other tensor is a zero-copy view of the memory-mapped
-file, which the loader converts from. safetensors' own reader keeps every page of a file mapped until the
-file is closed (RSS would grow by a whole shard); here the mapped pages already read are released from the
-process every few MiB (they stay in the page cache), so a load holds the resident model plus about one tensor.
+mapped page and the release of the mapping). Those reads run on a thread of their own (`_RunReader`), ahead
+of the caller, which meanwhile validates and converts what came before: a load's copies out of the page
+cache (a third of a warm large load) and a cold file's waits on the disk overlap the loader's work. Every
+other tensor is a zero-copy view of the memory-mapped file, which the loader converts from. safetensors' own
+reader keeps every page of a file mapped until the file is closed (RSS would grow by a whole shard); here
+the mapped pages already read are released from the process every few MiB (they stay in the page cache),
+so a load holds the resident model plus about one tensor.
 
 What a streamed tensor costs beyond its bytes, kept to a few microseconds: one `as_strided` of a per-dtype
 view of the whole file (slicing and re-viewing the bytes took three tensor ops, ~10 us), and one `madvise`
 per _RELEASE_BYTES instead of one per tensor (each call unmaps pages and flushes their TLB entries; with
-the per-tensor calls and read-ahead hints, a copy-only replay of the small benchmark model's ~1000 tensors
-ran ~1.4x slower warm). A cold file is read by the kernel's own fault readahead: explicit WILLNEED hints
-measured slower in that replay (the kernel caps each to its readahead window and submits it in the caller,
-on the loader's critical path), and MADV_SEQUENTIAL several times slower.
+the per-tensor calls, a copy-only replay of the small benchmark model's ~1000 tensors ran ~1.4x slower
+warm). A cold file's disk reads are asked for ahead of the loader by `readahead()` (`weights/readahead.py`:
+from a thread, so that the hints are off the loader's critical path; issued in the caller, they measured
+slower than the kernel's own fault readahead), from before the model build on.
 """
 
 import contextlib
@@ -28,13 +31,15 @@ import json
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from dsv4.errors import CheckpointError
+from dsv4.weights.readahead import Readahead
 
 INDEX_FILE = "model.safetensors.index.json"
 _HEADER_LEN_BYTES = 8  # safetensors: little-endian u64 header size, then the JSON header
@@ -180,8 +185,31 @@ class CheckpointDir:
             if info is None or info.file.name != file:
                 raise CheckpointError(f"{index}: tensor {name} is listed in {file} but not found there")
 
+    def _wanted_by_file(self, wanted: Callable[[str], bool]) -> dict[Path, list[TensorInfo]]:
+        """The wanted tensors of each file, in file order."""
+        by_file: dict[Path, list[TensorInfo]] = {file: [] for file in self.files}
+        for info in self.tensors.values():
+            if wanted(info.name):
+                by_file[info.file].append(info)
+        for infos in by_file.values():
+            infos.sort(key=lambda i: i.offset)
+        return by_file
+
+    def readahead(self, wanted: Callable[[str], bool] = lambda name: True) -> Readahead:
+        """Disk reads of the wanted tensors' bytes, issued from now on ahead of `iter_tensors` (given it as
+        `readahead`): a context manager that stops them (`weights/readahead.py`)."""
+        extents: list[tuple[Path, int, int]] = []
+        for file, infos in self._wanted_by_file(wanted).items():
+            for info in infos:  # back-to-back tensors coalesced: other ranks' bytes are never asked for
+                if extents and extents[-1][0] == file and extents[-1][2] == info.offset:
+                    extents[-1] = (file, extents[-1][1], info.offset + info.nbytes)
+                elif info.nbytes:
+                    extents.append((file, info.offset, info.offset + info.nbytes))
+        return Readahead(extents)
+
     def iter_tensors(
-        self, wanted: Callable[[str], bool] = lambda name: True, destination: Destination | None = None
+        self, wanted: Callable[[str], bool] = lambda name: True, destination: Destination | None = None,
+        readahead: Readahead | None = None,
     ) -> Iterator[tuple[str, torch.Tensor, str]]:
         """Yield (name, tensor, file) one tensor at a time, file by file, in file order.
 
@@ -196,15 +224,13 @@ class CheckpointDir:
                 into it (one kernel copy out of the page cache: no mapping of its pages, no copy out of a
                 view) and yielded as that tensor.
 
+            readahead: the `readahead(wanted)` of the same `wanted`, told how far the stream has got.
+
         Raises:
             CheckpointError: a read failed, or the file ends inside a tensor's data (naming both).
         """
-        by_file: dict[Path, list[TensorInfo]] = {file: [] for file in self.files}
-        for info in self.tensors.values():
-            by_file[info.file].append(info)
-        for file in self.files:
-            infos = sorted((i for i in by_file[file] if wanted(i.name)), key=lambda i: i.offset)
-            for info, tensor in _stream(file, infos, destination):
+        for file, infos in self._wanted_by_file(wanted).items():
+            for info, tensor in _stream(file, infos, destination, readahead):
                 yield info.name, tensor, str(file)
 
 
@@ -221,7 +247,7 @@ def map_file(path: Path) -> mmap.mmap | None:
 
 
 def _stream(
-    file: Path, infos: list[TensorInfo], destination: Destination | None
+    file: Path, infos: list[TensorInfo], destination: Destination | None, readahead: Readahead | None
 ) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
     mapping = map_file(file) if infos else None
     if mapping is None:
@@ -230,7 +256,7 @@ def _stream(
         return
     views = _FileViews(mapping)
     with _open_for_reads(file) as fd:
-        yield from _streamed(file, fd, mapping, views, infos, destination)
+        yield from _streamed(file, fd, mapping, views, infos, destination, readahead)
 
 
 @contextlib.contextmanager
@@ -245,36 +271,100 @@ def _open_for_reads(file: Path) -> Iterator[int]:
         os.close(fd)
 
 
-def _streamed(
-    file: Path, fd: int, mapping: mmap.mmap, views: "_FileViews", infos: list[TensorInfo],
-    destination: Destination | None,
-) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
-    released_to = 0  # the mapping's pages below this offset are not held by the process
-    run: list[tuple[TensorInfo, torch.Tensor]] = []  # placed tensors that follow each other in the file, unread
-    run_end = run_bytes = 0
+@dataclass
+class _Run:
+    """Placed tensors lying back to back in the file, [tensors[0] offset, end), read by one preadv(2)."""
+
+    tensors: list[tuple[TensorInfo, torch.Tensor]]
+    end: int
+    read: threading.Event = field(default_factory=threading.Event)  # set once read (or failed)
+    error: Exception | None = None  # why it could not be read
+
+
+def _plan(infos: list[TensorInfo], destination: Destination | None) -> list[_Run | TensorInfo]:
+    """The file's wanted tensors in order as runs of placed tensors (`_RUN_TENSORS` / `_RUN_BYTES` at most)
+    and single mapped ones."""
+    plan: list[_Run | TensorInfo] = []
+    run: _Run | None = None
+    run_bytes = 0
     for info in infos:
         dest = None if destination is None or info.nbytes == 0 else destination(
             info.name, TORCH_DTYPES[info.dtype], info.shape)
-        if dest is not None and run and info.offset == run_end and len(run) < _RUN_TENSORS and run_bytes < _RUN_BYTES:
-            run.append((info, dest))
-            run_end += info.nbytes
+        if dest is None:
+            plan.append(info)
+            run = None
+        elif run is not None and info.offset == run.end and len(run.tensors) < _RUN_TENSORS and run_bytes < _RUN_BYTES:
+            run.tensors.append((info, dest))
+            run.end += info.nbytes
             run_bytes += info.nbytes
-            continue
-        if run:
-            yield from _read_run(file, fd, run, run_end)
-            released_to = _release(mapping, released_to, run_end)
-            run = []
-        if dest is not None:
-            run = [(info, dest)]
-            run_end = info.offset + info.nbytes
+        else:
+            run = _Run([(info, dest)], info.offset + info.nbytes)
             run_bytes = info.nbytes
-            continue
-        yield info, views.tensor(info)
-        released_to = _release(mapping, released_to, info.offset + info.nbytes)
-    if run:
-        yield from _read_run(file, fd, run, run_end)
+            plan.append(run)
+    return plan
+
+
+def _streamed(
+    file: Path, fd: int, mapping: mmap.mmap, views: "_FileViews", infos: list[TensorInfo],
+    destination: Destination | None, readahead: Readahead | None,
+) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+    plan = _plan(infos, destination)
+    released_to = 0  # the mapping's pages below this offset are not held by the process
+    with _RunReader(file, fd, [step for step in plan if isinstance(step, _Run)]):
+        for step in plan:
+            if isinstance(step, _Run):
+                step.read.wait()
+                if step.error is not None:
+                    raise step.error
+                yield from step.tensors
+                read_to = step.end
+            else:
+                yield step, views.tensor(step)
+                read_to = step.offset + step.nbytes
+            released_to = _release(mapping, released_to, read_to)
+            if readahead is not None:
+                readahead.advance(step.end - step.tensors[0][0].offset if isinstance(step, _Run) else step.nbytes)
     if len(mapping) > released_to:
         mapping.madvise(mmap.MADV_DONTNEED, released_to, len(mapping) - released_to)
+
+
+class _RunReader:
+    """Reads a file's runs of placed tensors, in order, on a thread of its own, while the caller validates
+    and converts what came before: the kernel's copies out of the page cache (and a cold file's disk reads)
+    overlap the loader's work instead of adding to it. Each run's `read` is set once it is in place; a
+    failed read is kept on its run (`error`), and the runs after it are not read. Leaving the context stops
+    the reads (at the next run) and waits for the thread."""
+
+    def __init__(self, file: Path, fd: int, runs: list[_Run]):
+        self._file, self._fd, self._runs = file, fd, runs
+        self._stopped = False
+        self._thread = threading.Thread(target=self._read, name="dsv4-checkpoint-reads", daemon=True)
+
+    def __enter__(self) -> "_RunReader":
+        if self._runs:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stopped = True
+        if self._runs:
+            self._thread.join()
+
+    def _read(self) -> None:
+        try:
+            for run in self._runs:
+                if self._stopped:
+                    break
+                try:
+                    _read_run(self._file, self._fd, run.tensors, run.end)
+                except Exception as error:  # raised in the caller's thread, where it waits for this run
+                    run.error = error
+                    break
+                finally:
+                    run.read.set()
+        finally:
+            for run in self._runs:  # nothing waits forever on a run never read
+                run.read.set()
 
 
 def _release(mapping: mmap.mmap, released_to: int, read_to: int) -> int:
@@ -286,12 +376,10 @@ def _release(mapping: mmap.mmap, released_to: int, read_to: int) -> int:
     return release_to
 
 
-def _read_run(
-    file: Path, fd: int, run: list[tuple[TensorInfo, torch.Tensor]], end: int
-) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
+def _read_run(file: Path, fd: int, run: list[tuple[TensorInfo, torch.Tensor]], end: int) -> None:
     """Read placed tensors lying back to back in the file [run[0].offset, end) with one preadv(2) that scatters
-    them into their destinations, then yield them. A short or failed read is redone tensor by tensor from the
-    first one it left incomplete (which names the tensor at fault)."""
+    them into their destinations. A short or failed read is redone tensor by tensor from the first one it left
+    incomplete (which names the tensor at fault)."""
     start = run[0][0].offset
     try:
         done = start + os.preadv(fd, [_writable_bytes(info, dest) for info, dest in run], start)
@@ -301,7 +389,6 @@ def _read_run(
         for info, dest in run:
             if info.offset + info.nbytes > done:
                 _read_into(file, fd, info, dest)
-    yield from run
 
 
 def _writable_bytes(info: TensorInfo, dest: torch.Tensor) -> memoryview:

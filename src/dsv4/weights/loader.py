@@ -181,19 +181,26 @@ def load_models(
         cfg = cfg.with_checkpoint_names(checkpoint.tensors)  # DSpark's stage count: its mtp.{s} names
     expert_format = resolve_expert_format(cfg, expert_dtype)
     layout = quant_layout(cfg)
-    models = build_models(cfg, expert_format, dtype, device, draft, kernels, parallel, activation_dtype)
-    loaded = LoadedModels(cfg, models, layout, expert_format, fmt, parallel=parallel)
-    routes = loaded.routes()
-    if checkpoint is not None:
-        shard = loaded.shard_slicer(routes)
-        writer = WeightWriter(routes, layout, error_type=CheckpointError, shard=shard, fresh=True)
-        wanted = (lambda name: True) if shard is None else (lambda name: not shard.held_elsewhere(name))
-        with _progress(checkpoint) as bar:
-            for name, tensor, origin in checkpoint.iter_tensors(wanted, writer.destination):
-                writer.load(name, tensor, origin)
-                bar.update(tensor.numel() * tensor.element_size())
-        writer.check_complete(routes.table.names(), f"{path}: incomplete checkpoint")
-    else:
+    with contextlib.ExitStack() as reads:
+        # One process reads every tensor: its disk reads start now, under the build. A rank of a group reads
+        # its share, known once its models (and their shard slicer) exist.
+        ahead = reads.enter_context(checkpoint.readahead()) if checkpoint and not parallel.is_parallel else None
+        models = build_models(cfg, expert_format, dtype, device, draft, kernels, parallel, activation_dtype)
+        loaded = LoadedModels(cfg, models, layout, expert_format, fmt, parallel=parallel)
+        routes = loaded.routes()
+        if checkpoint is not None:
+            shard = loaded.shard_slicer(routes)
+            writer = WeightWriter(routes, layout, error_type=CheckpointError, shard=shard, fresh=True)
+            wanted = (lambda name: True) if shard is None else (lambda name: not shard.held_elsewhere(name))
+            if ahead is None:
+                ahead = reads.enter_context(checkpoint.readahead(wanted))
+            with _progress(checkpoint) as bar, contextlib.closing(
+                    checkpoint.iter_tensors(wanted, writer.destination, ahead)) as tensors:
+                for name, tensor, origin in tensors:
+                    writer.load(name, tensor, origin)
+                    bar.update(tensor.numel() * tensor.element_size())
+            writer.check_complete(routes.table.names(), f"{path}: incomplete checkpoint")
+    if checkpoint is None:
         # Dummy values come in local shapes.
         writer = WeightWriter(routes, layout, error_type=CheckpointError, fresh=True)
         for name, tensor in dummy_tensors(routes.table, seed):
