@@ -323,3 +323,109 @@ def test_the_e8m0_check_finds_the_nan_byte_wherever_it_lies(layout):
             continue  # sliced off
         with pytest.raises(ConversionError, match="NaN byte 0xFF"):
             e8m0_bytes(view)
+
+
+def test_readahead_stays_within_its_lead_and_stops_when_closed(tmp_path, monkeypatch):
+    """The hints run ahead of the loader by at most the lead, follow the loader as it reports progress, cover
+    the extents in order, and stop (thread gone) on close."""
+    import os
+    import threading
+
+    from dsv4.weights import readahead as readahead_module
+
+    file = tmp_path / "data"
+    file.write_bytes(bytes(64))
+    hinted: list[tuple[int, int]] = []
+    asked = threading.Event()
+
+    def recording(fd, offset, length, advice):
+        assert advice == os.POSIX_FADV_WILLNEED
+        hinted.append((offset, length))
+        asked.set()
+
+    monkeypatch.setattr(readahead_module.os, "posix_fadvise", recording)
+
+    def settled():  # the thread has issued every hint the lead allows
+        for _ in range(200):
+            before = len(hinted)
+            threading.Event().wait(0.005)
+            if len(hinted) == before:
+                return
+
+    ahead = readahead_module.Readahead([(file, 0, 40), (file, 48, 64)], lead_bytes=16, chunk_bytes=8)
+    asked.wait(5)
+    settled()
+    assert hinted == [(0, 8), (8, 8)]  # two chunks fill the lead: no more until the loader moves
+    ahead.advance(8)
+    settled()
+    assert hinted == [(0, 8), (8, 8), (16, 8)]
+    ahead.advance(40)
+    settled()
+    assert hinted == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8), (48, 8), (56, 8)]  # the gap [40, 48) skipped
+    ahead.close()
+    assert not any(t.name == "dsv4-readahead" for t in threading.enumerate())
+    stopped = readahead_module.Readahead([(file, 0, 64)], lead_bytes=8, chunk_bytes=8)
+    stopped.close()  # closed while waiting for room: returns, the thread ends
+    assert not any(t.name == "dsv4-readahead" for t in threading.enumerate())
+
+
+def test_a_stream_left_early_stops_its_reader(tiny_release_dir, monkeypatch):
+    """A loader that stops reading (a bad tensor) closes the stream: the thread reading placed tensors ahead of
+    it reads no further run and ends with it."""
+    import threading
+
+    from dsv4.weights import checkpoint as checkpoint_module
+
+    monkeypatch.setattr(checkpoint_module, "_RUN_TENSORS", 10)  # the tiny file in many runs
+    original = checkpoint_module._read_run
+    read: list[int] = []
+    never = threading.Event()
+
+    def gated(file, fd, run, end):
+        if read:
+            never.wait(0.2)  # the second run is still being read when the stream is closed
+        read.append(end)
+        original(file, fd, run, end)
+
+    monkeypatch.setattr(checkpoint_module, "_read_run", gated)
+    checkpoint = checkpoint_module.CheckpointDir(tiny_release_dir)
+
+    def everything(name, dtype, shape):
+        info = checkpoint.tensors[name]
+        return torch.empty(info.nbytes, dtype=torch.uint8).view(checkpoint_module.TORCH_DTYPES[info.dtype]).view(shape)
+
+    tensors = checkpoint.iter_tensors(destination=everything)
+    next(tensors)
+    assert any(t.name == "dsv4-checkpoint-reads" for t in threading.enumerate())
+    tensors.close()
+    assert not any(t.name == "dsv4-checkpoint-reads" for t in threading.enumerate())
+    assert len(read) == 2 < len(checkpoint.tensors) // 10  # the run under way finished, none after it
+
+
+def test_a_load_asks_for_its_files_before_it_builds_the_model(tiny_release_dir, monkeypatch):
+    """A one-process load starts the checkpoint's disk reads before the model build, over every tensor's bytes."""
+    from dsv4.weights import loader as loader_module
+    from dsv4.weights import readahead as readahead_module
+
+    events: list[str] = []
+    asked: list[int] = []
+    original_build = loader_module.build_models
+    original_init = readahead_module.Readahead.__init__
+
+    def building(*args, **kwargs):
+        events.append("build")
+        return original_build(*args, **kwargs)
+
+    def starting(self, extents, *args, **kwargs):
+        events.append("readahead")
+        asked.append(sum(end - start for _, start, end in extents))
+        original_init(self, extents, *args, **kwargs)
+
+    monkeypatch.setattr(loader_module, "build_models", building)
+    monkeypatch.setattr(readahead_module.Readahead, "__init__", starting)
+    loaded = loader_module.load_models(tiny_release_dir, dtype=torch.float32)
+    assert events == ["readahead", "build"]
+    from dsv4.weights.checkpoint import CheckpointDir
+
+    assert asked == [sum(info.nbytes for info in CheckpointDir(tiny_release_dir).tensors.values())]
+    assert loaded.target is not None
