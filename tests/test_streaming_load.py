@@ -383,7 +383,7 @@ def test_a_stream_left_early_stops_its_reader(tiny_release_dir, monkeypatch):
 
     def gated(file, fd, run, end):
         if read:
-            never.wait(0.2)  # the second run is still being read when the stream is closed
+            never.wait(0.2)  # a second run, if begun, is still being read when the stream is closed
         read.append(end)
         original(file, fd, run, end)
 
@@ -399,7 +399,7 @@ def test_a_stream_left_early_stops_its_reader(tiny_release_dir, monkeypatch):
     assert any(t.name == "dsv4-checkpoint-reads" for t in threading.enumerate())
     tensors.close()
     assert not any(t.name == "dsv4-checkpoint-reads" for t in threading.enumerate())
-    assert len(read) == 2 < len(checkpoint.tensors) // 10  # the run under way finished, none after it
+    assert len(read) <= 2 < len(checkpoint.tensors) // 10  # the run under way finished, none after it
 
 
 def test_a_load_asks_for_its_files_before_it_builds_the_model(tiny_release_dir, monkeypatch):
