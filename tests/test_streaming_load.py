@@ -326,47 +326,66 @@ def test_the_e8m0_check_finds_the_nan_byte_wherever_it_lies(layout):
 
 
 def test_readahead_stays_within_its_lead_and_stops_when_closed(tmp_path, monkeypatch):
-    """The hints run ahead of the loader by at most the lead, follow the loader as it reports progress, cover
-    the extents in order, and stop (thread gone) on close."""
-    import os
+    """The reads run ahead of the loader by at most the lead, follow the loader as it reports progress, cover
+    the extents (not the gaps between them), and stop (thread gone) on close."""
+    import mmap
     import threading
 
     from dsv4.weights import readahead as readahead_module
 
+    page = mmap.PAGESIZE
     file = tmp_path / "data"
-    file.write_bytes(bytes(64))
-    hinted: list[tuple[int, int]] = []
-    asked = threading.Event()
+    file.write_bytes(bytes(8 * page))
+    read: list[int] = []  # lengths asked for, in order
 
-    def recording(fd, offset, length, advice):
-        assert advice == os.POSIX_FADV_WILLNEED
-        hinted.append((offset, length))
-        asked.set()
+    def recording(address, length):
+        read.append(length)
+        return True
 
-    monkeypatch.setattr(readahead_module.os, "posix_fadvise", recording)
+    monkeypatch.setattr(readahead_module, "populate", recording)
 
-    def settled():  # the thread has issued every hint the lead allows
+    def settled():  # the thread has asked for everything the lead allows
         for _ in range(200):
-            before = len(hinted)
+            before = len(read)
             threading.Event().wait(0.005)
-            if len(hinted) == before:
+            if len(read) == before:
                 return
 
-    ahead = readahead_module.Readahead([(file, 0, 40), (file, 48, 64)], lead_bytes=16, chunk_bytes=8)
-    asked.wait(5)
+    ahead = readahead_module.Readahead([(file, 0, 5 * page), (file, 6 * page, 8 * page)], lead_bytes=2 * page,
+                                       chunk_bytes=page)
     settled()
-    assert hinted == [(0, 8), (8, 8)]  # two chunks fill the lead: no more until the loader moves
-    ahead.advance(8)
+    assert read == [page, page]  # two chunks fill the lead: no more until the loader moves
+    ahead.advance(page)
     settled()
-    assert hinted == [(0, 8), (8, 8), (16, 8)]
-    ahead.advance(40)
+    assert read == [page] * 3
+    ahead.advance(10 * page)
     settled()
-    assert hinted == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8), (48, 8), (56, 8)]  # the gap [40, 48) skipped
+    assert read == [page] * 7  # five pages of the first extent, two of the second: the gap is not read
     ahead.close()
     assert not any(t.name == "dsv4-readahead" for t in threading.enumerate())
-    stopped = readahead_module.Readahead([(file, 0, 64)], lead_bytes=8, chunk_bytes=8)
-    stopped.close()  # closed while waiting for room: returns, the thread ends
+    waiting = readahead_module.Readahead([(file, 0, 8 * page)], lead_bytes=page, chunk_bytes=page)
+    waiting.close()  # closed while it waits for room: returns, the thread ends
     assert not any(t.name == "dsv4-readahead" for t in threading.enumerate())
+
+
+def test_readahead_leaves_the_file_cached_and_nothing_mapped(tmp_path):
+    """The real reads (madvise MADV_POPULATE_READ): the process keeps none of the pages it read ahead."""
+    from dsv4.weights.readahead import Readahead
+
+    file = tmp_path / "data"
+    file.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+
+    def rss_file() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    before = rss_file()
+    with Readahead([(file, 0, file.stat().st_size)]) as ahead:
+        ahead._thread.join(5)
+    assert rss_file() - before < 512 * 1024
+    assert file.read_bytes()[:256] == bytes(range(256))
 
 
 def test_a_stream_left_early_stops_its_reader(tiny_release_dir, monkeypatch):

@@ -19,9 +19,9 @@ What a streamed tensor costs beyond its bytes, kept to a few microseconds: one `
 view of the whole file (slicing and re-viewing the bytes took three tensor ops, ~10 us), and one `madvise`
 per _RELEASE_BYTES instead of one per tensor (each call unmaps pages and flushes their TLB entries; with
 the per-tensor calls, a copy-only replay of the small benchmark model's ~1000 tensors ran ~1.4x slower
-warm). A cold file's disk reads are asked for ahead of the loader by `readahead()` (`weights/readahead.py`:
-from a thread, so that the hints are off the loader's critical path; issued in the caller, they measured
-slower than the kernel's own fault readahead), from before the model build on.
+warm). A cold file's pages are faulted into the page cache ahead of the loader by `readahead()`
+(`weights/readahead.py`: from a thread, from before the model build on; by faults, which the kernel reads
+into large folios, where WILLNEED hints left 4 KiB pages that slowed every later read of the file ~3x).
 """
 
 import contextlib
