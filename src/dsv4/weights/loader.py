@@ -7,8 +7,9 @@
 
 Any failure raises before the models are returned, so no half-loaded model ever escapes. A checkpoint
 load streams tensors from the files straight into resident storage (those kept as they are read into it
-with one kernel copy, the rest converted from mapped views; `checkpoint.py`), and shows a progress bar on a
-terminal when it takes more than a second.
+with one kernel copy, the rest converted from mapped views; `checkpoint.py`), with the files' disk reads
+issued from before the build on (`readahead.py`), and shows a progress bar on a terminal when it takes
+more than a second.
 """
 
 import contextlib
@@ -184,7 +185,8 @@ def load_models(
     with contextlib.ExitStack() as reads:
         # One process reads every tensor: its disk reads start now, under the build. A rank of a group reads
         # its share, known once its models (and their shard slicer) exist.
-        ahead = reads.enter_context(checkpoint.readahead()) if checkpoint and not parallel.is_parallel else None
+        single = checkpoint is not None and not parallel.is_parallel
+        ahead = reads.enter_context(checkpoint.readahead()) if single else None
         models = build_models(cfg, expert_format, dtype, device, draft, kernels, parallel, activation_dtype)
         loaded = LoadedModels(cfg, models, layout, expert_format, fmt, parallel=parallel)
         routes = loaded.routes()
@@ -200,12 +202,12 @@ def load_models(
                     writer.load(name, tensor, origin)
                     bar.update(tensor.numel() * tensor.element_size())
             writer.check_complete(routes.table.names(), f"{path}: incomplete checkpoint")
-    if checkpoint is None:
-        # Dummy values come in local shapes.
-        writer = WeightWriter(routes, layout, error_type=CheckpointError, fresh=True)
-        for name, tensor in dummy_tensors(routes.table, seed):
-            writer.load(name, tensor, "dummy")
-        writer.check_complete(routes.table.names(), "dummy load")
+        else:
+            # Dummy values come in local shapes.
+            writer = WeightWriter(routes, layout, error_type=CheckpointError, fresh=True)
+            for name, tensor in dummy_tensors(routes.table, seed):
+                writer.load(name, tensor, "dummy")
+            writer.check_complete(routes.table.names(), "dummy load")
     loaded.ignored = writer.ignored
     loaded.finalize()
     return loaded
