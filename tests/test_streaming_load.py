@@ -448,3 +448,23 @@ def test_a_load_asks_for_its_files_before_it_builds_the_model(tiny_release_dir, 
 
     assert asked == [sum(info.nbytes for info in CheckpointDir(tiny_release_dir).tensors.values())]
     assert loaded.target is not None
+
+
+def test_no_tensor_is_placed_outside_cpu_memory(tiny_release_dir):
+    """The kernel reads a file only into the process's own memory: models on another device get no
+    destination for any tensor (every tensor then streams through a view and is copied across)."""
+    from dsv4.config import ModelConfig
+    from dsv4.weights.checkpoint import TORCH_DTYPES, CheckpointDir
+    from dsv4.weights.loader import build_models, quant_layout, resolve_expert_format
+    from dsv4.weights.routes import RouteTable
+    from dsv4.weights.slots import SlotTable
+    from dsv4.weights.writer import WeightWriter
+
+    cfg = ModelConfig.from_file(tiny_release_dir)
+    models = build_models(cfg, resolve_expert_format(cfg, None), torch.float32, "meta", None)
+    writer = WeightWriter(RouteTable(SlotTable(models)), quant_layout(cfg), fresh=True)
+    infos = CheckpointDir(tiny_release_dir).tensors.values()
+    assert not any(writer.destination(i.name, TORCH_DTYPES[i.dtype], i.shape) is not None for i in infos)
+    cpu = build_models(cfg, resolve_expert_format(cfg, None), torch.float32, "cpu", None)
+    on_cpu = WeightWriter(RouteTable(SlotTable(cpu)), quant_layout(cfg), fresh=True)
+    assert any(on_cpu.destination(i.name, TORCH_DTYPES[i.dtype], i.shape) is not None for i in infos)

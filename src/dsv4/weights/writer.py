@@ -186,7 +186,8 @@ class WeightWriter:
         (resident FP8 / FP4 expert bytes, an FP4 expert's ue8m0 scale, a float tensor of the resident dtype
         and contiguous layout). The caller fills it, then passes it to `load()`, which checks its values
         there (FP8 NaN codes, the e8m0 NaN byte, finiteness) and copies nothing. None when the tensor must
-        be converted, transposed, paired first, sliced for a shard, or when the models are not fresh.
+        be converted, transposed, paired first, sliced for a shard, when the models are not fresh, or when
+        the destination is not CPU memory (the kernel reads the file into the caller's address space).
         """
         if not self.fresh or self.shard is not None:
             return None
@@ -202,7 +203,7 @@ class WeightWriter:
             dest = slot.scale_dest if dtype in E8M0_DTYPES else None
         else:
             return None
-        if dest is None or dest.shape != shape or not dest.is_contiguous():
+        if dest is None or dest.shape != shape or not dest.is_contiguous() or dest.device.type != "cpu":
             return None
         return dest if dest.dtype == dtype else dest.view(dtype)
 
