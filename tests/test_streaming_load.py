@@ -388,39 +388,6 @@ def test_readahead_leaves_the_file_cached_and_nothing_mapped(tmp_path):
     assert file.read_bytes()[:256] == bytes(range(256))
 
 
-def test_a_stream_left_early_stops_its_reader(tiny_release_dir, monkeypatch):
-    """A loader that stops reading (a bad tensor) closes the stream: the thread reading placed tensors ahead of
-    it reads no further run and ends with it."""
-    import threading
-
-    from dsv4.weights import checkpoint as checkpoint_module
-
-    monkeypatch.setattr(checkpoint_module, "_RUN_TENSORS", 10)  # the tiny file in many runs
-    original = checkpoint_module._read_run
-    read: list[int] = []
-    never = threading.Event()
-
-    def gated(file, fd, run, end):
-        if read:
-            never.wait(0.2)  # a second run, if begun, is still being read when the stream is closed
-        read.append(end)
-        original(file, fd, run, end)
-
-    monkeypatch.setattr(checkpoint_module, "_read_run", gated)
-    checkpoint = checkpoint_module.CheckpointDir(tiny_release_dir)
-
-    def everything(name, dtype, shape):
-        info = checkpoint.tensors[name]
-        return torch.empty(info.nbytes, dtype=torch.uint8).view(checkpoint_module.TORCH_DTYPES[info.dtype]).view(shape)
-
-    tensors = checkpoint.iter_tensors(destination=everything)
-    next(tensors)
-    assert any(t.name == "dsv4-checkpoint-reads" for t in threading.enumerate())
-    tensors.close()
-    assert not any(t.name == "dsv4-checkpoint-reads" for t in threading.enumerate())
-    assert len(read) <= 2 < len(checkpoint.tensors) // 10  # the run under way finished, none after it
-
-
 def test_a_load_asks_for_its_files_before_it_builds_the_model(tiny_release_dir, monkeypatch):
     """A one-process load starts the checkpoint's disk reads before the model build, over every tensor's bytes."""
     from dsv4.weights import loader as loader_module

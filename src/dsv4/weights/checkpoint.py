@@ -7,13 +7,13 @@ Tensors stream one at a time, in file order, and reading costs the one copy into
 whose bytes go into the model as they are (FP4 expert bytes and scales, float tensors in the resident dtype
 and layout: `WeightWriter.destination`) is read with preadv(2) straight into its destination: the kernel
 copies it out of the page cache, and none of its pages is ever mapped (a mapped copy also pays a fault per
-mapped page and the release of the mapping). Those reads run on a thread of their own (`_RunReader`), ahead
-of the caller, which meanwhile validates and converts what came before: a load's copies out of the page
-cache (a third of a warm large load) and a cold file's waits on the disk overlap the loader's work. Every
-other tensor is a zero-copy view of the memory-mapped file, which the loader converts from. safetensors' own
-reader keeps every page of a file mapped until the file is closed (RSS would grow by a whole shard); here
-the mapped pages already read are released from the process every few MiB (they stay in the page cache),
-so a load holds the resident model plus about one tensor.
+mapped page and the release of the mapping). They are read in the caller's thread: a reader thread running
+ahead of the validation (tried) cost more CPU than it overlapped on the shared 2-core development VM (a warm
+large load ~0.5-1 s more CPU, in paired runs against main). Every other tensor is a zero-copy view of the
+memory-mapped file, which the loader converts from. safetensors' own reader keeps every page of a file
+mapped until the file is closed (RSS would grow by a whole shard); here the mapped pages already read are
+released from the process every few MiB (they stay in the page cache), so a load holds the resident model
+plus about one tensor.
 
 What a streamed tensor costs beyond its bytes, kept to a few microseconds: one `as_strided` of a per-dtype
 view of the whole file (slicing and re-viewing the bytes took three tensor ops, ~10 us), and one `madvise`
@@ -31,9 +31,8 @@ import json
 import mmap
 import os
 import struct
-import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -271,104 +270,45 @@ def _open_for_reads(file: Path) -> Iterator[int]:
         os.close(fd)
 
 
-@dataclass
-class _Run:
-    """Placed tensors lying back to back in the file, [tensors[0] offset, end), read by one preadv(2)."""
-
-    tensors: list[tuple[TensorInfo, torch.Tensor]]
-    end: int
-    read: threading.Event = field(default_factory=threading.Event)  # set once read (or failed)
-    error: Exception | None = None  # why it could not be read
-
-
-def _plan(infos: list[TensorInfo], destination: Destination | None) -> list[_Run | TensorInfo]:
-    """The file's wanted tensors in order as runs of placed tensors (`_RUN_TENSORS` / `_RUN_BYTES` at most)
-    and single mapped ones."""
-    plan: list[_Run | TensorInfo] = []
-    run: _Run | None = None
-    run_bytes = 0
-    for info in infos:
-        dest = None if destination is None or info.nbytes == 0 else destination(
-            info.name, TORCH_DTYPES[info.dtype], info.shape)
-        if dest is None:
-            plan.append(info)
-            run = None
-        elif run is not None and info.offset == run.end and len(run.tensors) < _RUN_TENSORS and run_bytes < _RUN_BYTES:
-            run.tensors.append((info, dest))
-            run.end += info.nbytes
-            run_bytes += info.nbytes
-        else:
-            run = _Run([(info, dest)], info.offset + info.nbytes)
-            run_bytes = info.nbytes
-            plan.append(run)
-    return plan
-
-
 def _streamed(
     file: Path, fd: int, mapping: mmap.mmap, views: "_FileViews", infos: list[TensorInfo],
     destination: Destination | None, readahead: Readahead | None,
 ) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
-    plan = _plan(infos, destination)
     released_to = 0  # the mapping's pages below this offset are not held by the process
-    with _RunReader(file, fd, [step for step in plan if isinstance(step, _Run)]):
-        for step in plan:
-            if isinstance(step, _Run):
-                step.read.wait()
-                if step.error is not None:
-                    raise step.error
-                yield from step.tensors
-                read_to = step.end
-            else:
-                yield step, views.tensor(step)
-                read_to = step.offset + step.nbytes
-            released_to = _release(mapping, released_to, read_to)
-            if readahead is not None:
-                readahead.advance(step.end - step.tensors[0][0].offset if isinstance(step, _Run) else step.nbytes)
+    run: list[tuple[TensorInfo, torch.Tensor]] = []  # placed tensors that follow each other in the file, unread
+    run_end = run_bytes = 0
+    for info in infos:
+        dest = None if destination is None or info.nbytes == 0 else destination(
+            info.name, TORCH_DTYPES[info.dtype], info.shape)
+        if dest is not None and run and info.offset == run_end and len(run) < _RUN_TENSORS and run_bytes < _RUN_BYTES:
+            run.append((info, dest))
+            run_end += info.nbytes
+            run_bytes += info.nbytes
+            continue
+        if run:
+            yield from _read_run(file, fd, run, run_end)
+            released_to = _consumed(mapping, released_to, run_end, run_bytes, readahead)
+            run = []
+        if dest is not None:
+            run = [(info, dest)]
+            run_end = info.offset + info.nbytes
+            run_bytes = info.nbytes
+            continue
+        yield info, views.tensor(info)
+        released_to = _consumed(mapping, released_to, info.offset + info.nbytes, info.nbytes, readahead)
+    if run:
+        yield from _read_run(file, fd, run, run_end)
+        if readahead is not None:
+            readahead.advance(run_bytes)
     if len(mapping) > released_to:
         mapping.madvise(mmap.MADV_DONTNEED, released_to, len(mapping) - released_to)
 
 
-class _RunReader:
-    """Reads a file's runs of placed tensors, in order, on a thread of its own, while the caller validates
-    and converts what came before: the kernel's copies out of the page cache (and a cold file's disk reads)
-    overlap the loader's work instead of adding to it. Each run's `read` is set once it is in place; a
-    failed read is kept on its run (`error`), and the runs after it are not read. Leaving the context stops
-    the reads (at the next run) and waits for the thread."""
-
-    def __init__(self, file: Path, fd: int, runs: list[_Run]):
-        self._file, self._fd, self._runs = file, fd, runs
-        self._stopped = False
-        self._thread = threading.Thread(target=self._read, name="dsv4-checkpoint-reads", daemon=True)
-
-    def __enter__(self) -> "_RunReader":
-        if self._runs:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stopped = True
-        if self._runs:
-            self._thread.join()
-
-    def _read(self) -> None:
-        try:
-            for run in self._runs:
-                if self._stopped:
-                    break
-                try:
-                    _read_run(self._file, self._fd, run.tensors, run.end)
-                except Exception as error:  # raised in the caller's thread, where it waits for this run
-                    run.error = error
-                    break
-                finally:
-                    run.read.set()
-        finally:
-            for run in self._runs:  # nothing waits forever on a run never read
-                run.read.set()
-
-
-def _release(mapping: mmap.mmap, released_to: int, read_to: int) -> int:
-    """Release the mapping's whole _RELEASE_BYTES stretches below `read_to` not released yet; the new floor."""
+def _consumed(mapping: mmap.mmap, released_to: int, read_to: int, nbytes: int, readahead: Readahead | None) -> int:
+    """The stream moved past `nbytes` more tensor bytes, up to `read_to`: tell the readahead, and release the
+    mapping's whole _RELEASE_BYTES stretches below `read_to` not released yet; the new floor."""
+    if readahead is not None:
+        readahead.advance(nbytes)
     release_to = _release_floor(read_to)
     if release_to <= released_to:
         return released_to
@@ -376,10 +316,12 @@ def _release(mapping: mmap.mmap, released_to: int, read_to: int) -> int:
     return release_to
 
 
-def _read_run(file: Path, fd: int, run: list[tuple[TensorInfo, torch.Tensor]], end: int) -> None:
+def _read_run(
+    file: Path, fd: int, run: list[tuple[TensorInfo, torch.Tensor]], end: int
+) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
     """Read placed tensors lying back to back in the file [run[0].offset, end) with one preadv(2) that scatters
-    them into their destinations. A short or failed read is redone tensor by tensor from the first one it left
-    incomplete (which names the tensor at fault)."""
+    them into their destinations, then yield them. A short or failed read is redone tensor by tensor from the
+    first one it left incomplete (which names the tensor at fault)."""
     start = run[0][0].offset
     try:
         done = start + os.preadv(fd, [_writable_bytes(info, dest) for info, dest in run], start)
@@ -389,6 +331,7 @@ def _read_run(file: Path, fd: int, run: list[tuple[TensorInfo, torch.Tensor]], e
         for info, dest in run:
             if info.offset + info.nbytes > done:
                 _read_into(file, fd, info, dest)
+    yield from run
 
 
 def _writable_bytes(info: TensorInfo, dest: torch.Tensor) -> memoryview:
