@@ -133,16 +133,19 @@ QUICK_SIZES = ("tiny",)
 
 
 # ---- timing ----
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the whole process: every thread, user and system) of one call."""
+    start, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def paired(baseline: Callable[[], object], dsv4: Callable[[], object], repeats: int, target: float | None,
            prepare: Callable[[], object] = lambda: None) -> dict:
     """Alternate baseline and dsv4 `repeats` times after one untimed warm-up each; `prepare` runs untimed
-    before every timed call (e.g. dropping the page cache). `target`: None for a figure only reported."""
+    before every timed call (e.g. dropping the page cache). `target`: None for a figure only reported. The
+    CPU seconds of each side (`*_cpu_s`: all threads) are reported beside the wall seconds the ratio is of:
+    on a shared machine they show how much of a wall-time change is the machine's."""
     prepare()
     baseline()
     prepare()
@@ -154,9 +157,12 @@ def paired(baseline: Callable[[], object], dsv4: Callable[[], object], repeats: 
         prepare()
         mine = _timed(dsv4)
         pairs.append((base, mine))
-    ratios = [mine / base for base, mine in pairs]
+    ratios = [mine[0] / base[0] for base, mine in pairs]
     ratio = statistics.median(ratios)
-    return {"baseline_s": statistics.median(b for b, _ in pairs), "dsv4_s": statistics.median(m for _, m in pairs),
+    return {"baseline_s": statistics.median(b[0] for b, _ in pairs),
+            "dsv4_s": statistics.median(m[0] for _, m in pairs),
+            "baseline_cpu_s": statistics.median(b[1] for b, _ in pairs),
+            "dsv4_cpu_s": statistics.median(m[1] for _, m in pairs),
             "ratio": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios), "target": target,
             "meets_target": None if target is None else ratio <= target}
 
@@ -390,7 +396,8 @@ def fresh_memory_floor(path: Path, buffer: memoryview, repeats: int) -> dict:
     buffer, warm and cold. A load into new weights cannot beat that read, so where `ratio` exceeds a load
     target the target is below this machine's floor (its page faults alone cost more than the allowance)."""
     def named(pair: dict) -> dict:
-        keys = {"baseline_s": "reused_read_s", "dsv4_s": "fresh_arena_read_s"}
+        keys = {"baseline_s": "reused_read_s", "dsv4_s": "fresh_arena_read_s",
+                "baseline_cpu_s": "reused_read_cpu_s", "dsv4_cpu_s": "fresh_arena_read_cpu_s"}
         return {keys.get(k, k): v for k, v in pair.items() if k not in ("target", "meets_target")}
 
     warm = named(paired(lambda: read_files(path, buffer), lambda: read_into_weight_arena(path), repeats, None))
@@ -424,7 +431,7 @@ def measure(name: str, size: Size, workdir: Path, repeats: int, figures: tuple[s
     cfg, fmt = loaded.config, loaded.expert_format
     # The model build (module construction, parameter allocation) is part of every load and of none of the
     # file's bytes: reported apart, and each load ratio also without it.
-    out["build_s"] = statistics.median(_timed(lambda: build_models(cfg, fmt, DTYPE, "cpu", None))
+    out["build_s"] = statistics.median(_timed(lambda: build_models(cfg, fmt, DTYPE, "cpu", None))[0]
                                        for _ in range(max(1, repeats)))
     if "load" in figures:
         out["load_native_warm"] = paired(lambda: read_files(native, buffer), load_native, repeats,

@@ -67,7 +67,7 @@ MUTATIONS = (
     Mutation(
         "the writer rebinds expert storage instead of copying",
         "weights/slots.py",
-        "            slot = Slot(native, role, param_name, experts.format, param, param[e], scale,\n",
+        "            slot = Slot(native, role, param_name, experts.format, param, views[e], scale,\n",
         "            slot = Slot(native, role, param_name, experts.format, param, param.detach().clone()[e], scale,\n",
     ),
     Mutation(

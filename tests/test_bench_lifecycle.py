@@ -18,6 +18,7 @@ def test_quick_mode_writes_every_figure(tmp_path, benchmark_script):
         assert figure["ratio"] > 0 and figure["target"] == module.TARGETS[key], key
     for key in ("load_native_warm", "refit_native_fail_stop", "refit_bf16_fail_stop", "startup"):
         assert row[key]["baseline_s"] > 0 and row[key]["dsv4_s"] > 0
+        assert row[key]["baseline_cpu_s"] > 0 and row[key]["dsv4_cpu_s"] > 0
     assert row["refit_tensors"] > 0 and row["refit_bytes"] > 0 and row["build_s"] > 0
     assert row["peak_rss"]["resident"] == row["resident_bytes"]
     phases = row["startup_rss"]

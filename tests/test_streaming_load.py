@@ -323,3 +323,115 @@ def test_the_e8m0_check_finds_the_nan_byte_wherever_it_lies(layout):
             continue  # sliced off
         with pytest.raises(ConversionError, match="NaN byte 0xFF"):
             e8m0_bytes(view)
+
+
+def test_readahead_stays_within_its_lead_and_stops_when_closed(tmp_path, monkeypatch):
+    """The reads run ahead of the loader by at most the lead, follow the loader as it reports progress, cover
+    the extents (not the gaps between them), and stop (thread gone) on close."""
+    import mmap
+    import threading
+
+    from dsv4.weights import readahead as readahead_module
+
+    page = mmap.PAGESIZE
+    file = tmp_path / "data"
+    file.write_bytes(bytes(8 * page))
+    read: list[int] = []  # lengths asked for, in order
+
+    def recording(address, length):
+        read.append(length)
+        return True
+
+    monkeypatch.setattr(readahead_module, "populate", recording)
+
+    def settled():  # the thread has asked for everything the lead allows
+        for _ in range(200):
+            before = len(read)
+            threading.Event().wait(0.005)
+            if len(read) == before:
+                return
+
+    ahead = readahead_module.Readahead([(file, 0, 5 * page), (file, 6 * page, 8 * page)], lead_bytes=2 * page,
+                                       chunk_bytes=page)
+    settled()
+    assert read == [page, page]  # two chunks fill the lead: no more until the loader moves
+    ahead.advance(page)
+    settled()
+    assert read == [page] * 3
+    ahead.advance(10 * page)
+    settled()
+    assert read == [page] * 7  # five pages of the first extent, two of the second: the gap is not read
+    ahead.close()
+    assert not any(t.name == "dsv4-readahead" for t in threading.enumerate())
+    waiting = readahead_module.Readahead([(file, 0, 8 * page)], lead_bytes=page, chunk_bytes=page)
+    waiting.close()  # closed while it waits for room: returns, the thread ends
+    assert not any(t.name == "dsv4-readahead" for t in threading.enumerate())
+
+
+def test_readahead_leaves_the_file_cached_and_nothing_mapped(tmp_path):
+    """The real reads (madvise MADV_POPULATE_READ): the process keeps none of the pages it read ahead."""
+    from dsv4.weights.readahead import Readahead
+
+    file = tmp_path / "data"
+    file.write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+
+    def rss_file() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    before = rss_file()
+    with Readahead([(file, 0, file.stat().st_size)]) as ahead:
+        ahead._thread.join(5)
+    assert rss_file() - before < 512 * 1024
+    assert file.read_bytes()[:256] == bytes(range(256))
+
+
+def test_a_load_asks_for_its_files_before_it_builds_the_model(tiny_release_dir, monkeypatch):
+    """A one-process load starts the checkpoint's disk reads before the model build, over every tensor's bytes."""
+    from dsv4.weights import loader as loader_module
+    from dsv4.weights import readahead as readahead_module
+
+    events: list[str] = []
+    asked: list[int] = []
+    original_build = loader_module.build_models
+    original_init = readahead_module.Readahead.__init__
+
+    def building(*args, **kwargs):
+        events.append("build")
+        return original_build(*args, **kwargs)
+
+    def starting(self, extents, *args, **kwargs):
+        events.append("readahead")
+        asked.append(sum(end - start for _, start, end in extents))
+        original_init(self, extents, *args, **kwargs)
+
+    monkeypatch.setattr(loader_module, "build_models", building)
+    monkeypatch.setattr(readahead_module.Readahead, "__init__", starting)
+    loaded = loader_module.load_models(tiny_release_dir, dtype=torch.float32)
+    assert events == ["readahead", "build"]
+    from dsv4.weights.checkpoint import CheckpointDir
+
+    assert asked == [sum(info.nbytes for info in CheckpointDir(tiny_release_dir).tensors.values())]
+    assert loaded.target is not None
+
+
+def test_no_tensor_is_placed_outside_cpu_memory(tiny_release_dir):
+    """The kernel reads a file only into the process's own memory: models on another device get no
+    destination for any tensor (every tensor then streams through a view and is copied across)."""
+    from dsv4.config import ModelConfig
+    from dsv4.weights.checkpoint import TORCH_DTYPES, CheckpointDir
+    from dsv4.weights.loader import build_models, quant_layout, resolve_expert_format
+    from dsv4.weights.routes import RouteTable
+    from dsv4.weights.slots import SlotTable
+    from dsv4.weights.writer import WeightWriter
+
+    cfg = ModelConfig.from_file(tiny_release_dir)
+    models = build_models(cfg, resolve_expert_format(cfg, None), torch.float32, "meta", None)
+    writer = WeightWriter(RouteTable(SlotTable(models)), quant_layout(cfg), fresh=True)
+    infos = CheckpointDir(tiny_release_dir).tensors.values()
+    assert not any(writer.destination(i.name, TORCH_DTYPES[i.dtype], i.shape) is not None for i in infos)
+    cpu = build_models(cfg, resolve_expert_format(cfg, None), torch.float32, "cpu", None)
+    on_cpu = WeightWriter(RouteTable(SlotTable(cpu)), quant_layout(cfg), fresh=True)
+    assert any(on_cpu.destination(i.name, TORCH_DTYPES[i.dtype], i.shape) is not None for i in infos)

@@ -7,18 +7,21 @@ Tensors stream one at a time, in file order, and reading costs the one copy into
 whose bytes go into the model as they are (FP4 expert bytes and scales, float tensors in the resident dtype
 and layout: `WeightWriter.destination`) is read with preadv(2) straight into its destination: the kernel
 copies it out of the page cache, and none of its pages is ever mapped (a mapped copy also pays a fault per
-mapped page and the release of the mapping). Every other tensor is a zero-copy view of the memory-mapped
-file, which the loader converts from. safetensors' own reader keeps every page of a file mapped until the
-file is closed (RSS would grow by a whole shard); here the mapped pages already read are released from the
-process every few MiB (they stay in the page cache), so a load holds the resident model plus about one tensor.
+mapped page and the release of the mapping). They are read in the caller's thread: a reader thread running
+ahead of the validation (tried) cost more CPU than it overlapped on the shared 2-core development VM (a warm
+large load ~0.5-1 s more CPU, in paired runs against main). Every other tensor is a zero-copy view of the
+memory-mapped file, which the loader converts from. safetensors' own reader keeps every page of a file
+mapped until the file is closed (RSS would grow by a whole shard); here the mapped pages already read are
+released from the process every few MiB (they stay in the page cache), so a load holds the resident model
+plus about one tensor.
 
 What a streamed tensor costs beyond its bytes, kept to a few microseconds: one `as_strided` of a per-dtype
 view of the whole file (slicing and re-viewing the bytes took three tensor ops, ~10 us), and one `madvise`
 per _RELEASE_BYTES instead of one per tensor (each call unmaps pages and flushes their TLB entries; with
-the per-tensor calls and read-ahead hints, a copy-only replay of the small benchmark model's ~1000 tensors
-ran ~1.4x slower warm). A cold file is read by the kernel's own fault readahead: explicit WILLNEED hints
-measured slower in that replay (the kernel caps each to its readahead window and submits it in the caller,
-on the loader's critical path), and MADV_SEQUENTIAL several times slower.
+the per-tensor calls, a copy-only replay of the small benchmark model's ~1000 tensors ran ~1.4x slower
+warm). A cold file's pages are faulted into the page cache ahead of the loader by `readahead()`
+(`weights/readahead.py`: from a thread, from before the model build on; by faults, which the kernel reads
+into large folios, where WILLNEED hints left 4 KiB pages that slowed every later read of the file ~3x).
 """
 
 import contextlib
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch
 
 from dsv4.errors import CheckpointError
+from dsv4.weights.readahead import Readahead
 
 INDEX_FILE = "model.safetensors.index.json"
 _HEADER_LEN_BYTES = 8  # safetensors: little-endian u64 header size, then the JSON header
@@ -180,8 +184,31 @@ class CheckpointDir:
             if info is None or info.file.name != file:
                 raise CheckpointError(f"{index}: tensor {name} is listed in {file} but not found there")
 
+    def _wanted_by_file(self, wanted: Callable[[str], bool]) -> dict[Path, list[TensorInfo]]:
+        """The wanted tensors of each file, in file order."""
+        by_file: dict[Path, list[TensorInfo]] = {file: [] for file in self.files}
+        for info in self.tensors.values():
+            if wanted(info.name):
+                by_file[info.file].append(info)
+        for infos in by_file.values():
+            infos.sort(key=lambda i: i.offset)
+        return by_file
+
+    def readahead(self, wanted: Callable[[str], bool] = lambda name: True) -> Readahead:
+        """Disk reads of the wanted tensors' bytes, issued from now on ahead of `iter_tensors` (given it as
+        `readahead`): a context manager that stops them (`weights/readahead.py`)."""
+        extents: list[tuple[Path, int, int]] = []
+        for file, infos in self._wanted_by_file(wanted).items():
+            for info in infos:  # back-to-back tensors coalesced: other ranks' bytes are never asked for
+                if extents and extents[-1][0] == file and extents[-1][2] == info.offset:
+                    extents[-1] = (file, extents[-1][1], info.offset + info.nbytes)
+                elif info.nbytes:
+                    extents.append((file, info.offset, info.offset + info.nbytes))
+        return Readahead(extents)
+
     def iter_tensors(
-        self, wanted: Callable[[str], bool] = lambda name: True, destination: Destination | None = None
+        self, wanted: Callable[[str], bool] = lambda name: True, destination: Destination | None = None,
+        readahead: Readahead | None = None,
     ) -> Iterator[tuple[str, torch.Tensor, str]]:
         """Yield (name, tensor, file) one tensor at a time, file by file, in file order.
 
@@ -196,15 +223,13 @@ class CheckpointDir:
                 into it (one kernel copy out of the page cache: no mapping of its pages, no copy out of a
                 view) and yielded as that tensor.
 
+            readahead: the `readahead(wanted)` of the same `wanted`, told how far the stream has got.
+
         Raises:
             CheckpointError: a read failed, or the file ends inside a tensor's data (naming both).
         """
-        by_file: dict[Path, list[TensorInfo]] = {file: [] for file in self.files}
-        for info in self.tensors.values():
-            by_file[info.file].append(info)
-        for file in self.files:
-            infos = sorted((i for i in by_file[file] if wanted(i.name)), key=lambda i: i.offset)
-            for info, tensor in _stream(file, infos, destination):
+        for file, infos in self._wanted_by_file(wanted).items():
+            for info, tensor in _stream(file, infos, destination, readahead):
                 yield info.name, tensor, str(file)
 
 
@@ -221,7 +246,7 @@ def map_file(path: Path) -> mmap.mmap | None:
 
 
 def _stream(
-    file: Path, infos: list[TensorInfo], destination: Destination | None
+    file: Path, infos: list[TensorInfo], destination: Destination | None, readahead: Readahead | None
 ) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
     mapping = map_file(file) if infos else None
     if mapping is None:
@@ -230,7 +255,7 @@ def _stream(
         return
     views = _FileViews(mapping)
     with _open_for_reads(file) as fd:
-        yield from _streamed(file, fd, mapping, views, infos, destination)
+        yield from _streamed(file, fd, mapping, views, infos, destination, readahead)
 
 
 @contextlib.contextmanager
@@ -247,7 +272,7 @@ def _open_for_reads(file: Path) -> Iterator[int]:
 
 def _streamed(
     file: Path, fd: int, mapping: mmap.mmap, views: "_FileViews", infos: list[TensorInfo],
-    destination: Destination | None,
+    destination: Destination | None, readahead: Readahead | None,
 ) -> Iterator[tuple[TensorInfo, torch.Tensor]]:
     released_to = 0  # the mapping's pages below this offset are not held by the process
     run: list[tuple[TensorInfo, torch.Tensor]] = []  # placed tensors that follow each other in the file, unread
@@ -262,7 +287,7 @@ def _streamed(
             continue
         if run:
             yield from _read_run(file, fd, run, run_end)
-            released_to = _release(mapping, released_to, run_end)
+            released_to = _consumed(mapping, released_to, run_end, run_bytes, readahead)
             run = []
         if dest is not None:
             run = [(info, dest)]
@@ -270,15 +295,20 @@ def _streamed(
             run_bytes = info.nbytes
             continue
         yield info, views.tensor(info)
-        released_to = _release(mapping, released_to, info.offset + info.nbytes)
+        released_to = _consumed(mapping, released_to, info.offset + info.nbytes, info.nbytes, readahead)
     if run:
         yield from _read_run(file, fd, run, run_end)
+        if readahead is not None:
+            readahead.advance(run_bytes)
     if len(mapping) > released_to:
         mapping.madvise(mmap.MADV_DONTNEED, released_to, len(mapping) - released_to)
 
 
-def _release(mapping: mmap.mmap, released_to: int, read_to: int) -> int:
-    """Release the mapping's whole _RELEASE_BYTES stretches below `read_to` not released yet; the new floor."""
+def _consumed(mapping: mmap.mmap, released_to: int, read_to: int, nbytes: int, readahead: Readahead | None) -> int:
+    """The stream moved past `nbytes` more tensor bytes, up to `read_to`: tell the readahead, and release the
+    mapping's whole _RELEASE_BYTES stretches below `read_to` not released yet; the new floor."""
+    if readahead is not None:
+        readahead.advance(nbytes)
     release_to = _release_floor(read_to)
     if release_to <= released_to:
         return released_to

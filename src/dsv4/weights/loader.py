@@ -7,8 +7,9 @@
 
 Any failure raises before the models are returned, so no half-loaded model ever escapes. A checkpoint
 load streams tensors from the files straight into resident storage (those kept as they are read into it
-with one kernel copy, the rest converted from mapped views; `checkpoint.py`), and shows a progress bar on a
-terminal when it takes more than a second.
+with one kernel copy, the rest converted from mapped views; `checkpoint.py`), with the files' disk reads
+issued from before the build on (`readahead.py`), and shows a progress bar on a terminal when it takes
+more than a second.
 """
 
 import contextlib
@@ -181,24 +182,32 @@ def load_models(
         cfg = cfg.with_checkpoint_names(checkpoint.tensors)  # DSpark's stage count: its mtp.{s} names
     expert_format = resolve_expert_format(cfg, expert_dtype)
     layout = quant_layout(cfg)
-    models = build_models(cfg, expert_format, dtype, device, draft, kernels, parallel, activation_dtype)
-    loaded = LoadedModels(cfg, models, layout, expert_format, fmt, parallel=parallel)
-    routes = loaded.routes()
-    if checkpoint is not None:
-        shard = loaded.shard_slicer(routes)
-        writer = WeightWriter(routes, layout, error_type=CheckpointError, shard=shard, fresh=True)
-        wanted = (lambda name: True) if shard is None else (lambda name: not shard.held_elsewhere(name))
-        with _progress(checkpoint) as bar:
-            for name, tensor, origin in checkpoint.iter_tensors(wanted, writer.destination):
-                writer.load(name, tensor, origin)
-                bar.update(tensor.numel() * tensor.element_size())
-        writer.check_complete(routes.table.names(), f"{path}: incomplete checkpoint")
-    else:
-        # Dummy values come in local shapes.
-        writer = WeightWriter(routes, layout, error_type=CheckpointError, fresh=True)
-        for name, tensor in dummy_tensors(routes.table, seed):
-            writer.load(name, tensor, "dummy")
-        writer.check_complete(routes.table.names(), "dummy load")
+    with contextlib.ExitStack() as reads:
+        # One process reads every tensor: its disk reads start now, under the build. A rank of a group reads
+        # its share, known once its models (and their shard slicer) exist.
+        single = checkpoint is not None and not parallel.is_parallel
+        ahead = reads.enter_context(checkpoint.readahead()) if single else None
+        models = build_models(cfg, expert_format, dtype, device, draft, kernels, parallel, activation_dtype)
+        loaded = LoadedModels(cfg, models, layout, expert_format, fmt, parallel=parallel)
+        routes = loaded.routes()
+        if checkpoint is not None:
+            shard = loaded.shard_slicer(routes)
+            writer = WeightWriter(routes, layout, error_type=CheckpointError, shard=shard, fresh=True)
+            wanted = (lambda name: True) if shard is None else (lambda name: not shard.held_elsewhere(name))
+            if ahead is None:
+                ahead = reads.enter_context(checkpoint.readahead(wanted))
+            with _progress(checkpoint) as bar, contextlib.closing(
+                    checkpoint.iter_tensors(wanted, writer.destination, ahead)) as tensors:
+                for name, tensor, origin in tensors:
+                    writer.load(name, tensor, origin)
+                    bar.update(tensor.numel() * tensor.element_size())
+            writer.check_complete(routes.table.names(), f"{path}: incomplete checkpoint")
+        else:
+            # Dummy values come in local shapes.
+            writer = WeightWriter(routes, layout, error_type=CheckpointError, fresh=True)
+            for name, tensor in dummy_tensors(routes.table, seed):
+                writer.load(name, tensor, "dummy")
+            writer.check_complete(routes.table.names(), "dummy load")
     loaded.ignored = writer.ignored
     loaded.finalize()
     return loaded

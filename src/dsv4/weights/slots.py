@@ -108,10 +108,13 @@ class SlotTable:
         n_experts = model.cfg.n_routed_experts
         slots = []
         first = experts.first_expert  # expert parallel: the global id of this rank's first expert
+        # Every expert's view in one call each (an index per expert cost a third of planning a large model).
+        views = param.unbind(0)
+        scale_views = (None,) * len(views) if scale is None else scale.unbind(0)
         for e in range(param.shape[0]):
             native = f"{prefix}.{first + e}.{w}{WEIGHT_SUFFIX}"
-            slot = Slot(native, role, param_name, experts.format, param, param[e], scale,
-                        None if scale is None else scale[e], e, n_experts)
+            slot = Slot(native, role, param_name, experts.format, param, views[e], scale,
+                        scale_views[e], e, n_experts)
             self._add(slot)
             slots.append(slot)
         native_prefix = slots[0].native.removesuffix(f".{first}.{w}{WEIGHT_SUFFIX}") if slots else prefix

@@ -186,7 +186,8 @@ class WeightWriter:
         (resident FP8 / FP4 expert bytes, an FP4 expert's ue8m0 scale, a float tensor of the resident dtype
         and contiguous layout). The caller fills it, then passes it to `load()`, which checks its values
         there (FP8 NaN codes, the e8m0 NaN byte, finiteness) and copies nothing. None when the tensor must
-        be converted, transposed, paired first, sliced for a shard, or when the models are not fresh.
+        be converted, transposed, paired first, sliced for a shard, when the models are not fresh, or when
+        the destination is not CPU memory (the kernel reads the file into the caller's address space).
         """
         if not self.fresh or self.shard is not None:
             return None
@@ -202,7 +203,7 @@ class WeightWriter:
             dest = slot.scale_dest if dtype in E8M0_DTYPES else None
         else:
             return None
-        if dest is None or dest.shape != shape or not dest.is_contiguous():
+        if dest is None or dest.shape != shape or not dest.is_contiguous() or dest.device.type != "cpu":
             return None
         return dest if dest.dtype == dtype else dest.view(dtype)
 
@@ -271,7 +272,7 @@ class WeightWriter:
                 check_fp8_codes(t)
             pending = self._pending.get(slot)
             scale, owned = (None, False) if pending is None else self._native_scale(slot, pending.scale)
-            self._put(slot.dest, t.view(slot.dest.dtype))
+            self._put(slot.dest, t if t.dtype == slot.dest.dtype else t.view(slot.dest.dtype))
             if pending is None:
                 self._awaiting_scale[slot] = origin
                 return 0
@@ -300,7 +301,7 @@ class WeightWriter:
             if s.dtype in FLOAT_DTYPES:
                 check_finite(s)
             else:
-                e8m0_bytes(s)
+                s = e8m0_bytes(s)  # its bytes as uint8, what every use of them takes
         if slot in self._awaiting_scale:
             scale, owned = self._native_scale(slot, s)
             del self._awaiting_scale[slot]
@@ -361,7 +362,7 @@ class WeightWriter:
             if s.dtype not in E8M0_DTYPES:
                 raise ConversionError(f"ue8m0 scale must be float8_e8m0fnu or uint8 bytes, got {s.dtype}")
             check_shape(s.shape, slot.scale_dest.shape, "fp4 scale")
-            return s.view(torch.uint8), False
+            return (s if s.dtype == torch.uint8 else s.view(torch.uint8)), False
         check_shape(s.shape, slot.scale_dest.shape, "fp8 scale")
         if self.dry_run:
             return None, False
@@ -523,5 +524,5 @@ class WeightWriter:
 
 def _in_place(dest: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether `value` is `dest`'s own bytes already (read straight into it: `WeightWriter.destination`)."""
-    return (value.data_ptr() == dest.data_ptr() and value.dtype == dest.dtype and value.shape == dest.shape
-            and value.stride() == dest.stride())
+    return value is dest or (value.data_ptr() == dest.data_ptr() and value.dtype == dest.dtype
+                             and value.shape == dest.shape and value.stride() == dest.stride())
