@@ -1,21 +1,11 @@
 /* Single-token decode rows of one attention layer on CPU (kernels/decode_attention_cpu.py): the compressor
    rings and the entries they complete (`compress_decode`), then the window ring write, the indexer's top-k
-   and the attention over window keys, entries and the sink (`attend_decode`). fp32 throughout. The formulas
-   are model/attention.py's (`Compressor.emit`, `Indexer.select`, `Attention._attend_decode`), the reference
-   these are tested against (tests/test_decode_attention.py). */
+   and the attention over window keys, entries and the sink (`attend_decode`). The formulas are
+   model/attention.py's (`Compressor.emit`, `Indexer.select`, `Attention._attend_decode`), the reference these
+   are tested against (tests/test_kernels_attention.py). The arithmetic is fp32; rows and caches are fp32 or
+   bf16 (`bf16`): widened on load, rounded once on store, and rounded to bf16 where the torch path rounds (the
+   pooled entry, each q.k product, each probability). */
 #include "rows.h"
-
-/* Dot product with ACC independent partial sums (vectorisable without reassociation). */
-static float dot(const float *restrict a, const float *restrict b, long n) {
-    float acc[ACC] = {0.0f};
-    long i = 0;
-    for (; i + ACC <= n; i += ACC)
-        for (int l = 0; l < ACC; ++l) acc[l] += a[i + l] * b[i + l];
-    for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
-    for (int w = ACC / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-    return acc[0];
-}
 
 /* Element i of an fp32 or bf16 tensor, as fp32. */
 static inline float element(const void *base, int bf16, long i) {
