@@ -156,12 +156,23 @@ typedef struct {
     int index;
 } worker_arg;
 
-/* Take and run chunks of generation `gen` until none is left (or a newer job started). */
+/* Take and run chunks of generation `gen` until none is left (or a newer job started).
+
+   The job's fields are read only after a state of generation `gen` with a chunk index has been seen: the
+   caller writes them while the state says "generation gen, nothing to take" (CHUNK_MASK) and publishes the
+   index after them. Read before that, they could be the next job's while the state still held this one's, and
+   a successful exchange would then run (and count as done) a chunk of a job not yet started: its caller could
+   return before its last chunk had run. */
 static void help(pool *p, uint32_t gen) {
+    uint64_t s = atomic_load(&p->state);
+    while ((uint32_t)(s >> GEN_SHIFT) == gen && (s & CHUNK_MASK) == CHUNK_MASK) {
+        CPU_RELAX();
+        s = atomic_load(&p->state);
+    }
+    if ((uint32_t)(s >> GEN_SHIFT) != gen) return;
     const chunk_fn fn = atomic_load_explicit(&p->fn, memory_order_relaxed);
     const void *job = atomic_load_explicit(&p->job, memory_order_relaxed);
     const long n = atomic_load_explicit(&p->n_chunks, memory_order_relaxed);
-    uint64_t s = atomic_load(&p->state);
     for (;;) {
         if ((uint32_t)(s >> GEN_SHIFT) != gen || (long)(s & CHUNK_MASK) >= n) return;
         /* A successful exchange proves the job is still `gen` and unfinished, so fn/job/n were its own. */
@@ -255,12 +266,15 @@ static void pool_run(pool *p, long n_chunks, chunk_fn fn, const void *job, int n
         for (long c = 0; c < n_chunks; ++c) fn(job, c);
         return;
     }
+    const uint32_t gen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT) + 1;
+    /* The new generation with nothing to take, before its fields change: no helper of the previous job can
+       take a chunk once they do, and helpers of this one wait for the index (`help`). */
+    atomic_store(&p->state, ((uint64_t)gen << GEN_SHIFT) | CHUNK_MASK);
     atomic_store(&p->done, 0);
     atomic_store_explicit(&p->fn, fn, memory_order_relaxed);
     atomic_store_explicit(&p->job, job, memory_order_relaxed);
     atomic_store_explicit(&p->n_chunks, n_chunks, memory_order_relaxed);
     atomic_store(&p->helpers, nthreads - 1);
-    const uint32_t gen = (uint32_t)(atomic_load(&p->state) >> GEN_SHIFT) + 1;
     atomic_store(&p->state, (uint64_t)gen << GEN_SHIFT); /* publishes the job (seq_cst) */
     if (atomic_load(&p->sleepers) > 0) {
         pthread_mutex_lock(&p->mu);
