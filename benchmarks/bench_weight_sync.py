@@ -1,5 +1,5 @@
-"""Weight sync over loopback gloo: time against bytes for several bucket sizes and model sizes, against a
-memcpy of the same bytes on this machine, and how long requests wait during an update.
+"""Weight sync over loopback gloo and through shared memory: time against bytes for several bucket sizes and
+model sizes, against a memcpy of the same bytes on this machine, and how long requests wait during an update.
 
 A trainer process (`dsv4.rl.WeightSender`, rank 0) sends the weights of a dummy-loaded model (fp32, dense
 experts) to rank 1 in this process. Per model size (`--configs`; tiny ~2 MiB, small ~295 MiB, large ~1.04 GiB):
@@ -13,10 +13,15 @@ experts) to rank 1 in this process. Per model size (`--configs`; tiny ~2 MiB, sm
   serving        the whole model at the smallest bucket size, into the same engine while a thread streams
                  requests through it (pause="retract": requests in flight are preempted for the commit and
                  recompute their tokens under the new weights): what requests wait during an update
+  colocated      the same updates as refit through shared memory instead of gloo (`ColocatedWeightSender`
+                 in the trainer process, `LLM.update_weights_from_shared` in the engine): the trainer's
+                 share (one packing copy into /dev/shm) and the engine's update (checksums, the same atomic
+                 refit session) with no transport between them
 
 Per update:
   sync_s          the trainer's `send`: agreeing on the plan, packing, broadcasting, the engine verifying
-                  (checksum) and staging every bucket, its commit (write, finalize, audit), and its answer
+                  (checksum) and staging every bucket, its commit (write, finalize, audit), and its answer;
+                  colocated: share_s (the trainer packing every bucket into shared memory) + update_call_s
   plan_s          the trainer's `plan`: one read of the tensors to checksum every bucket
   update_call_s   the engine's `update_weights_from_distributed` call: receive_wait_s (waiting for a bucket
                   to arrive) + apply_s (verify and stage) + commit_s (the atomic session's finish: the only
@@ -35,8 +40,9 @@ serving rows also have:
   tokens_during_update  tokens the stream produced while the update call ran (the receive does not stop
                   generation; only the commit does)
 
-Writes <out>/bench_weight_sync[_quick].json and .png. Usage:
-    python benchmarks/bench_weight_sync.py [--configs tiny small large] [--buckets-mib 4 16 64 256] [--repeats 2]
+Writes <out>/bench_weight_sync[_quick][_<modes>].json and .png (the modes' names when not all run). Usage:
+    python benchmarks/bench_weight_sync.py [--configs tiny small large] [--modes transport refit serving colocated]
+                                           [--buckets-mib 4 16 64 256] [--repeats 2]
     python benchmarks/bench_weight_sync.py --quick      # tiny model, seconds (the test suite runs this)
 Needs the `test` extra (the configs come from tests/reference.py) and `bench` (matplotlib).
 """
@@ -67,7 +73,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import reference as ref  # noqa: E402
 from dsv4 import LLM, SamplingParams  # noqa: E402
-from dsv4.rl import WeightSender  # noqa: E402
+from dsv4.rl import ColocatedWeightSender, WeightSender  # noqa: E402
 from dsv4.weights.transfer import WeightReceiver  # noqa: E402
 
 # small with 80 experts instead of 16: ~1.04 GiB of fp32 weights, the issue's ">= 1 GB".
@@ -80,9 +86,9 @@ TIMEOUT_S = 600.0
 TARGET_RATIO = 3.0  # issue 19: a refit of every tensor within 3x a memcpy of the same bytes
 # transport: the protocol, packing, broadcast and checksums, into a session that keeps nothing (what
 # weight sync itself costs); refit: the same into a real engine's refit session (what an update costs);
-# serving: a refit while requests stream (what requests wait).
-TRANSPORT, REFIT, SERVING = "transport", "refit", "serving"
-MODES = (TRANSPORT, REFIT, SERVING)
+# serving: a refit while requests stream (what requests wait); colocated: a refit through shared memory.
+TRANSPORT, REFIT, SERVING, COLOCATED = "transport", "refit", "serving", "colocated"
+MODES = (TRANSPORT, REFIT, SERVING, COLOCATED)
 # The serving stream: requests of this many new tokens back to back, in a context long enough to outlast an
 # update (the cache costs nothing until written).
 STREAM_TOKENS = 256
@@ -132,16 +138,27 @@ def trainer(ports: dict[str, int], tensors_path: str, buckets: list[int], repeat
     try:
         tensors = load_file(tensors_path)
         names = list(tensors)
-        for mode in MODES:
-            sender = WeightSender("127.0.0.1", ports[mode], 2, group_name=mode, timeout=TIMEOUT_S)
+        for mode in ports:
+            colocated = mode == COLOCATED
+            sender = (ColocatedWeightSender() if colocated
+                      else WeightSender("127.0.0.1", ports[mode], 2, group_name=mode, timeout=TIMEOUT_S))
             for count, bucket, _ in schedule(mode, len(names), buckets, repeats):
                 update = {n: tensors[n] for n in names[:count]}
                 ready.get(timeout=TIMEOUT_S)
                 start = time.perf_counter()
                 meta = sender.plan(update, bucket_bytes=bucket)
                 out.put(("meta", (meta, time.perf_counter() - start)))
-                out.put(("sent", sender.send(update, meta)))
-            sender.close()
+                if colocated:  # the engine applies it once the handle arrives, then says so
+                    start = time.perf_counter()
+                    handle = sender.share(update, meta)
+                    out.put(("shared", (handle, time.perf_counter() - start)))
+                    ready.get(timeout=TIMEOUT_S)
+                else:
+                    out.put(("sent", sender.send(update, meta)))
+            if colocated:
+                sender.release()
+            else:
+                sender.close()
     except Exception as exc:
         out.put(("error", f"{type(exc).__name__}: {exc}"))
 
@@ -243,7 +260,7 @@ def run_config(name: str, args) -> list[dict]:
         tensors_path = Path(tmp) / "weights.safetensors"
         save_file({n: t.contiguous().clone() for n, t in llm.iter_weights()}, str(tensors_path))
         num_tensors = sum(1 for _ in llm.iter_weights())
-        ports = {mode: _free_port() for mode in MODES}
+        ports = {mode: None if mode == COLOCATED else _free_port() for mode in args.modes}  # in MODES order
         context = multiprocessing.get_context("spawn")
         q, ready = context.Queue(), context.Queue()
         proc = context.Process(target=trainer, args=(ports, str(tensors_path), args.buckets, args.repeats, q, ready),
@@ -251,10 +268,12 @@ def run_config(name: str, args) -> list[dict]:
         proc.start()
         rows = []
         try:
-            for mode in MODES:
+            for mode in ports:
                 if mode == TRANSPORT:
                     receiver = WeightReceiver("127.0.0.1", ports[mode], 1, 2, mode, "gloo", TIMEOUT_S)
                     update = functools.partial(receiver.update, version=0, begin=DiscardSession, max_bytes=1 << 62)
+                elif mode == COLOCATED:
+                    update = functools.partial(llm.update_weights_from_shared, pause="abort")
                 else:
                     llm.init_weight_transfer("127.0.0.1", ports[mode], group_name=mode, timeout=TIMEOUT_S)
                     pause = SERVING_PAUSE if mode == SERVING else "abort"
@@ -282,7 +301,8 @@ def run_config(name: str, args) -> list[dict]:
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     rows = [row for name in args.configs for row in run_config(name, args)]
-    return {"configs": args.configs, "threads": args.threads, "repeats": args.repeats, "target_ratio": TARGET_RATIO,
+    return {"configs": args.configs, "modes": args.modes, "threads": args.threads, "repeats": args.repeats,
+            "target_ratio": TARGET_RATIO,
             "rows": rows, "summary": _summary(rows), "machine": platform.platform(), "torch": torch.__version__,
             "note": "contended 2-core VM unless re-run on a quiet machine"}
 
@@ -290,15 +310,24 @@ def run(args) -> dict:
 def _measure(q, ready, update, config: str, mode: str, bucket: int, rep: int) -> dict:
     ready.put(True)
     meta, plan_s = _next(q, "meta")
-    start = time.perf_counter()
-    got = update(meta)
-    end = time.perf_counter()
-    sent = _next(q, "sent")
+    extra = {}
+    if mode == COLOCATED:
+        handle, extra["share_s"] = _next(q, "shared")
+        start = time.perf_counter()
+        got = update(meta, handle)
+        end = time.perf_counter()
+        ready.put(True)  # the trainer may reuse its shared segment now
+        sync_s = extra["share_s"] + end - start
+    else:
+        start = time.perf_counter()
+        got = update(meta)
+        end = time.perf_counter()
+        sync_s = _next(q, "sent")["seconds"]
     memcpy = _memcpy_s(got["bytes"])
     return {"config": config, "mode": mode, "bytes": got["bytes"], "tensors": got["tensors"], "bucket_bytes": bucket,
-            "buckets": got["buckets"], "repeat": rep, "plan_s": plan_s, "sync_s": sent["seconds"],
+            "buckets": got["buckets"], "repeat": rep, "plan_s": plan_s, "sync_s": sync_s,
             "update_call_s": end - start, "receive_wait_s": got["receive_wait_s"], "apply_s": got["apply_s"],
-            "commit_s": got["commit_s"], "memcpy_s": memcpy, "ratio": sent["seconds"] / memcpy,
+            "commit_s": got["commit_s"], "memcpy_s": memcpy, "ratio": sync_s / memcpy, **extra,
             "start": start, "end": end}
 
 
@@ -315,6 +344,8 @@ def _summary(rows: list[dict]) -> list[dict]:
         if key[1] == SERVING:
             for field in ("request_wait_s", "token_gap_s", "tokens_during_update"):
                 entry[field] = statistics.median(r[field] for r in group)
+        if key[1] == COLOCATED:
+            entry["share_s"] = statistics.median(r["share_s"] for r in group)
         out.append(entry)
     return _with_transport_floor(out)
 
@@ -328,7 +359,7 @@ def _with_transport_floor(summary: list[dict]) -> list[dict]:
     floors = {(s["config"], s["bytes"], s["bucket_bytes"]): s for s in summary if s["mode"] == TRANSPORT}
     for entry in summary:
         floor = floors.get((entry["config"], entry["bytes"], entry["bucket_bytes"]))
-        if entry["mode"] == TRANSPORT or floor is None:
+        if entry["mode"] in (TRANSPORT, COLOCATED) or floor is None:  # colocated: no transport to stand on
             continue
         entry.update(transport_sync_s=floor["sync_s"], transport_ratio=floor["ratio"],
                      over_transport_s=entry["sync_s"] - floor["sync_s"],
@@ -345,7 +376,7 @@ def plot(results: dict, path: Path) -> None:
     summary = results["summary"]
     fig, (ax_t, ax_r, ax_w) = plt.subplots(1, 3, figsize=(17, 5))
     buckets = sorted({s["bucket_bytes"] for s in summary if s["mode"] != SERVING})
-    for mode, style in ((REFIT, "-"), (TRANSPORT, "--")):
+    for mode, style in ((REFIT, "-"), (TRANSPORT, "--"), (COLOCATED, ":")):
         for bucket in buckets:
             pts = sorted((s for s in summary if s["bucket_bytes"] == bucket and s["mode"] == mode),
                          key=lambda s: s["bytes"])
@@ -372,7 +403,8 @@ def plot(results: dict, path: Path) -> None:
     ax_w.set_ylabel("seconds (median)")
     ax_w.set_title(f"while serving (pause={SERVING_PAUSE!r})", fontsize=8)
     ax_w.legend(fontsize=6, loc="upper left")
-    fig.suptitle(f"weight sync over loopback gloo, {'/'.join(results['configs'])} models (fp32, dense experts); "
+    fig.suptitle(f"weight sync over loopback gloo and shared memory, {'/'.join(results['configs'])} models "
+                 f"(fp32, dense experts); "
                  f"{results['note']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -382,6 +414,7 @@ def plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", choices=CONFIGS, nargs="+", default=list(CONFIGS))
+    p.add_argument("--modes", choices=MODES, nargs="+", default=list(MODES))
     p.add_argument("--buckets-mib", type=float, nargs="+", default=[4, 16, 64, 256])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
@@ -390,11 +423,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     args.buckets = [int(b * MIB) for b in args.buckets_mib]
+    args.modes = [m for m in MODES if m in args.modes]
     if args.quick:
         args.configs, args.buckets, args.repeats = ["tiny"], list(QUICK_BUCKETS), 1
     results = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     name = "bench_weight_sync" + ("_quick" if args.quick else "")
+    if args.modes != list(MODES):  # a subset of the modes does not overwrite the full run's record
+        name += "_" + "_".join(args.modes)
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1) + "\n")
     if not args.no_plot:
         plot(results, args.out / f"{name}.png")

@@ -1,5 +1,6 @@
 """benchmarks/bench_weight_sync.py --quick keeps working: every configuration is measured, paired with its
-memcpy, the engine's update call is accounted for by its phases, and the serving mode sees requests wait."""
+memcpy, the engine's update call is accounted for by its phases, the serving mode sees requests wait, and the
+colocated mode times the trainer's share and the engine's update."""
 
 from __future__ import annotations
 
@@ -38,12 +39,15 @@ def test_quick_mode_measures_every_configuration(tmp_path, monkeypatch):
     assert {s["mode"] for s in results["summary"]} == set(bench.MODES)
     assert all(s["meets_target"] == (s["ratio"] <= bench.TARGET_RATIO) for s in results["summary"])
     floors = {(s["bytes"], s["bucket_bytes"]): s for s in results["summary"] if s["mode"] == bench.TRANSPORT}
-    for s in results["summary"]:  # every engine figure stands beside the transport floor of the same update
-        if s["mode"] != bench.TRANSPORT:
+    for s in results["summary"]:  # every gloo engine figure stands beside the transport floor of the same update
+        if s["mode"] in (bench.REFIT, bench.SERVING):
             floor = floors[s["bytes"], s["bucket_bytes"]]
             assert (s["transport_sync_s"], s["transport_ratio"]) == (floor["sync_s"], floor["ratio"])
             assert s["over_transport_s"] == pytest.approx(s["sync_s"] - floor["sync_s"])
             assert s["ratio_over_transport"] == pytest.approx(s["sync_s"] / floor["sync_s"])
+    colocated = [r for r in rows if r["mode"] == bench.COLOCATED]  # the trainer's share, then the engine's call
+    assert colocated and all(r["sync_s"] == pytest.approx(r["share_s"] + r["update_call_s"]) for r in colocated)
+    assert all(r["share_s"] > 0 and r["receive_wait_s"] == 0 and r["apply_s"] > 0 for r in colocated)
     assert (tmp_path / "bench_weight_sync_quick.json").exists()
 
 

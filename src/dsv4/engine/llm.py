@@ -571,7 +571,8 @@ class LLM:
                 `begin_weight_update`.
 
         Returns:
-            {"version", "update_id", "buckets", "tensors", "bytes", "seconds"}.
+            {"version", "update_id", "buckets", "tensors", "bytes", "seconds", "receive_wait_s", "apply_s",
+            "commit_s"}.
 
         Raises:
             WeightUpdateError: refused (base version, metadata, a handle outside shared memory) or failed.

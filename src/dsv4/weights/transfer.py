@@ -247,7 +247,9 @@ def update_from_shared(
     """One update from buckets a colocated trainer packed into shared memory (`ColocatedWeightSender`).
 
     Returns:
-        {"version", "update_id", "buckets", "tensors", "bytes", "seconds"}.
+        {"version", "update_id", "buckets", "tensors", "bytes", "seconds", "receive_wait_s", "apply_s",
+        "commit_s"}: the phases as `WeightReceiver.update` reports them (the buckets are in memory already,
+        so nothing is waited for).
 
     Raises:
         WeightUpdateError: refused (base version, metadata, handle) or failed (checksum, a rejected tensor).
@@ -258,11 +260,15 @@ def update_from_shared(
     buffers = open_shared_buckets(handle, plan)
     session = begin()
     try:
+        apply_start = time.perf_counter()
         for i, buffer in enumerate(buffers):
             apply_bucket(session, plan, i, buffer)
+        commit_start = time.perf_counter()
         new_version = session.finish()
     except BaseException:
         session.abort()
         raise
+    end = time.perf_counter()
     return {"version": new_version, "update_id": plan.update_id, "buckets": len(plan.buckets),
-            "tensors": plan.num_tensors, "bytes": plan.total_bytes, "seconds": time.perf_counter() - start}
+            "tensors": plan.num_tensors, "bytes": plan.total_bytes, "seconds": end - start, "receive_wait_s": 0.0,
+            "apply_s": commit_start - apply_start, "commit_s": end - commit_start}
