@@ -35,7 +35,7 @@ from dsv4.kernels.gemv_cpu import (
 from dsv4.kernels.registry import FEW_ROW_EXPERTS, LINEAR, QUANT_EXPERTS, KernelRegistry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.model.linear import input_major
+from dsv4.model.linear import Linear, input_major
 from dsv4.model.moe import swiglu
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise, quantize_fp4, quantize_fp8_blockwise
 
@@ -479,6 +479,29 @@ def test_forked_child_computes_on_its_own_thread(lib, pool, two_threads):
     assert got == kernel(x, w).numpy().tobytes()
 
 
+
+def test_projection_binds_its_kernel_at_finalize_only():
+    """`Linear.bind_kernels` (finalize) binds the few-row kernel to the weight; forward never binds. A refit's
+    in-place copy is what the bound product reads; rows it does not take (bf16 rows on an fp32 weight, more
+    than MAX_F32_ROWS rows) run `F.linear`."""
+    proj = Linear(48, 40, torch.float32, KernelRegistry())
+    x = _rows(1, 48, torch.float32, seed=5)
+    proj(x)
+    assert proj.product is None  # forward did not bind
+    proj.bind_kernels()
+    assert proj.product is not None and proj.product.supports(x)
+    assert not proj.product.supports(_rows(MAX_F32_ROWS + 1, 48, torch.float32, 0))
+    assert not proj.product.supports(x.bfloat16())
+    with torch.no_grad():
+        proj.weight.copy_(_weight(40, 48, torch.float32, seed=6))  # a refit: same storage, new values
+    hits = collections.Counter()
+    proj.product = _CountedProduct(proj.product, hits)
+    _assert_fp32_product_close(proj(x), x, proj.weight)
+    assert hits[LINEAR] == 1  # the bound kernel served it
+    assert torch.equal(proj(_rows(3, 48, torch.float32, 7)), F.linear(_rows(3, 48, torch.float32, 7), proj.weight))
+    assert Linear(48, 40, torch.float32, KernelRegistry(force_reference=True)).product is None
+
+
 # ---- wired into the model: kernels on vs the reference registry ----
 
 
@@ -495,6 +518,26 @@ class CountingRegistry(KernelRegistry):
         if impl is not None:
             self.hits[op] += 1
         return impl
+
+    def count_bound(self, model) -> None:
+        """Count the calls of the LINEAR kernels the finalized `model`'s projections bound to their weights."""
+        for module in model.modules():
+            if isinstance(module, Linear) and module.product is not None:
+                module.product = _CountedProduct(module.product, self.hits)
+
+
+class _CountedProduct:
+    """A bound few-row product (`DenseGemv.bind`) that counts the calls it serves as LINEAR hits."""
+
+    def __init__(self, product, hits: collections.Counter):
+        self.product, self.hits = product, hits
+
+    def supports(self, x):
+        return self.product.supports(x)
+
+    def __call__(self, x):
+        self.hits[LINEAR] += 1
+        return self.product(x)
 
 
 # expert format, model dtype -> the few-row ops that must serve its calls
@@ -519,6 +562,7 @@ def test_wired_kernels_match_the_reference_model(fmt, dtype):
         model.process_weights_after_loading()
         models[name] = model
     wired = models["wired"]
+    wired.kernels.count_bound(wired)
     assert wired.layers[2].ffn.experts.w1.dtype == {"dense": dtype, "fp8": torch.float8_e4m3fn, "fp4": torch.int8}[fmt]
     caches = {name: model.allocate_cache(2, 64) for name, model in models.items()}
     prompt_a, prompt_b = list(range(3, 9)), list(range(40, 43))

@@ -265,23 +265,57 @@ class DenseGemv(_PoolKernel):
     """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K] and fp32 / bf16 rows; `supports`
     accepts the calls where it was measured faster than torch (`_DENSE_ROWS`: bf16 on bf16, R <= MAX_BF16_ROWS;
     fp32 on bf16, R <= MAX_WIDENING_ROWS; fp32 on fp32, R <= MAX_F32_ROWS, as fast idle and not on OpenMP),
-    the call itself runs any row count and every pair."""
+    the call itself runs any row count and every pair. A model's projection binds it to its weight once
+    (`bind`, at finalize), so its calls check only their rows."""
 
     _entry = "dense_xw"
 
-    @staticmethod
-    def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        if not _cpu_rows(x):
-            return False
-        most = _DENSE_ROWS.get((x.dtype, weight.dtype), 0)
-        return (x.shape[0] <= most and weight.dim() == 2 and not weight.requires_grad
-                and weight.shape[1] == x.shape[1] and weight.is_cpu and _input_major(weight))
+    def bind(self, weight: torch.Tensor) -> BoundGemv | None:
+        """This kernel fixed to one resident weight, or None when `supports` takes no call on it.
+
+        Args:
+            weight: an input-major [N, K] weight (`dsv4.model.linear.input_major`) whose address stays put
+                until the next bind (loads and refits copy into it).
+
+        Returns:
+            The bound product: its layout, format and pointer read here, once.
+        """
+        rows = {act: most for (act, dtype), most in _DENSE_ROWS.items() if dtype == weight.dtype}
+        if weight.dim() != 2 or weight.requires_grad or not weight.is_cpu or not rows or not _input_major(weight):
+            return None
+        return BoundGemv(self._fn, self._pool, weight, rows)
+
+    def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        bound = self.bind(weight)
+        return not torch.compiler.is_compiling() and bound is not None and bound.supports(x)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        (R, K), N = x.shape, weight.shape[0]
-        y = x.new_empty(R, N)
-        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, K, weight.data_ptr(),
-                          _DENSE_FMT[weight.dtype], N, N,
+        return BoundGemv(self._fn, self._pool, weight, {})(x)
+
+
+class BoundGemv:
+    """DenseGemv on one input-major weight: what depends only on the weight (format, shape, address) is
+    decided when it is bound; `supports(x)` checks the rows, `__call__(x)` runs x [R, K] @ weight.T.
+    `rows`: the most rows `supports` takes, by activation dtype (`_DENSE_ROWS` of the weight's dtype).
+    Holds the weight, so the address it calls with names live storage."""
+
+    def __init__(self, fn, pool: WorkerPool, weight: torch.Tensor, rows: dict[torch.dtype, int]):
+        self.weight = weight
+        self._fn, self._pool, self._rows = fn, pool, rows
+        self.out_features, self.in_features = weight.shape
+        N = self.out_features
+        self._weight_args = (weight.data_ptr(), _DENSE_FMT[weight.dtype], N, N)  # pointer, format, N, row stride
+
+    def supports(self, x: torch.Tensor) -> bool:
+        """Eager CPU rows this weight's product runs faster here than in torch (the caller checked that no
+        graph is being captured)."""
+        return (x.dim() == 2 and x.shape[0] <= self._rows.get(x.dtype, 0) and x.shape[1] == self.in_features
+                and x.is_cpu and x.is_contiguous() and x.numel() > 0 and not x.requires_grad)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        R = x.shape[0]
+        y = x.new_empty(R, self.out_features)
+        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, self.in_features, *self._weight_args,
                           y.data_ptr(), self._pool.threads())
         _check(status, "dense_xw")
         return y

@@ -405,10 +405,11 @@ class Attention(nn.Module):
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output: heads split into g groups, each mapped to ol by its own block of wo_a."""
         T = out.shape[0]
-        grouped = out.reshape(T, self.o_groups, -1)  # [T, g, (H/g)*hd]
+        grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [g, T, (H/g)*hd]
         wo_a = compute_weight(self.wo_a.weight, grouped.dtype)
-        wo_a = wo_a.view(self.o_groups, self.o_lora_rank, -1)  # [g, ol, (H/g)*hd]
-        low_rank = bf16_products.einsum("tgc,goc->tgo", grouped, wo_a).reshape(T, -1)  # [T, g*ol]
+        wo_a = wo_a.view(self.o_groups, self.o_lora_rank, -1).transpose(1, 2)  # [g, (H/g)*hd, ol]
+        # One bmm over the groups (an einsum plans the same product per call: 2-3x its cost at a decode row)
+        low_rank = bf16_products.bmm(grouped, wo_a).transpose(0, 1).reshape(T, -1)  # [T, g*ol]
         return all_reduce(self.wo_b(low_rank), self.parallel)  # tensor parallel: the ranks' groups summed
 
 
