@@ -480,10 +480,10 @@ def test_forked_child_computes_on_its_own_thread(lib, pool, two_threads):
 
 
 
-def test_projection_binds_its_kernel_at_finalize_only():
+def test_projection_binds_its_kernel_at_finalize_only(monkeypatch):
     """`Linear.bind_kernels` (finalize) binds the few-row kernel to the weight; forward never binds. A refit's
     in-place copy is what the bound product reads; rows it does not take (bf16 rows on an fp32 weight, more
-    than MAX_F32_ROWS rows) run `F.linear`."""
+    than MAX_F32_ROWS rows) run `F.linear`, and so does every call inside a graph being captured."""
     proj = Linear(48, 40, torch.float32, KernelRegistry())
     x = _rows(1, 48, torch.float32, seed=5)
     proj(x)
@@ -498,6 +498,9 @@ def test_projection_binds_its_kernel_at_finalize_only():
     proj.product = _CountedProduct(proj.product, hits)
     _assert_fp32_product_close(proj(x), x, proj.weight)
     assert hits[LINEAR] == 1  # the bound kernel served it
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert torch.equal(proj(x), F.linear(x, proj.weight)) and hits[LINEAR] == 1
+    monkeypatch.undo()
     assert torch.equal(proj(_rows(3, 48, torch.float32, 7)), F.linear(_rows(3, 48, torch.float32, 7), proj.weight))
     assert Linear(48, 40, torch.float32, KernelRegistry(force_reference=True)).product is None
 

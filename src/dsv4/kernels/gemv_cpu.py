@@ -434,57 +434,80 @@ class FusedMoeLayer(_PoolKernel):
     """One token's whole MoE layer in one call: the router (scores, top-k with correction bias or a hash row,
     normalised scaled weights), its routed experts (dense or FP8 / FP4 stacks, as FusedExperts /
     FusedQuantExperts run them) and the shared expert, fp32 rows. A decode step's MoE layer is otherwise ~30
-    torch ops and four kernel calls for ~0.3 MB of weights.
-
-    Arguments: x [1, D]; token_ids [1] (the hash row's token); router_weight [E, D] input-major (fp32 or bf16);
-    bias [E] fp32 (None when hashed); hash_table [V, k] int32 (None unless hashed); scoring (a
-    ModelConfig.scoring_func), top_k, scaling, norm_eps (added to the picked scores' sum); the routed stacks w1,
-    w1_scale, w3, w3_scale, w2, w2_scale (scales None for dense stacks), block (the FP8 / FP4 scale block; unused
-    dense), limit (SwiGLU clamp); shared_w1/w3 [Is, D], shared_w2 [D, Is] input-major (fp32 or bf16). Returns
-    routed + shared [1, D]."""
+    torch ops and four kernel calls for ~0.3 MB of weights. A layer binds it to its weights once (`bind`, at
+    finalize): the bound kernel's calls take x [1, D] and token_ids [1] and return routed + shared [1, D]."""
 
     _entry = "moe_layer"
 
-    @staticmethod
-    def supports(x, token_ids, router_weight, bias, hash_table, scoring, top_k, scaling, norm_eps, w1, w1_scale, w3,
-                 w3_scale, w2, w2_scale, block, limit, shared_w1, shared_w3, shared_w2) -> bool:
-        if x.dtype != torch.float32 or not _cpu_rows(x) or x.shape[0] > MAX_MOE_LAYER_ROWS or scoring not in _SCORING:
-            return False
-        D, E = x.shape[1], w1.shape[0] if w1.dim() == 3 else 0
-        dense = all(w is None for w in (w1_scale, w3_scale, w2_scale))
-        stacks = _dense_stacks_ok(x, w1, w3, w2) if dense else _quant_stacks_ok(x, w1, w1_scale, w3, w3_scale, w2,
-                                                                                 w2_scale, block)
-        if hash_table is not None:
-            routing = (bias is None and hash_table.dtype == torch.int32 and hash_table.dim() == 2
-                       and hash_table.shape[1] == top_k and hash_table.is_contiguous()
-                       and token_ids.numel() == 1 and token_ids.dtype == torch.int64)
-        else:
-            routing = (bias is not None and bias.dtype == torch.float32 and tuple(bias.shape) == (E,)
-                       and bias.is_contiguous())
-        inter = shared_w1.shape[0]
-        shared = (all(w.dim() == 2 and w.dtype in _DENSE_FMT and w.device.type == "cpu" and _input_major(w)
-                      for w in (shared_w1, shared_w3, shared_w2))
-                  and tuple(shared_w1.shape) == tuple(shared_w3.shape) == (inter, D)
-                  and tuple(shared_w2.shape) == (D, inter))
-        return (stacks and routing and shared and 0 < top_k <= E and router_weight.dtype in _DENSE_FMT
-                and tuple(router_weight.shape) == (E, D) and router_weight.device.type == "cpu"
-                and _input_major(router_weight))
+    def bind(self, router, experts, shared, norm_eps: float) -> BoundMoeLayer | None:
+        """This kernel fixed to one layer's weights, or None when it cannot run them.
 
-    def __call__(self, x, token_ids, router_weight, bias, hash_table, scoring, top_k, scaling, norm_eps, w1, w1_scale,
-                 w3, w3_scale, w2, w2_scale, block, limit, shared_w1, shared_w3, shared_w2) -> torch.Tensor:
-        (_, D), (E, inter) = x.shape, (w1.shape[0], w1.shape[1])
-        dense = w1_scale is None
-        fmt = _DENSE_FMT[w1.dtype] if dense else _quant_format(w1)
-        hashed = hash_table is not None
+        Args:
+            router: the layer's `model.moe.Router`: weight [E, D] input-major (fp32 or bf16), `bias` [E] fp32 or
+                (hashed) `tid2eid` [V, k] int32, scoring_func (a ModelConfig.scoring_func), top_k, scaling.
+            experts: its `RoutedExperts`: dense input-major or FP8 / FP4 stacks w1, w3, w2 (+ scales), limit.
+            shared: its `SharedExpert`: w1 / w3 [Is, D], w2 [D, Is] projections, input-major (fp32 or bf16).
+            norm_eps: added to the picked scores' sum.
+
+        Returns:
+            The bound layer: every weight's layout checked and its pointer read here, once.
+        """
+        w1, w3, w2, D = experts.w1, experts.w3, experts.w2, router.weight.shape[1]
+        scales = tuple(getattr(experts, f"{name}_scale", None) for name in ("w1", "w3", "w2"))  # None: dense
+        x = torch.empty(1, D)  # the rows the layer takes: one fp32 token
+        block = experts.quant_block
+        stacks = (_dense_stacks_ok(x, w1, w3, w2) if scales[0] is None
+                  else _quant_stacks_ok(x, w1, scales[0], w3, scales[1], w2, scales[2], block))
+        E, top_k, bias = w1.shape[0] if w1.dim() == 3 else 0, router.top_k, getattr(router, "bias", None)
+        hash_table = router.tid2eid if router.hashed else None
+        if hash_table is not None:
+            routing = (hash_table.dtype == torch.int32 and hash_table.dim() == 2 and hash_table.shape[1] == top_k
+                       and hash_table.is_contiguous())
+        else:
+            routing = bias.dtype == torch.float32 and tuple(bias.shape) == (E,) and bias.is_contiguous()
+        sw1, sw3, sw2 = shared.w1.weight, shared.w3.weight, shared.w2.weight
+        inter = sw1.shape[0]
+        shared_ok = (all(w.dim() == 2 and w.dtype in _DENSE_FMT and w.device.type == "cpu" and _input_major(w)
+                         for w in (sw1, sw3, sw2))
+                     and tuple(sw1.shape) == tuple(sw3.shape) == (inter, D) and tuple(sw2.shape) == (D, inter))
+        rw = router.weight
+        if not (stacks and routing and shared_ok and router.scoring_func in _SCORING and 0 < top_k <= E
+                and rw.dtype in _DENSE_FMT and rw.device.type == "cpu" and _input_major(rw)):
+            return None
+        fmt = _DENSE_FMT[w1.dtype] if scales[0] is None else _quant_format(w1)
+        ptr = [None if t is None else t.data_ptr() for t in scales]
+        routing_args = (D, E, top_k, rw.data_ptr(), _DENSE_FMT[rw.dtype], _SCORING[router.scoring_func],
+                        None if hash_table is not None else bias.data_ptr(),
+                        None if hash_table is None else hash_table.data_ptr(),
+                        0 if hash_table is None else hash_table.shape[0])
+        expert_args = (float(router.scaling), float(norm_eps), w1.shape[1], fmt, w1.data_ptr(), ptr[0],
+                       w3.data_ptr(), ptr[1], w2.data_ptr(), ptr[2], block[0], block[1], float(experts.limit),
+                       inter, _DENSE_FMT[sw1.dtype], sw1.data_ptr(), sw3.data_ptr(), sw2.data_ptr())
+        held = (rw, bias, hash_table, w1, w3, w2, *scales, sw1, sw3, sw2)
+        return BoundMoeLayer(self._fn, self._pool, held, routing_args, expert_args, hash_table is not None)
+
+
+class BoundMoeLayer:
+    """FusedMoeLayer on one layer's weights (`FusedMoeLayer.bind`): `supports(x, token_ids)` checks the token,
+    `__call__` runs the layer. Holds the weights, so the addresses it calls with name live storage."""
+
+    def __init__(self, fn, pool: WorkerPool, held: tuple, routing_args: tuple, expert_args: tuple, hashed: bool):
+        self._fn, self._pool, self._held = fn, pool, held
+        self._routing_args, self._expert_args, self._hashed = routing_args, expert_args, hashed
+        self.in_features = routing_args[0]
+
+    def supports(self, x: torch.Tensor, token_ids: torch.Tensor) -> bool:
+        """One eager fp32 CPU token (MAX_MOE_LAYER_ROWS) of the layer's width; a hashed layer's token id int64."""
+        return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_MOE_LAYER_ROWS
+                and x.shape[1] == self.in_features and x.is_cpu and x.is_contiguous() and x.numel() > 0
+                and not x.requires_grad
+                and (not self._hashed or (token_ids.numel() == 1 and token_ids.dtype == torch.int64)))
+
+    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        status = self._fn(
-            self._pool.handle, x.data_ptr(), D, E, top_k, router_weight.data_ptr(), _DENSE_FMT[router_weight.dtype],
-            _SCORING[scoring], None if hashed else bias.data_ptr(), hash_table.data_ptr() if hashed else None,
-            hash_table.shape[0] if hashed else 0, int(token_ids[0]) if hashed else 0, float(scaling),
-            float(norm_eps), inter, fmt, w1.data_ptr(), None if dense else w1_scale.data_ptr(), w3.data_ptr(),
-            None if dense else w3_scale.data_ptr(), w2.data_ptr(), None if dense else w2_scale.data_ptr(),
-            block[0], block[1], float(limit), shared_w1.shape[0], _DENSE_FMT[shared_w1.dtype],
-            shared_w1.data_ptr(), shared_w3.data_ptr(), shared_w2.data_ptr(), out.data_ptr(), self._pool.threads())
+        token = int(token_ids[0]) if self._hashed else 0
+        status = self._fn(self._pool.handle, x.data_ptr(), *self._routing_args, token, *self._expert_args,
+                          out.data_ptr(), self._pool.threads())
         _check(status, "moe_layer")
         return out
 

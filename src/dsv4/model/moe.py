@@ -207,7 +207,8 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """The router is replicated (every rank routes every token); routed and shared experts give partial
     sums under tensor / expert parallelism, combined by one all-reduce. On one rank, a call the registry's
-    MOE_LAYER kernel supports (one fp32 token) runs router, routed and shared experts in that one call."""
+    MOE_LAYER kernel (bound to the weights at finalize) supports (one fp32 token) runs router, routed and shared
+    experts in that one call."""
 
     def __init__(self, cfg: ModelConfig, mlp_type: str, expert_format: str, dtype: torch.dtype,
                  kernels: KernelRegistry | None = None, parallel: ParallelState = SINGLE):
@@ -217,23 +218,20 @@ class MoE(nn.Module):
         self.gate = Router(cfg, hashed=mlp_type == HASH_MOE, dtype=dtype)
         self.experts = RoutedExperts(cfg, expert_format, cfg.quant, dtype, kernels, parallel)
         self.shared_experts = SharedExpert(cfg, dtype, kernels, parallel)
+        self.layer_kernel = None  # MOE_LAYER bound to the weights (`bind_kernels`), None: the modules above
+
+    def bind_kernels(self) -> None:
+        """At finalize (`process_weights_after_loading`, every one): bind the registry's MOE_LAYER kernel to the
+        layer's weights (on one rank only: a parallel layer is a partial sum for the all-reduce)."""
+        impl = None if self.parallel.is_parallel else self.kernels.choose(MOE_LAYER).impl
+        self.layer_kernel = None if impl is None else impl.bind(self.gate, self.experts, self.shared_experts,
+                                                                  _ROUTING_NORM_EPS)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], token_ids [T] (hash routing needs them) -> [T, D]."""
-        if not self.parallel.is_parallel:
-            args = self._layer_args(x, token_ids)
-            fused = self.kernels.kernel(MOE_LAYER, *args)
-            if fused is not None:
-                return fused(*args)
+        if not torch.compiler.is_compiling():  # a captured graph runs torch (and guards nothing of the kernel)
+            fused = self.layer_kernel
+            if fused is not None and fused.supports(x, token_ids):
+                return fused(x, token_ids)
         ids, weights = self.gate(x, token_ids)
         return all_reduce(self.experts(x, ids, weights) + self.shared_experts(x), self.parallel)
-
-    def _layer_args(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple:
-        """The arguments of MOE_LAYER (gemv_cpu.FusedMoeLayer) over this layer's weights."""
-        gate, experts, shared = self.gate, self.experts, self.shared_experts
-        dense = experts.format == DENSE
-        scales = (None, None, None) if dense else (experts.w1_scale, experts.w3_scale, experts.w2_scale)
-        return (x, token_ids, gate.weight, None if gate.hashed else gate.bias, gate.tid2eid if gate.hashed else None,
-                gate.scoring_func, gate.top_k, gate.scaling, _ROUTING_NORM_EPS, experts.w1, scales[0], experts.w3,
-                scales[1], experts.w2, scales[2], experts.quant_block, experts.limit, shared.w1.weight,
-                shared.w3.weight, shared.w2.weight)
