@@ -36,7 +36,7 @@ from dsv4.kernels.registry import FEW_ROW_EXPERTS, LINEAR, QUANT_EXPERTS, Kernel
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.linear import Linear, input_major
-from dsv4.model.moe import swiglu
+from dsv4.model.moe import RoutedExperts, swiglu
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise, quantize_fp4, quantize_fp8_blockwise
 
 FP8_BLOCK = (128, 128)
@@ -495,7 +495,7 @@ def test_projection_binds_its_kernel_at_finalize_only(monkeypatch):
     with torch.no_grad():
         proj.weight.copy_(_weight(40, 48, torch.float32, seed=6))  # a refit: same storage, new values
     hits = collections.Counter()
-    proj.product = _CountedProduct(proj.product, hits)
+    proj.product = _CountedKernel(proj.product, hits, LINEAR)
     _assert_fp32_product_close(proj(x), x, proj.weight)
     assert hits[LINEAR] == 1  # the bound kernel served it
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -523,24 +523,29 @@ class CountingRegistry(KernelRegistry):
         return impl
 
     def count_bound(self, model) -> None:
-        """Count the calls of the LINEAR kernels the finalized `model`'s projections bound to their weights."""
+        """Count the calls of the kernels the finalized `model`'s projections (LINEAR) and routed experts
+        (FEW_ROW_EXPERTS, QUANT_EXPERTS) bound to their weights."""
         for module in model.modules():
             if isinstance(module, Linear) and module.product is not None:
-                module.product = _CountedProduct(module.product, self.hits)
+                module.product = _CountedKernel(module.product, self.hits, LINEAR)
+            if isinstance(module, RoutedExperts) and module.fused is not None:
+                op = FEW_ROW_EXPERTS if module.format == "dense" else QUANT_EXPERTS
+                module.fused = _CountedKernel(module.fused, self.hits, op)
 
 
-class _CountedProduct:
-    """A bound few-row product (`DenseGemv.bind`) that counts the calls it serves as LINEAR hits."""
+class _CountedKernel:
+    """A kernel bound to weights (`DenseGemv.bind`, `FusedExperts.bind`, ...) that counts the calls it serves
+    as hits of `op`."""
 
-    def __init__(self, product, hits: collections.Counter):
-        self.product, self.hits = product, hits
+    def __init__(self, bound, hits: collections.Counter, op: str):
+        self.bound, self.hits, self.op = bound, hits, op
 
-    def supports(self, x):
-        return self.product.supports(x)
+    def supports(self, *args):
+        return self.bound.supports(*args)
 
-    def __call__(self, x):
-        self.hits[LINEAR] += 1
-        return self.product(x)
+    def __call__(self, *args):
+        self.hits[self.op] += 1
+        return self.bound(*args)
 
 
 # expert format, model dtype -> the few-row ops that must serve its calls
@@ -580,7 +585,8 @@ def test_wired_kernels_match_the_reference_model(fmt, dtype):
 
 
 class RowsRecordingRegistry(KernelRegistry):
-    """The default backends, recording the torch and kernel-pool threads each forward's rows ran with."""
+    """The default backends, recording the torch and few-row kernel-pool threads each forward's rows ran with
+    (at every kernel the registry hands out inside it: the projections' are bound at finalize, not asked)."""
 
     def __init__(self):
         super().__init__()
@@ -589,8 +595,8 @@ class RowsRecordingRegistry(KernelRegistry):
 
     def kernel(self, op, *args):
         impl = super().kernel(op, *args)
-        if op == LINEAR and impl is not None and self.rows is not None:
-            self.steps.append((self.rows, torch.get_num_threads(), impl.pool.threads()))
+        if impl is not None and self.rows is not None:
+            self.steps.append((self.rows, torch.get_num_threads(), self.choose(LINEAR).impl.pool.threads()))
         return impl
 
     @contextlib.contextmanager

@@ -354,19 +354,50 @@ def _routing_ok(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     return routing and ids.numel() <= MAX_PICKS_PER_EXPERT.get(w1.dtype, 0) * experts
 
 
-def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, limit) -> torch.Tensor:
-    """moe_experts over x's tokens, MAX_EXPERT_SCRATCH_BYTES of scratch rows at a time."""
-    (T, D), (E, inter), k = x.shape, (w1.shape[0], w1.shape[1]), ids.shape[1]
+def _run_experts(fn, pool, x, ids, weights, inter: int, stacks: tuple) -> torch.Tensor:
+    """moe_experts over x's tokens, MAX_EXPERT_SCRATCH_BYTES of scratch rows at a time. `stacks`: the C call's
+    expert arguments (`_stack_args`)."""
+    (T, D), k = x.shape, ids.shape[1]
     out = torch.empty_like(x)
     per_token = k * (2 * D + 3 * inter) * 4  # fp32 scratch rows of one token's picks (gemv_cpu.c moe_experts)
     step = max(1, MAX_EXPERT_SCRATCH_BYTES // per_token)
     for t0 in range(0, T, step):
         rows = min(step, T - t0)
         status = fn(pool.handle, x[t0].data_ptr(), _ACT[x.dtype], rows, D, inter, k, ids[t0].data_ptr(),
-                    weights[t0].data_ptr(), E, fmt, w1.data_ptr(), s1, w3.data_ptr(), s3, w2.data_ptr(), s2, block[0],
-                    block[1], float(limit), out[t0].data_ptr(), pool.threads())
+                    weights[t0].data_ptr(), *stacks, out[t0].data_ptr(), pool.threads())
         _check(status, "moe_experts")
     return out
+
+
+def _stack_args(fmt: int, w1, s1, w3, s3, w2, s2, block: tuple[int, int], limit: float) -> tuple:
+    """moe_experts' expert arguments over stacks w1 / w3 / w2 (scales None for dense stacks)."""
+    ptr = [None if t is None else t.data_ptr() for t in (s1, s3, s2)]
+    return (w1.shape[0], fmt, w1.data_ptr(), ptr[0], w3.data_ptr(), ptr[1], w2.data_ptr(), ptr[2], block[0], block[1],
+            float(limit))
+
+
+class BoundExperts:
+    """FusedExperts / FusedQuantExperts on one layer's stacks (their `bind`, at finalize): `supports(x, ids,
+    weights)` checks the rows and routing, `__call__` runs them. Holds the stacks, so the addresses it calls
+    with name live storage. `most_picks`: by activation dtype it runs, the most (token, expert) picks a call may
+    have (None: any; dense stacks win only with few picks per expert, `MAX_PICKS_PER_EXPERT`)."""
+
+    def __init__(self, fn, pool: WorkerPool, held: tuple, in_features: int, inter: int, stacks: tuple,
+                 most_picks: dict[torch.dtype, int | None]):
+        self._fn, self._pool, self._held, self._inter, self._stacks = fn, pool, held, inter, stacks
+        self.in_features, self._most_picks = in_features, most_picks
+
+    def supports(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> bool:
+        if x.dtype not in self._most_picks or x.dim() != 2 or x.shape[1] != self.in_features:
+            return False
+        most = self._most_picks[x.dtype]
+        return (x.is_cpu and x.is_contiguous() and x.numel() > 0 and not x.requires_grad and ids.dtype == torch.int64
+                and ids.is_contiguous() and weights.dtype == torch.float32 and weights.is_contiguous()
+                and ids.dim() == 2 and ids.shape == weights.shape and ids.shape[0] == x.shape[0]
+                and (most is None or ids.numel() <= most))
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return _run_experts(self._fn, self._pool, x, ids, weights, self._inter, self._stacks)
 
 
 # (activation dtype, dense stack dtype) pairs FusedExperts runs: the stacks' own dtype, or fp32 rows on bf16.
@@ -403,9 +434,21 @@ class FusedExperts(_PoolKernel):
     def supports(x, ids, weights, w1, w3, w2, limit) -> bool:
         return w1.dim() == 3 and _routing_ok(x, ids, weights, w1) and _dense_stacks_ok(x, w1, w3, w2)
 
+    def bind(self, experts) -> BoundExperts | None:
+        """This kernel fixed to a `model.moe.RoutedExperts`' dense stacks (w1, w3, w2, limit), or None when it
+        runs no call on them (their layout checked once, here)."""
+        w1, w3, w2 = experts.w1, experts.w3, experts.w2
+        D = w1.shape[-1]
+        runs = [act for act in _ACT if _dense_stacks_ok(torch.empty(1, D, dtype=act), w1, w3, w2)]
+        if not runs:
+            return None
+        stacks = _stack_args(_DENSE_FMT[w1.dtype], w1, None, w3, None, w2, None, (1, 1), experts.limit)
+        most = MAX_PICKS_PER_EXPERT.get(w1.dtype, 0) * w1.shape[0]
+        return BoundExperts(self._fn, self._pool, (w1, w3, w2), D, w1.shape[1], stacks, dict.fromkeys(runs, most))
+
     def __call__(self, x, ids, weights, w1, w3, w2, limit) -> torch.Tensor:
-        return _run_experts(self._fn, self._pool, x, ids, weights, _DENSE_FMT[w1.dtype], w1, None, w3, None, w2,
-                            None, (1, 1), limit)
+        stacks = _stack_args(_DENSE_FMT[w1.dtype], w1, None, w3, None, w2, None, (1, 1), limit)
+        return _run_experts(self._fn, self._pool, x, ids, weights, w1.shape[1], stacks)
 
 
 class FusedQuantExperts(_PoolKernel):
@@ -418,9 +461,20 @@ class FusedQuantExperts(_PoolKernel):
         return (w1.dim() == 3 and _routing_ok(x, ids, weights, w1)
                 and _quant_stacks_ok(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, block))
 
+    def bind(self, experts) -> BoundExperts | None:
+        """This kernel fixed to a `model.moe.RoutedExperts`' FP8 / FP4 stacks (and scales, quant_block, limit),
+        or None when it cannot run them (their layout checked once, here)."""
+        w1, w3, w2 = experts.w1, experts.w3, experts.w2
+        scales, block = (experts.w1_scale, experts.w3_scale, experts.w2_scale), experts.quant_block
+        D = w1.shape[-1] * (1 if _quant_format(w1) == _FMT_FP8 else 2)
+        if w1.dim() != 3 or not _quant_stacks_ok(torch.empty(1, D), w1, scales[0], w3, scales[1], w2, scales[2], block):
+            return None
+        stacks = _stack_args(_quant_format(w1), w1, scales[0], w3, scales[1], w2, scales[2], block, experts.limit)
+        return BoundExperts(self._fn, self._pool, (w1, w3, w2, *scales), D, w1.shape[1], stacks, dict.fromkeys(_ACT))
+
     def __call__(self, x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> torch.Tensor:
-        return _run_experts(self._fn, self._pool, x, ids, weights, _quant_format(w1), w1, w1_scale.data_ptr(), w3,
-                            w3_scale.data_ptr(), w2, w2_scale.data_ptr(), block, limit)
+        stacks = _stack_args(_quant_format(w1), w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit)
+        return _run_experts(self._fn, self._pool, x, ids, weights, w1.shape[1], stacks)
 
 
 # Router scoring functions (ModelConfig.scoring_func) and their codes in gemv_cpu.c's moe_layer.

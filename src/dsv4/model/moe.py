@@ -102,6 +102,7 @@ class RoutedExperts(nn.Module):
             self.register_parameter(name, weight)
             if scale is not None:
                 self.register_parameter(f"{name}_scale", scale)
+        self.fused = None  # the fused C kernel bound to the stacks (`bind_kernels`), None: the paths below
 
     def _allocate(self, E: int, out_dim: int, in_dim: int) -> tuple[nn.Parameter, nn.Parameter | None]:
         if self.format == DENSE:
@@ -154,25 +155,26 @@ class RoutedExperts(nn.Module):
                                    weights[token, pick].unsqueeze(1))
         return out.index_add_(0, token, rows)
 
+    def bind_kernels(self) -> None:
+        """At finalize (`process_weights_after_loading`, every one): bind the fused C kernel of the stacks'
+        layout (dense: FEW_ROW_EXPERTS; FP8 / FP4: QUANT_EXPERTS) to them."""
+        impl = self.kernels.choose(FEW_ROW_EXPERTS if self.format == DENSE else QUANT_EXPERTS).impl
+        self.fused = None if impl is None else impl.bind(self)
+
     def _forward_local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`forward` with ids indexing this rank's experts."""
+        if not torch.compiler.is_compiling():
+            fused = self.fused
+            if fused is not None and fused.supports(x, ids, weights):
+                return fused(x, ids, weights)
         if self.format == DENSE:
-            few = (x, ids, weights, self.w1, self.w3, self.w2, self.limit)
-            fused = self.kernels.kernel(FEW_ROW_EXPERTS, *few)
-            if fused is not None:
-                return fused(*few)
-            args = (*few, swiglu)
+            args = (x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
             fast = self.kernels.kernel(MOE_EXPERTS, *args)
             if fast is not None:
                 return fast(*args)
-        else:
-            args = self._quant_args(x, ids, weights)
-            if torch.compiler.is_compiling():
-                c_kernel = not self.kernels.choose(QUANT_EXPERTS).is_reference
-                return quant_experts(*args[:-2], list(self.quant_block), self.limit, c_kernel)
-            fused = self.kernels.kernel(QUANT_EXPERTS, *args)
-            if fused is not None:
-                return fused(*args)
+        elif torch.compiler.is_compiling():
+            c_kernel = not self.kernels.choose(QUANT_EXPERTS).is_reference
+            return quant_experts(*self._quant_args(x, ids, weights)[:-2], list(self.quant_block), self.limit, c_kernel)
         return self.forward_reference(x, ids, weights)
 
     def _quant_args(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
