@@ -158,8 +158,7 @@ class RoutedExperts(nn.Module):
     def bind_kernels(self) -> None:
         """At finalize (`process_weights_after_loading`, every one): bind the fused C kernel of the stacks'
         layout (dense: FEW_ROW_EXPERTS; FP8 / FP4: QUANT_EXPERTS) to them."""
-        impl = self.kernels.choose(FEW_ROW_EXPERTS if self.format == DENSE else QUANT_EXPERTS).impl
-        self.fused = None if impl is None else impl.bind(self)
+        self.fused = self.kernels.bind(FEW_ROW_EXPERTS if self.format == DENSE else QUANT_EXPERTS, self)
 
     def _forward_local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`forward` with ids indexing this rank's experts."""
@@ -225,9 +224,8 @@ class MoE(nn.Module):
     def bind_kernels(self) -> None:
         """At finalize (`process_weights_after_loading`, every one): bind the registry's MOE_LAYER kernel to the
         layer's weights (on one rank only: a parallel layer is a partial sum for the all-reduce)."""
-        impl = None if self.parallel.is_parallel else self.kernels.choose(MOE_LAYER).impl
-        self.layer_kernel = None if impl is None else impl.bind(self.gate, self.experts, self.shared_experts,
-                                                                  _ROUTING_NORM_EPS)
+        self.layer_kernel = None if self.parallel.is_parallel else self.kernels.bind(
+            MOE_LAYER, self.gate, self.experts, self.shared_experts, _ROUTING_NORM_EPS)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], token_ids [T] (hash routing needs them) -> [T, D]."""
