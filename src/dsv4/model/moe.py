@@ -133,10 +133,10 @@ class RoutedExperts(nn.Module):
         return self.block if self.format == FP8 else (1, self.group)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]. The registry's fused C kernels
-        serve dense few-token calls (FEW_ROW_EXPERTS) and FP8/FP4 calls of any size (QUANT_EXPERTS, decoded in
-        registers or a per-call panel), its grouped/gathered GEMMs larger dense batches; otherwise the
-        reference loop. Inside a compiled graph
+        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]. The fused C kernel bound to the
+        stacks at finalize serves dense few-token calls (FEW_ROW_EXPERTS) and FP8/FP4 calls of any size
+        (QUANT_EXPERTS, decoded in registers or a per-call panel), the registry's grouped/gathered GEMMs larger
+        dense batches; otherwise the reference loop. Inside a compiled graph
         FP8/FP4 experts run as one op making the same choice per call (kernels/quant_experts.py). Expert
         parallel: the sum over the experts this rank holds (ids are global)."""
         if self.parallel.expert_parallel:
