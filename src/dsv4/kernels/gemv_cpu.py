@@ -313,9 +313,10 @@ class BoundGemv:
 
     def supports(self, x: torch.Tensor) -> bool:
         """Eager CPU rows this weight's product runs faster here than in torch (the caller checked that no
-        graph is being captured)."""
+        graph is being captured); none while autograd tracks the weight (the kernel has no backward)."""
         return (x.dim() == 2 and x.shape[0] <= self._rows.get(x.dtype, 0) and x.shape[1] == self.in_features
-                and x.is_cpu and x.is_contiguous() and x.numel() > 0 and not x.requires_grad)
+                and x.is_cpu and x.is_contiguous() and x.numel() > 0 and not x.requires_grad
+                and not self.weight.requires_grad)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         R = x.shape[0]
