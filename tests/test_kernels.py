@@ -53,10 +53,18 @@ def test_mhc_cpu_kernel_declines_what_it_cannot_run(mhc_kernel):
 
 
 def test_dispatching_coefficients_equals_reference():
+    """A block's coefficients (the registry's C kernel, which must serve them) against the reference formula."""
+    from dsv4.model.block import Block
+
+    cfg = ModelConfig.from_file(EMBEDDED_MODELS["dsv4-tiny-dummy"][0])
+    block = Block(cfg, cfg.layer_types[0], cfg.mlp_layer_types[0], "dense", torch.float32, KernelRegistry())
     g = torch.Generator().manual_seed(3)
-    logits, base, scale = torch.randn(9, MIX, generator=g), torch.randn(MIX, generator=g), torch.rand(3, generator=g)
-    for got, want in zip(mhc.coefficients(logits, base, scale, HC, 20, 1e-6, KernelRegistry()),
-                         mhc.coefficients_reference(logits, base, scale, HC, 20, 1e-6)):
+    logits = torch.randn(9, cfg.hc_mix, generator=g)
+    block.hc_ffn_base.copy_(torch.randn(cfg.hc_mix, generator=g))
+    block.hc_ffn_scale.copy_(torch.rand(3, generator=g))
+    args = (logits, block.hc_ffn_base, block.hc_ffn_scale, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    assert block.kernels.kernel(MHC_COEFFICIENTS, *args) is not None
+    for got, want in zip(block._coefficients(logits, "ffn"), mhc.coefficients_reference(*args)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 

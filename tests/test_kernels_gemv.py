@@ -35,8 +35,8 @@ from dsv4.kernels.gemv_cpu import (
 from dsv4.kernels.registry import FEW_ROW_EXPERTS, LINEAR, QUANT_EXPERTS, KernelRegistry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.model.linear import input_major
-from dsv4.model.moe import swiglu
+from dsv4.model.linear import Linear, input_major
+from dsv4.model.moe import RoutedExperts, swiglu
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise, quantize_fp4, quantize_fp8_blockwise
 
 FP8_BLOCK = (128, 128)
@@ -480,6 +480,32 @@ def test_forked_child_computes_on_its_own_thread(lib, pool, two_threads):
     assert got == kernel(x, w).numpy().tobytes()
 
 
+
+def test_projection_binds_its_kernel_at_finalize_only(monkeypatch):
+    """`Linear.bind_kernels` (finalize) binds the few-row kernel to the weight; forward never binds. A refit's
+    in-place copy is what the bound product reads; rows it does not take (bf16 rows on an fp32 weight, more
+    than MAX_F32_ROWS rows) run `F.linear`, and so does every call inside a graph being captured."""
+    proj = Linear(48, 40, torch.float32, KernelRegistry())
+    x = _rows(1, 48, torch.float32, seed=5)
+    proj(x)
+    assert proj.product is None  # forward did not bind
+    proj.bind_kernels()
+    assert proj.product is not None and proj.product.supports(x)
+    assert not proj.product.supports(_rows(MAX_F32_ROWS + 1, 48, torch.float32, 0))
+    assert not proj.product.supports(x.bfloat16())
+    with torch.no_grad():
+        proj.weight.copy_(_weight(40, 48, torch.float32, seed=6))  # a refit: same storage, new values
+    hits = collections.Counter()
+    proj.product = _CountedKernel(proj.product, hits, LINEAR)
+    _assert_fp32_product_close(proj(x), x, proj.weight)
+    assert hits[LINEAR] == 1  # the bound kernel served it
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert torch.equal(proj(x), F.linear(x, proj.weight)) and hits[LINEAR] == 1
+    monkeypatch.undo()
+    assert torch.equal(proj(_rows(3, 48, torch.float32, 7)), F.linear(_rows(3, 48, torch.float32, 7), proj.weight))
+    assert Linear(48, 40, torch.float32, KernelRegistry(force_reference=True)).product is None
+
+
 # ---- wired into the model: kernels on vs the reference registry ----
 
 
@@ -496,6 +522,31 @@ class CountingRegistry(KernelRegistry):
         if impl is not None:
             self.hits[op] += 1
         return impl
+
+    def count_bound(self, model) -> None:
+        """Count the calls of the kernels the finalized `model`'s projections (LINEAR) and routed experts
+        (FEW_ROW_EXPERTS, QUANT_EXPERTS) bound to their weights."""
+        for module in model.modules():
+            if isinstance(module, Linear) and module.product is not None:
+                module.product = _CountedKernel(module.product, self.hits, LINEAR)
+            if isinstance(module, RoutedExperts) and module.fused is not None:
+                op = FEW_ROW_EXPERTS if module.format == "dense" else QUANT_EXPERTS
+                module.fused = _CountedKernel(module.fused, self.hits, op)
+
+
+class _CountedKernel:
+    """A kernel bound to weights (`DenseGemv.bind`, `FusedExperts.bind`, ...) that counts the calls it serves
+    as hits of `op`."""
+
+    def __init__(self, bound, hits: collections.Counter, op: str):
+        self.bound, self.hits, self.op = bound, hits, op
+
+    def supports(self, *args):
+        return self.bound.supports(*args)
+
+    def __call__(self, *args):
+        self.hits[self.op] += 1
+        return self.bound(*args)
 
 
 # expert format, model dtype -> the few-row ops that must serve its calls
@@ -520,6 +571,7 @@ def test_wired_kernels_match_the_reference_model(fmt, dtype):
         model.process_weights_after_loading()
         models[name] = model
     wired = models["wired"]
+    wired.kernels.count_bound(wired)
     assert wired.layers[2].ffn.experts.w1.dtype == {"dense": dtype, "fp8": torch.float8_e4m3fn, "fp4": torch.int8}[fmt]
     caches = {name: model.allocate_cache(2, 64) for name, model in models.items()}
     prompt_a, prompt_b = list(range(3, 9)), list(range(40, 43))
@@ -534,7 +586,8 @@ def test_wired_kernels_match_the_reference_model(fmt, dtype):
 
 
 class RowsRecordingRegistry(KernelRegistry):
-    """The default backends, recording the torch and kernel-pool threads each forward's rows ran with."""
+    """The default backends, recording the torch and few-row kernel-pool threads each forward's rows ran with
+    (at every kernel the registry hands out inside it: the projections' are bound at finalize, not asked)."""
 
     def __init__(self):
         super().__init__()
@@ -543,8 +596,8 @@ class RowsRecordingRegistry(KernelRegistry):
 
     def kernel(self, op, *args):
         impl = super().kernel(op, *args)
-        if op == LINEAR and impl is not None and self.rows is not None:
-            self.steps.append((self.rows, torch.get_num_threads(), impl.pool.threads()))
+        if impl is not None and self.rows is not None:
+            self.steps.append((self.rows, torch.get_num_threads(), self.choose(LINEAR).impl.pool.threads()))
         return impl
 
     @contextlib.contextmanager

@@ -59,6 +59,8 @@ def _pair(fmt: str, mlp_type: str, scoring: str) -> tuple[MoE, MoE]:
     reference = MoE(cfg, mlp_type, fmt, torch.float32, KernelRegistry(force_reference=True))
     _fill(fast, fmt, torch.Generator().manual_seed(SEED))
     reference.load_state_dict(fast.state_dict())
+    for layer in (fast, reference):
+        layer.bind_kernels()  # what finalize does
     return fast, reference
 
 
@@ -71,7 +73,7 @@ def test_one_token_layer_matches_reference(fmt, mlp_type, scoring):
     for token in range(6):  # several tokens: different hash rows and top-k picks
         x = torch.randn(1, fast.gate.weight.shape[1], generator=g)
         token_ids = torch.tensor([token * 37 % fast.gate.tid2eid.shape[0] if fast.gate.hashed else token])
-        assert fast.kernels.kernel(MOE_LAYER, *fast._layer_args(x, token_ids)) is not None
+        assert fast.layer_kernel.supports(x, token_ids) and reference.layer_kernel is None
         torch.testing.assert_close(fast(x, token_ids), reference(x, token_ids), **FP32_TOL)
 
 
@@ -95,21 +97,22 @@ def test_router_picks_the_reference_experts():
 def test_declines_calls_it_does_not_run(monkeypatch):
     fast, _ = _pair(FP4, HASH_MOE, "sqrtsoftplus")
     D = fast.gate.weight.shape[1]
-    kernel = fast.kernels.choose(MOE_LAYER).impl
+    kernel = fast.layer_kernel
     one = torch.randn(1, D)
-    assert kernel.supports(*fast._layer_args(one, torch.tensor([5])))
-    assert not kernel.supports(*fast._layer_args(torch.randn(2, D), torch.tensor([5, 6])))  # two tokens
-    assert not kernel.supports(*fast._layer_args(one.bfloat16(), torch.tensor([5])))  # bf16 rows
+    assert kernel.supports(one, torch.tensor([5]))
+    assert not kernel.supports(torch.randn(2, D), torch.tensor([5, 6]))  # two tokens
+    assert not kernel.supports(one.bfloat16(), torch.tensor([5]))  # bf16 rows
+    assert not kernel.supports(one, torch.tensor([5], dtype=torch.int32))  # a hash row's id must be int64
     # tensor parallel: each rank holds part of every expert and of the shared expert, so the layer is a partial
-    # sum for the all-reduce (stood in for here: no process group); the kernel is never asked
+    # sum for the all-reduce (stood in for here: no process group); no kernel is bound
     parallel = MoE(_config("sqrtsoftplus"), HASH_MOE, DENSE, torch.float32, KernelRegistry(),
                    ParallelState(rank=0, world_size=2))
-    asked = []
-    parallel.kernels = type("Spy", (), {"kernel": lambda self, op, *args: asked.append(op)})()
+    parallel.bind_kernels()
+    assert parallel.layer_kernel is None and fast.kernels.choose(MOE_LAYER).impl is not None
     reduced = []
     monkeypatch.setattr(moe_module, "all_reduce", lambda x, state: reduced.append(state) or x)
     assert parallel(one, torch.tensor([5])).shape == one.shape
-    assert reduced and MOE_LAYER not in asked
+    assert reduced
 
 
 def test_out_of_range_hash_token_is_an_error():

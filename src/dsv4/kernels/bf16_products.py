@@ -1,10 +1,10 @@
 """bf16 matrix products on CPUs without bf16 matrix instructions: operands widened to fp32, fp32 GEMM.
 
-torch's CPU bf16 GEMMs (oneDNN, `_grouped_mm`, bmm, einsum) run at their real speed only where the CPU has
+torch's CPU bf16 GEMMs (oneDNN, `_grouped_mm`, bmm) run at their real speed only where the CPU has
 bf16 matrix instructions (AMX-BF16, AVX512-BF16; measured 417 GFLOP/s on such a machine). Elsewhere, e.g.
 an AVX2-only EPYC, they fall back to a scalar path: measured 0.9 GFLOP/s against 108 GFLOP/s fp32 on the
 same machine, so a bf16 model at b=16 spent ~90% of its decode step in three attention `bmm`s and the
-grouped output projection's `einsum`. Every bf16 product of the model goes through this module, which
+grouped output projection's product. Every bf16 product of the model goes through this module, which
 decides once per process (`WIDENS_BF16`, from the CPU's feature flags) how to run it:
 
   bf16 matrix units   torch's own bf16 op, unchanged
@@ -76,13 +76,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not widens(a, b):
         return torch.matmul(a, b)
     return _rounded(torch.matmul(a.float(), b.float()), None)
-
-
-def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`torch.einsum(equation, a, b)` of two operands; widened when `widens(a, b)`."""
-    if not widens(a, b):
-        return torch.einsum(equation, a, b)
-    return _rounded(torch.einsum(equation, a.float(), b.float()), None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

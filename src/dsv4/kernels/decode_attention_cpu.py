@@ -86,6 +86,16 @@ class DecodeAttentionKernel:
                                 entries.shape[2])
         check_status(status, "compress_decode", B)
 
+    def serve_layer(self, attn, meta, cache, side, args: tuple) -> torch.Tensor:
+        """An attention layer's single-token decode rows (`model.attention.Attention._decode`, the reference):
+        each compressor's rings and entries (`compress`; the indexer's too on CSA layers), then `attend(*args)`
+        (`attend_args`, which `supports` accepted)."""
+        for comp, kv, gate, comp_cache in attn.compressor_parts(side, cache):
+            self.compress(kv, gate, meta.slots, meta.pos, comp_cache.ring_kv, comp_cache.ring_gate, comp.ape,
+                          comp.rate, comp.overlap, comp.norm.weight, comp.norm.eps, attn.rope.inv_freq,
+                          comp_cache.entries)
+        return self.attend(*args)
+
     def attend(self, q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
                positions: torch.Tensor, entries: torch.Tensor | None, rate: int | None, indexer: tuple | None,
                sink: torch.Tensor) -> torch.Tensor:
@@ -109,3 +119,16 @@ class DecodeAttentionKernel:
             out.data_ptr())
         check_status(status, "attend_decode", B)
         return out
+
+
+def attend_args(attn, q: torch.Tensor, kv: torch.Tensor, meta, cache, side) -> tuple:
+    """The arguments of `attend` (and `supports`) for an attention layer's single-token rows q [B, H, hd],
+    kv [B, hd]: its window ring, the rows' slots and positions (`meta`, a DecodeMeta), its compressed entries and
+    rate (CSA / HCA), the indexer's query, head weights, entries and top-k (CSA; `side`: the layer's projections
+    of these rows) and the sinks."""
+    entries = rate = indexer = None
+    if attn.compressor is not None:
+        entries, rate = cache.compressor.entries, attn.compressor.rate
+    if attn.indexer is not None:
+        indexer = (side.idx_q, side.idx_w, cache.indexer.entries, attn.indexer.topk)
+    return q, kv, cache.window, meta.slots, meta.pos, entries, rate, indexer, attn.attn_sink

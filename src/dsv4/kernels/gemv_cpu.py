@@ -22,6 +22,11 @@ Kernels (each `supports(*args)` / `__call__(*args)` with one signature, as the r
   FusedQuantExperts (x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit): the same for
                     FP8 / FP4 stacks, format from w1's dtype (float8_e4m3fn: FP8 with `block`; int8: FP4 with
                     group block[1])
+  FusedMoeLayer     one fp32 token's whole MoE layer (router, routed and shared experts)
+A model module binds its kernel to its weights once, at finalize (`bind`, through `KernelRegistry.bind`:
+DenseGemv.bind(weight), FusedExperts / FusedQuantExperts.bind(experts), FusedMoeLayer.bind(router, experts,
+shared, eps)): the weights' layout, format and pointers are checked and read there, and the bound kernel's
+`supports` / `__call__` take only a call's rows (and routing).
 
 Threads: the library's own caller-runs pool (`WorkerPool`, one per `build_kernels()`). A call is cut into
 chunks of output features; the calling thread works through them and the pool's workers join when they get
@@ -268,23 +273,58 @@ class DenseGemv(_PoolKernel):
     """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K] and fp32 / bf16 rows; `supports`
     accepts the calls where it was measured faster than torch (`_DENSE_ROWS`: bf16 on bf16, R <= MAX_BF16_ROWS;
     fp32 on bf16, R <= MAX_WIDENING_ROWS; fp32 on fp32, R <= MAX_F32_ROWS: faster from 2 rows, as fast at one
-    and not on OpenMP), the call itself runs any row count and every pair."""
+    and not on OpenMP), the call itself runs any row count and every pair. A model's projection binds it to its
+    weight once (`bind`, at finalize), so its calls check only their rows."""
 
     _entry = "dense_xw"
 
-    @staticmethod
-    def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        if not _cpu_rows(x):
-            return False
-        most = _DENSE_ROWS.get((x.dtype, weight.dtype), 0)
-        return (x.shape[0] <= most and weight.dim() == 2 and not weight.requires_grad
-                and weight.shape[1] == x.shape[1] and weight.is_cpu and _input_major(weight))
+    def bind(self, weight: torch.Tensor) -> BoundGemv | None:
+        """This kernel fixed to one resident weight, or None when `supports` takes no call on it.
+
+        Args:
+            weight: an input-major [N, K] weight (`dsv4.model.linear.input_major`) whose address stays put
+                until the next bind (loads and refits copy into it).
+
+        Returns:
+            The bound product: its layout, format and pointer read here, once.
+        """
+        rows = {act: most for (act, dtype), most in _DENSE_ROWS.items() if dtype == weight.dtype}
+        if weight.dim() != 2 or weight.requires_grad or not weight.is_cpu or not rows or not _input_major(weight):
+            return None
+        return BoundGemv(self._fn, self._pool, weight, rows)
+
+    def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        bound = self.bind(weight)
+        return not torch.compiler.is_compiling() and bound is not None and bound.supports(x)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        (R, K), N = x.shape, weight.shape[0]
-        y = x.new_empty(R, N)
-        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, K, weight.data_ptr(),
-                          _DENSE_FMT[weight.dtype], N, N,
+        return BoundGemv(self._fn, self._pool, weight, {})(x)
+
+
+class BoundGemv:
+    """DenseGemv on one input-major weight: what depends only on the weight (format, shape, address) is
+    decided when it is bound; `supports(x)` checks the rows, `__call__(x)` runs x [R, K] @ weight.T.
+    `rows`: the most rows `supports` takes, by activation dtype (`_DENSE_ROWS` of the weight's dtype).
+    Holds the weight, so the address it calls with names live storage."""
+
+    def __init__(self, fn, pool: WorkerPool, weight: torch.Tensor, rows: dict[torch.dtype, int]):
+        self.weight = weight
+        self._fn, self._pool, self._rows = fn, pool, rows
+        self.out_features, self.in_features = weight.shape
+        N = self.out_features
+        self._weight_args = (weight.data_ptr(), _DENSE_FMT[weight.dtype], N, N)  # pointer, format, N, row stride
+
+    def supports(self, x: torch.Tensor) -> bool:
+        """Eager CPU rows this weight's product runs faster here than in torch (the caller checked that no
+        graph is being captured); none while autograd tracks the weight (the kernel has no backward)."""
+        return (x.dim() == 2 and x.shape[0] <= self._rows.get(x.dtype, 0) and x.shape[1] == self.in_features
+                and x.is_cpu and x.is_contiguous() and x.numel() > 0 and not x.requires_grad
+                and not self.weight.requires_grad)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        R = x.shape[0]
+        y = x.new_empty(R, self.out_features)
+        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, self.in_features, *self._weight_args,
                           y.data_ptr(), self._pool.threads())
         _check(status, "dense_xw")
         return y
@@ -323,19 +363,50 @@ def _routing_ok(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     return routing and ids.numel() <= MAX_PICKS_PER_EXPERT.get(w1.dtype, 0) * experts
 
 
-def _run_experts(fn, pool, x, ids, weights, fmt, w1, s1, w3, s3, w2, s2, block, limit) -> torch.Tensor:
-    """moe_experts over x's tokens, MAX_EXPERT_SCRATCH_BYTES of scratch rows at a time."""
-    (T, D), (E, inter), k = x.shape, (w1.shape[0], w1.shape[1]), ids.shape[1]
+def _run_experts(fn, pool, x, ids, weights, inter: int, stacks: tuple) -> torch.Tensor:
+    """moe_experts over x's tokens, MAX_EXPERT_SCRATCH_BYTES of scratch rows at a time. `stacks`: the C call's
+    expert arguments (`_stack_args`)."""
+    (T, D), k = x.shape, ids.shape[1]
     out = torch.empty_like(x)
     per_token = k * (2 * D + 3 * inter) * 4  # fp32 scratch rows of one token's picks (gemv_cpu.c moe_experts)
     step = max(1, MAX_EXPERT_SCRATCH_BYTES // per_token)
     for t0 in range(0, T, step):
         rows = min(step, T - t0)
         status = fn(pool.handle, x[t0].data_ptr(), _ACT[x.dtype], rows, D, inter, k, ids[t0].data_ptr(),
-                    weights[t0].data_ptr(), E, fmt, w1.data_ptr(), s1, w3.data_ptr(), s3, w2.data_ptr(), s2, block[0],
-                    block[1], float(limit), out[t0].data_ptr(), pool.threads())
+                    weights[t0].data_ptr(), *stacks, out[t0].data_ptr(), pool.threads())
         _check(status, "moe_experts")
     return out
+
+
+def _stack_args(fmt: int, w1, s1, w3, s3, w2, s2, block: tuple[int, int], limit: float) -> tuple:
+    """moe_experts' expert arguments over stacks w1 / w3 / w2 (scales None for dense stacks)."""
+    ptr = [None if t is None else t.data_ptr() for t in (s1, s3, s2)]
+    return (w1.shape[0], fmt, w1.data_ptr(), ptr[0], w3.data_ptr(), ptr[1], w2.data_ptr(), ptr[2], block[0], block[1],
+            float(limit))
+
+
+class BoundExperts:
+    """FusedExperts / FusedQuantExperts on one layer's stacks (their `bind`, at finalize): `supports(x, ids,
+    weights)` checks the rows and routing, `__call__` runs them. Holds the stacks, so the addresses it calls
+    with name live storage. `most_picks`: by activation dtype it runs, the most (token, expert) picks a call may
+    have (None: any; dense stacks win only with few picks per expert, `MAX_PICKS_PER_EXPERT`)."""
+
+    def __init__(self, fn, pool: WorkerPool, held: tuple, in_features: int, inter: int, stacks: tuple,
+                 most_picks: dict[torch.dtype, int | None]):
+        self._fn, self._pool, self._held, self._inter, self._stacks = fn, pool, held, inter, stacks
+        self.in_features, self._most_picks = in_features, most_picks
+
+    def supports(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> bool:
+        if x.dtype not in self._most_picks or x.dim() != 2 or x.shape[1] != self.in_features:
+            return False
+        most = self._most_picks[x.dtype]
+        return (x.is_cpu and x.is_contiguous() and x.numel() > 0 and not x.requires_grad and ids.dtype == torch.int64
+                and ids.is_contiguous() and weights.dtype == torch.float32 and weights.is_contiguous()
+                and ids.dim() == 2 and ids.shape == weights.shape and ids.shape[0] == x.shape[0]
+                and (most is None or ids.numel() <= most))
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return _run_experts(self._fn, self._pool, x, ids, weights, self._inter, self._stacks)
 
 
 # (activation dtype, dense stack dtype) pairs FusedExperts runs: the stacks' own dtype, or fp32 rows on bf16.
@@ -372,9 +443,21 @@ class FusedExperts(_PoolKernel):
     def supports(x, ids, weights, w1, w3, w2, limit) -> bool:
         return w1.dim() == 3 and _routing_ok(x, ids, weights, w1) and _dense_stacks_ok(x, w1, w3, w2)
 
+    def bind(self, experts) -> BoundExperts | None:
+        """This kernel fixed to a `model.moe.RoutedExperts`' dense stacks (w1, w3, w2, limit), or None when it
+        runs no call on them (their layout checked once, here)."""
+        w1, w3, w2 = experts.w1, experts.w3, experts.w2
+        D = w1.shape[-1]
+        runs = [act for act in _ACT if _dense_stacks_ok(torch.empty(1, D, dtype=act), w1, w3, w2)]
+        if not runs:
+            return None
+        stacks = _stack_args(_DENSE_FMT[w1.dtype], w1, None, w3, None, w2, None, (1, 1), experts.limit)
+        most = MAX_PICKS_PER_EXPERT.get(w1.dtype, 0) * w1.shape[0]
+        return BoundExperts(self._fn, self._pool, (w1, w3, w2), D, w1.shape[1], stacks, dict.fromkeys(runs, most))
+
     def __call__(self, x, ids, weights, w1, w3, w2, limit) -> torch.Tensor:
-        return _run_experts(self._fn, self._pool, x, ids, weights, _DENSE_FMT[w1.dtype], w1, None, w3, None, w2,
-                            None, (1, 1), limit)
+        stacks = _stack_args(_DENSE_FMT[w1.dtype], w1, None, w3, None, w2, None, (1, 1), limit)
+        return _run_experts(self._fn, self._pool, x, ids, weights, w1.shape[1], stacks)
 
 
 class FusedQuantExperts(_PoolKernel):
@@ -387,9 +470,20 @@ class FusedQuantExperts(_PoolKernel):
         return (w1.dim() == 3 and _routing_ok(x, ids, weights, w1)
                 and _quant_stacks_ok(x, w1, w1_scale, w3, w3_scale, w2, w2_scale, block))
 
+    def bind(self, experts) -> BoundExperts | None:
+        """This kernel fixed to a `model.moe.RoutedExperts`' FP8 / FP4 stacks (and scales, quant_block, limit),
+        or None when it cannot run them (their layout checked once, here)."""
+        w1, w3, w2 = experts.w1, experts.w3, experts.w2
+        scales, block = (experts.w1_scale, experts.w3_scale, experts.w2_scale), experts.quant_block
+        D = w1.shape[-1] * (1 if _quant_format(w1) == _FMT_FP8 else 2)
+        if w1.dim() != 3 or not _quant_stacks_ok(torch.empty(1, D), w1, scales[0], w3, scales[1], w2, scales[2], block):
+            return None
+        stacks = _stack_args(_quant_format(w1), w1, scales[0], w3, scales[1], w2, scales[2], block, experts.limit)
+        return BoundExperts(self._fn, self._pool, (w1, w3, w2, *scales), D, w1.shape[1], stacks, dict.fromkeys(_ACT))
+
     def __call__(self, x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit) -> torch.Tensor:
-        return _run_experts(self._fn, self._pool, x, ids, weights, _quant_format(w1), w1, w1_scale.data_ptr(), w3,
-                            w3_scale.data_ptr(), w2, w2_scale.data_ptr(), block, limit)
+        stacks = _stack_args(_quant_format(w1), w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit)
+        return _run_experts(self._fn, self._pool, x, ids, weights, w1.shape[1], stacks)
 
 
 # Router scoring functions (ModelConfig.scoring_func) and their codes in gemv_cpu.c's moe_layer.
@@ -403,57 +497,80 @@ class FusedMoeLayer(_PoolKernel):
     """One token's whole MoE layer in one call: the router (scores, top-k with correction bias or a hash row,
     normalised scaled weights), its routed experts (dense or FP8 / FP4 stacks, as FusedExperts /
     FusedQuantExperts run them) and the shared expert, fp32 rows. A decode step's MoE layer is otherwise ~30
-    torch ops and four kernel calls for ~0.3 MB of weights.
-
-    Arguments: x [1, D]; token_ids [1] (the hash row's token); router_weight [E, D] input-major (fp32 or bf16);
-    bias [E] fp32 (None when hashed); hash_table [V, k] int32 (None unless hashed); scoring (a
-    ModelConfig.scoring_func), top_k, scaling, norm_eps (added to the picked scores' sum); the routed stacks w1,
-    w1_scale, w3, w3_scale, w2, w2_scale (scales None for dense stacks), block (the FP8 / FP4 scale block; unused
-    dense), limit (SwiGLU clamp); shared_w1/w3 [Is, D], shared_w2 [D, Is] input-major (fp32 or bf16). Returns
-    routed + shared [1, D]."""
+    torch ops and four kernel calls for ~0.3 MB of weights. A layer binds it to its weights once (`bind`, at
+    finalize): the bound kernel's calls take x [1, D] and token_ids [1] and return routed + shared [1, D]."""
 
     _entry = "moe_layer"
 
-    @staticmethod
-    def supports(x, token_ids, router_weight, bias, hash_table, scoring, top_k, scaling, norm_eps, w1, w1_scale, w3,
-                 w3_scale, w2, w2_scale, block, limit, shared_w1, shared_w3, shared_w2) -> bool:
-        if x.dtype != torch.float32 or not _cpu_rows(x) or x.shape[0] > MAX_MOE_LAYER_ROWS or scoring not in _SCORING:
-            return False
-        D, E = x.shape[1], w1.shape[0] if w1.dim() == 3 else 0
-        dense = all(w is None for w in (w1_scale, w3_scale, w2_scale))
-        stacks = _dense_stacks_ok(x, w1, w3, w2) if dense else _quant_stacks_ok(x, w1, w1_scale, w3, w3_scale, w2,
-                                                                                 w2_scale, block)
-        if hash_table is not None:
-            routing = (bias is None and hash_table.dtype == torch.int32 and hash_table.dim() == 2
-                       and hash_table.shape[1] == top_k and hash_table.is_contiguous()
-                       and token_ids.numel() == 1 and token_ids.dtype == torch.int64)
-        else:
-            routing = (bias is not None and bias.dtype == torch.float32 and tuple(bias.shape) == (E,)
-                       and bias.is_contiguous())
-        inter = shared_w1.shape[0]
-        shared = (all(w.dim() == 2 and w.dtype in _DENSE_FMT and w.device.type == "cpu" and _input_major(w)
-                      for w in (shared_w1, shared_w3, shared_w2))
-                  and tuple(shared_w1.shape) == tuple(shared_w3.shape) == (inter, D)
-                  and tuple(shared_w2.shape) == (D, inter))
-        return (stacks and routing and shared and 0 < top_k <= E and router_weight.dtype in _DENSE_FMT
-                and tuple(router_weight.shape) == (E, D) and router_weight.device.type == "cpu"
-                and _input_major(router_weight))
+    def bind(self, router, experts, shared, norm_eps: float) -> BoundMoeLayer | None:
+        """This kernel fixed to one layer's weights, or None when it cannot run them.
 
-    def __call__(self, x, token_ids, router_weight, bias, hash_table, scoring, top_k, scaling, norm_eps, w1, w1_scale,
-                 w3, w3_scale, w2, w2_scale, block, limit, shared_w1, shared_w3, shared_w2) -> torch.Tensor:
-        (_, D), (E, inter) = x.shape, (w1.shape[0], w1.shape[1])
-        dense = w1_scale is None
-        fmt = _DENSE_FMT[w1.dtype] if dense else _quant_format(w1)
-        hashed = hash_table is not None
+        Args:
+            router: the layer's `model.moe.Router`: weight [E, D] input-major (fp32 or bf16), `bias` [E] fp32 or
+                (hashed) `tid2eid` [V, k] int32, scoring_func (a ModelConfig.scoring_func), top_k, scaling.
+            experts: its `RoutedExperts`: dense input-major or FP8 / FP4 stacks w1, w3, w2 (+ scales), limit.
+            shared: its `SharedExpert`: w1 / w3 [Is, D], w2 [D, Is] projections, input-major (fp32 or bf16).
+            norm_eps: added to the picked scores' sum.
+
+        Returns:
+            The bound layer: every weight's layout checked and its pointer read here, once.
+        """
+        w1, w3, w2, D = experts.w1, experts.w3, experts.w2, router.weight.shape[1]
+        scales = tuple(getattr(experts, f"{name}_scale", None) for name in ("w1", "w3", "w2"))  # None: dense
+        x = torch.empty(1, D)  # the rows the layer takes: one fp32 token
+        block = experts.quant_block
+        stacks = (_dense_stacks_ok(x, w1, w3, w2) if scales[0] is None
+                  else _quant_stacks_ok(x, w1, scales[0], w3, scales[1], w2, scales[2], block))
+        E, top_k, bias = w1.shape[0] if w1.dim() == 3 else 0, router.top_k, getattr(router, "bias", None)
+        hash_table = router.tid2eid if router.hashed else None
+        if hash_table is not None:
+            routing = (hash_table.dtype == torch.int32 and hash_table.dim() == 2 and hash_table.shape[1] == top_k
+                       and hash_table.is_contiguous())
+        else:
+            routing = bias.dtype == torch.float32 and tuple(bias.shape) == (E,) and bias.is_contiguous()
+        sw1, sw3, sw2 = shared.w1.weight, shared.w3.weight, shared.w2.weight
+        inter = sw1.shape[0]
+        shared_ok = (all(w.dim() == 2 and w.dtype in _DENSE_FMT and w.device.type == "cpu" and _input_major(w)
+                         for w in (sw1, sw3, sw2))
+                     and tuple(sw1.shape) == tuple(sw3.shape) == (inter, D) and tuple(sw2.shape) == (D, inter))
+        rw = router.weight
+        if not (stacks and routing and shared_ok and router.scoring_func in _SCORING and 0 < top_k <= E
+                and rw.dtype in _DENSE_FMT and rw.device.type == "cpu" and _input_major(rw)):
+            return None
+        fmt = _DENSE_FMT[w1.dtype] if scales[0] is None else _quant_format(w1)
+        ptr = [None if t is None else t.data_ptr() for t in scales]
+        routing_args = (D, E, top_k, rw.data_ptr(), _DENSE_FMT[rw.dtype], _SCORING[router.scoring_func],
+                        None if hash_table is not None else bias.data_ptr(),
+                        None if hash_table is None else hash_table.data_ptr(),
+                        0 if hash_table is None else hash_table.shape[0])
+        expert_args = (float(router.scaling), float(norm_eps), w1.shape[1], fmt, w1.data_ptr(), ptr[0],
+                       w3.data_ptr(), ptr[1], w2.data_ptr(), ptr[2], block[0], block[1], float(experts.limit),
+                       inter, _DENSE_FMT[sw1.dtype], sw1.data_ptr(), sw3.data_ptr(), sw2.data_ptr())
+        held = (rw, bias, hash_table, w1, w3, w2, *scales, sw1, sw3, sw2)
+        return BoundMoeLayer(self._fn, self._pool, held, routing_args, expert_args, hash_table is not None)
+
+
+class BoundMoeLayer:
+    """FusedMoeLayer on one layer's weights (`FusedMoeLayer.bind`): `supports(x, token_ids)` checks the token,
+    `__call__` runs the layer. Holds the weights, so the addresses it calls with name live storage."""
+
+    def __init__(self, fn, pool: WorkerPool, held: tuple, routing_args: tuple, expert_args: tuple, hashed: bool):
+        self._fn, self._pool, self._held = fn, pool, held
+        self._routing_args, self._expert_args, self._hashed = routing_args, expert_args, hashed
+        self.in_features = routing_args[0]
+
+    def supports(self, x: torch.Tensor, token_ids: torch.Tensor) -> bool:
+        """One eager fp32 CPU token (MAX_MOE_LAYER_ROWS) of the layer's width; a hashed layer's token id int64."""
+        return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_MOE_LAYER_ROWS
+                and x.shape[1] == self.in_features and x.is_cpu and x.is_contiguous() and x.numel() > 0
+                and not x.requires_grad
+                and (not self._hashed or (token_ids.numel() == 1 and token_ids.dtype == torch.int64)))
+
+    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        status = self._fn(
-            self._pool.handle, x.data_ptr(), D, E, top_k, router_weight.data_ptr(), _DENSE_FMT[router_weight.dtype],
-            _SCORING[scoring], None if hashed else bias.data_ptr(), hash_table.data_ptr() if hashed else None,
-            hash_table.shape[0] if hashed else 0, int(token_ids[0]) if hashed else 0, float(scaling),
-            float(norm_eps), inter, fmt, w1.data_ptr(), None if dense else w1_scale.data_ptr(), w3.data_ptr(),
-            None if dense else w3_scale.data_ptr(), w2.data_ptr(), None if dense else w2_scale.data_ptr(),
-            block[0], block[1], float(limit), shared_w1.shape[0], _DENSE_FMT[shared_w1.dtype],
-            shared_w1.data_ptr(), shared_w3.data_ptr(), shared_w2.data_ptr(), out.data_ptr(), self._pool.threads())
+        token = int(token_ids[0]) if self._hashed else 0
+        status = self._fn(self._pool.handle, x.data_ptr(), *self._routing_args, token, *self._expert_args,
+                          out.data_ptr(), self._pool.threads())
         _check(status, "moe_layer")
         return out
 

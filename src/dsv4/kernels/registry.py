@@ -10,7 +10,9 @@ arguments of the call it gates (`impl(*args)`, or the named entry point such as 
 says whether this call can run there (device, dtype, shape, not inside a torch.compile graph for a C
 kernel; the registry itself declines those ops' calls in a graph, `GRAPH_OPS`). Callers ask
 `registry.kernel(op, *args)`, which returns the implementation when it supports the call and None when the
-caller's own torch reference must run it.
+caller's own torch reference must run it. What depends only on a module's weights is decided once instead:
+at finalize the module asks `registry.bind(op, *weights)` for the implementation fixed to them (its `bind`),
+whose `supports` then checks only a call's rows; a graph being captured runs the module's torch code.
 
 The model gets its registry when it is built (`DeepseekV4(..., kernels=...)`, `load_models(..., kernels=...)`,
 `LLM(..., kernels=...)`; drafters use their target's): tests and tools pass their own, e.g. training builds its
@@ -190,6 +192,13 @@ class KernelRegistry:
             return None
         impl = self.choose(op).impl
         return impl if impl is not None and impl.supports(*args) else None
+
+    def bind(self, op: str, *weights):
+        """The op's fast implementation fixed to one module's weights (`impl.bind(*weights)`: what depends only
+        on them decided once, at finalize), or None when the op has none or it runs no call on them. A bound
+        kernel's `supports` then takes only a call's rows."""
+        impl = self.choose(op).impl
+        return None if impl is None else impl.bind(*weights)
 
     def _resolve(self, op: str) -> Choice:
         if self.force_reference:

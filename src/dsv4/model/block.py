@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from dsv4.config import ModelConfig
-from dsv4.kernels.registry import MHC_FUSED, KernelRegistry, default_registry
+from dsv4.kernels.registry import MHC_COEFFICIENTS, MHC_FUSED, KernelRegistry, default_registry
 from dsv4.model import mhc
 from dsv4.model.attention import Attention
 from dsv4.model.batch import ForwardBatch
@@ -38,11 +38,12 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{sub}_scale", nn.Parameter(torch.ones(3), requires_grad=False))
 
     def _coefficients(self, logits: torch.Tensor, sub: str):
+        """`mhc.coefficients_reference` of sublayer `sub`, through the registry's C kernel when it supports it."""
         cfg = self.cfg
-        return mhc.coefficients(
-            logits, getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"),
-            cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, self.kernels,
-        )
+        args = (logits, getattr(self, f"hc_{sub}_base"), getattr(self, f"hc_{sub}_scale"), cfg.hc_mult,
+                cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        kernel = self.kernels.kernel(MHC_COEFFICIENTS, *args)
+        return kernel(*args) if kernel is not None else mhc.coefficients_reference(*args)
 
     def _fused_pre(self, streams: torch.Tensor, fn: torch.Tensor, sub: str, norm: RMSNorm):
         """The fused kernel's mix_logits + coefficients + collapse + norm: (kernel, coef, normed block

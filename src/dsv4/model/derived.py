@@ -58,7 +58,8 @@ class TopLevelModel(nn.Module):
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
-        """Recompute every derived tensor in place, then mark the model READY. Idempotent."""
+        """Recompute every derived tensor in place, bind the modules' kernels to their weights
+        (`bind_kernels`), then mark the model READY. Idempotent."""
         for derived in self.derived_tensors():
             target = self.get_buffer(derived.name)
             value = derived.compute()
@@ -69,6 +70,9 @@ class TopLevelModel(nn.Module):
                     f"{tuple(value.shape)}/{value.dtype}/{value.device}; it is only ever updated in place"
                 )
             target.copy_(value)
+        for module in self.modules():
+            if hasattr(module, "bind_kernels"):
+                module.bind_kernels()
         self._ready = True
 
     def require_ready(self) -> None:

@@ -7,10 +7,9 @@ config in fp32 (both layouts alternated in one process), decode steps 17-27% fas
 at one row and in bf16. Loading and refits copy into the view (`copy_` handles any strides), so
 addresses stay put; export clones to the contiguous checkpoint layout.
 
-A product the registry's few-row kernel supports (`LINEAR`: bf16 one-row decode calls, where it reads the
-weight once at several times oneDNN's speed, and few-row fp32 calls on bf16 weights) runs there; every
-other call runs `F.linear`, the reference (bf16 calls through `kernels.bf16_products.linear`: widened to fp32
-on a CPU without bf16 matrix units).
+A call the registry's few-row kernel takes (`LINEAR`, bound to the weight at finalize; the rows it takes and
+why: `kernels.gemv_cpu.DenseGemv`) runs there; every other call runs `F.linear`, the reference (bf16 calls
+through `kernels.bf16_products.linear`: widened to fp32 on a CPU without bf16 matrix units).
 
 Activations may be wider than the weights (`LLM(dtype="bfloat16", activation_dtype="float32")`: bf16
 weights at rest, fp32 activations). `compute_weight` is where every product over a resident weight meets
@@ -46,10 +45,17 @@ class Linear(nn.Module):
         super().__init__()
         self.kernels = kernels or default_registry()
         self.weight = input_major(out_features, in_features, dtype)
+        self.product = None  # the LINEAR kernel bound to the weight (`bind_kernels`), None: F.linear only
+
+    def bind_kernels(self) -> None:
+        """At finalize (`process_weights_after_loading`, every one: a load or refit may follow another): bind
+        the registry's few-row kernel to the weight, so what depends only on the weight is decided once and a
+        call checks only its rows."""
+        self.product = self.kernels.bind(LINEAR, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight  # one module attribute lookup (~1 us) per call, not three
-        kernel = self.kernels.kernel(LINEAR, x, weight)
-        if kernel is not None:
-            return kernel(x, weight)
-        return bf16_products.linear(x, compute_weight(weight, x.dtype))
+        if not torch.compiler.is_compiling():  # a captured graph runs torch (and guards nothing of the kernel)
+            product = self.product
+            if product is not None and product.supports(x):
+                return product(x)
+        return bf16_products.linear(x, compute_weight(self.weight, x.dtype))

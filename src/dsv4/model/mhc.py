@@ -10,7 +10,6 @@ and after it  R'_j = post_j * o + sum_i comb[i, j] R_i.
 
 import torch
 
-from dsv4.kernels.registry import MHC_COEFFICIENTS, KernelRegistry
 from dsv4.model.norm import rms_normalize
 
 
@@ -24,16 +23,6 @@ def mix_logits_broadcast(embeds: torch.Tensor, fn_broadcast: torch.Tensor, eps: 
     """The same logits when every stream equals `embeds` [T, D] (first layer): fn_broadcast [mix, D] is
     fn summed over its hc stream blocks, and the RMS over hc*D equal copies is the RMS of one copy."""
     return rms_normalize(embeds.float(), eps) @ fn_broadcast.t()
-
-
-def coefficients(
-    logits: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int, hc_eps: float,
-    kernels: KernelRegistry,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`coefficients_reference` through the registry's C kernel when it supports these tensors."""
-    args = (logits, base, scale, hc, sinkhorn_iters, hc_eps)
-    kernel = kernels.kernel(MHC_COEFFICIENTS, *args)
-    return kernel(*args) if kernel is not None else coefficients_reference(*args)
 
 
 def coefficients_reference(

@@ -102,6 +102,7 @@ class RoutedExperts(nn.Module):
             self.register_parameter(name, weight)
             if scale is not None:
                 self.register_parameter(f"{name}_scale", scale)
+        self.fused = None  # the fused C kernel bound to the stacks (`bind_kernels`), None: the paths below
 
     def _allocate(self, E: int, out_dim: int, in_dim: int) -> tuple[nn.Parameter, nn.Parameter | None]:
         if self.format == DENSE:
@@ -132,10 +133,10 @@ class RoutedExperts(nn.Module):
         return self.block if self.format == FP8 else (1, self.group)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]. The registry's fused C kernels
-        serve dense few-token calls (FEW_ROW_EXPERTS) and FP8/FP4 calls of any size (QUANT_EXPERTS, decoded in
-        registers or a per-call panel), its grouped/gathered GEMMs larger dense batches; otherwise the
-        reference loop. Inside a compiled graph
+        """x [T, D], ids/weights [T, k] -> sum_e w_e * expert_e(x) [T, D]. The fused C kernel bound to the
+        stacks at finalize serves dense few-token calls (FEW_ROW_EXPERTS) and FP8/FP4 calls of any size
+        (QUANT_EXPERTS, decoded in registers or a per-call panel), the registry's grouped/gathered GEMMs larger
+        dense batches; otherwise the reference loop. Inside a compiled graph
         FP8/FP4 experts run as one op making the same choice per call (kernels/quant_experts.py). Expert
         parallel: the sum over the experts this rank holds (ids are global)."""
         if self.parallel.expert_parallel:
@@ -154,25 +155,25 @@ class RoutedExperts(nn.Module):
                                    weights[token, pick].unsqueeze(1))
         return out.index_add_(0, token, rows)
 
+    def bind_kernels(self) -> None:
+        """At finalize (`process_weights_after_loading`, every one): bind the fused C kernel of the stacks'
+        layout (dense: FEW_ROW_EXPERTS; FP8 / FP4: QUANT_EXPERTS) to them."""
+        self.fused = self.kernels.bind(FEW_ROW_EXPERTS if self.format == DENSE else QUANT_EXPERTS, self)
+
     def _forward_local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`forward` with ids indexing this rank's experts."""
+        if not torch.compiler.is_compiling():
+            fused = self.fused
+            if fused is not None and fused.supports(x, ids, weights):
+                return fused(x, ids, weights)
         if self.format == DENSE:
-            few = (x, ids, weights, self.w1, self.w3, self.w2, self.limit)
-            fused = self.kernels.kernel(FEW_ROW_EXPERTS, *few)
-            if fused is not None:
-                return fused(*few)
-            args = (*few, swiglu)
+            args = (x, ids, weights, self.w1, self.w3, self.w2, self.limit, swiglu)
             fast = self.kernels.kernel(MOE_EXPERTS, *args)
             if fast is not None:
                 return fast(*args)
-        else:
-            args = self._quant_args(x, ids, weights)
-            if torch.compiler.is_compiling():
-                c_kernel = not self.kernels.choose(QUANT_EXPERTS).is_reference
-                return quant_experts(*args[:-2], list(self.quant_block), self.limit, c_kernel)
-            fused = self.kernels.kernel(QUANT_EXPERTS, *args)
-            if fused is not None:
-                return fused(*args)
+        elif torch.compiler.is_compiling():
+            c_kernel = not self.kernels.choose(QUANT_EXPERTS).is_reference
+            return quant_experts(*self._quant_args(x, ids, weights)[:-2], list(self.quant_block), self.limit, c_kernel)
         return self.forward_reference(x, ids, weights)
 
     def _quant_args(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple:
@@ -207,7 +208,8 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """The router is replicated (every rank routes every token); routed and shared experts give partial
     sums under tensor / expert parallelism, combined by one all-reduce. On one rank, a call the registry's
-    MOE_LAYER kernel supports (one fp32 token) runs router, routed and shared experts in that one call."""
+    MOE_LAYER kernel (bound to the weights at finalize) supports (one fp32 token) runs router, routed and shared
+    experts in that one call."""
 
     def __init__(self, cfg: ModelConfig, mlp_type: str, expert_format: str, dtype: torch.dtype,
                  kernels: KernelRegistry | None = None, parallel: ParallelState = SINGLE):
@@ -217,23 +219,19 @@ class MoE(nn.Module):
         self.gate = Router(cfg, hashed=mlp_type == HASH_MOE, dtype=dtype)
         self.experts = RoutedExperts(cfg, expert_format, cfg.quant, dtype, kernels, parallel)
         self.shared_experts = SharedExpert(cfg, dtype, kernels, parallel)
+        self.layer_kernel = None  # MOE_LAYER bound to the weights (`bind_kernels`), None: the modules above
+
+    def bind_kernels(self) -> None:
+        """At finalize (`process_weights_after_loading`, every one): bind the registry's MOE_LAYER kernel to the
+        layer's weights (on one rank only: a parallel layer is a partial sum for the all-reduce)."""
+        self.layer_kernel = None if self.parallel.is_parallel else self.kernels.bind(
+            MOE_LAYER, self.gate, self.experts, self.shared_experts, _ROUTING_NORM_EPS)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], token_ids [T] (hash routing needs them) -> [T, D]."""
-        if not self.parallel.is_parallel:
-            args = self._layer_args(x, token_ids)
-            fused = self.kernels.kernel(MOE_LAYER, *args)
-            if fused is not None:
-                return fused(*args)
+        if not torch.compiler.is_compiling():  # a captured graph runs torch (and guards nothing of the kernel)
+            fused = self.layer_kernel
+            if fused is not None and fused.supports(x, token_ids):
+                return fused(x, token_ids)
         ids, weights = self.gate(x, token_ids)
         return all_reduce(self.experts(x, ids, weights) + self.shared_experts(x), self.parallel)
-
-    def _layer_args(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple:
-        """The arguments of MOE_LAYER (gemv_cpu.FusedMoeLayer) over this layer's weights."""
-        gate, experts, shared = self.gate, self.experts, self.shared_experts
-        dense = experts.format == DENSE
-        scales = (None, None, None) if dense else (experts.w1_scale, experts.w3_scale, experts.w2_scale)
-        return (x, token_ids, gate.weight, None if gate.hashed else gate.bias, gate.tid2eid if gate.hashed else None,
-                gate.scoring_func, gate.top_k, gate.scaling, _ROUTING_NORM_EPS, experts.w1, scales[0], experts.w3,
-                scales[1], experts.w2, scales[2], experts.quant_block, experts.limit, shared.w1.weight,
-                shared.w3.weight, shared.w2.weight)

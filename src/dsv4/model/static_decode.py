@@ -9,11 +9,11 @@ which has what would break a compiled graph taken out:
   completes it (`torch.where`), instead of a host-side list of completing rows;
 - each layer reads `entry_reads[rate]` compressed entries per row, masked by the row's own count: an
   int the host rounds up to a power of two, so a compiled graph sees few distinct values;
-- the C kernels decline inside the graph (their `supports`), so norms, RoPE and mHC run the readable
-  torch formulas, which the compiler fuses into a few loops; dense routed experts pick a fixed-shape
-  strategy or one opaque op by shape (`kernels/gathered_experts.py`); FP8 / FP4 experts run as one opaque
-  op that calls the fused C kernel where the eager step would and dequantizes the used experts elsewhere
-  (`kernels/quant_experts.py`), the stacks staying quantized.
+- the C kernels decline inside the graph (the registry's, and those bound to weights), so norms, RoPE
+  and mHC run the readable torch formulas, which the compiler fuses into a few loops; dense routed experts
+  pick a fixed-shape strategy or one opaque op by shape (`kernels/gathered_experts.py`); FP8 / FP4 experts
+  run as one opaque op that calls the fused C kernel where the eager step would and dequantizes the used
+  experts elsewhere (`kernels/quant_experts.py`), the stacks staying quantized.
 
 Compiled (`torch.compile(fullgraph=True)`), parameters and cache tensors are graph inputs read by address:
 an in-place refit is seen by the next step with no recompilation (tests/test_static_decode.py).
