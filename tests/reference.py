@@ -5,23 +5,23 @@ This module is the test-side *oracle*. It is built only on transformers 5.23
 torch, and it deliberately never imports ``dsv4``: anything the package computes
 is checked against what this module computes independently.
 
-What it provides (section numbers refer to the project notes architecture.md and anchors.md):
+What it provides:
 
-* ``tiny_config`` / ``small_config``: the HF config dicts of anchors.md §6.3.
+* ``tiny_config`` / ``small_config``: the HF config dicts of the test model and the benchmark model.
 * ``build_reference_model``: a transformers model whose every parameter and
-  persistent buffer is randomised by the §9 recipe (and checked to be so).
+  persistent buffer is randomised by ``build_reference_model``'s recipe (and checked to be so).
 * ``native_state_dict`` / ``hf_state_from_native`` / ``model_from_native_state``:
   conversion between the HF tensor names and the native DeepSeek release names
-  (§10.1/§10.2), driven by one declarative name table.
-* ``random_mtp_tensors``: native ``mtp.{i}.*`` drafter tensors (§11.1).
+  (docs/model.md, "Native names" / "HF names"), driven by one declarative name table.
+* ``random_mtp_tensors``: native ``mtp.{i}.*`` drafter tensors (docs/model.md).
 * ``write_native_checkpoint`` / ``quantize_native_tensors`` /
   ``dequantize_native_tensors`` / ``dequantized_native_state``: native
   checkpoints in fp32, bf16 or FP8 (+ FP4 or FP8 routed experts), with an
-  independent quantizer written from the formulas of §10.4/§10.5.
+  independent quantizer written from the formulas in docs/model.md.
 * ``save_hf_checkpoint`` / ``load_reference``: transformers' own save and load.
 * ``reference_logprobs`` / ``reference_greedy``: what a test compares against.
 
-transformers caveats that shape this harness (architecture.md §12): use at
+transformers caveats that shape this harness (docs/model.md, "The transformers oracle and its caveats"): use at
 least 16 indexer heads (fewer gives top-k ties), never left-pad, and compare in
 fp32 only.
 """
@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------------------------------------------------
-# Configs (anchors.md §6.3)
+# Configs
 # --------------------------------------------------------------------------------------------------------------------
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -108,7 +108,7 @@ _SMALL_CONFIG = {
 
 
 def tiny_config(**overrides) -> dict:
-    """The tiny HF config of anchors.md §6.3 (462,541 parameters, 16 indexer heads), with ``overrides`` merged in.
+    """The tiny HF config (462,541 parameters, 16 indexer heads), with ``overrides`` merged in.
 
     The merge is shallow: overriding ``num_hidden_layers`` also needs ``layer_types`` and ``mlp_layer_types``
     of the new length. Every call returns a fresh deep copy (transformers mutates nested dicts it is given).
@@ -119,10 +119,10 @@ def tiny_config(**overrides) -> dict:
 
 
 def small_config(**overrides) -> dict:
-    """The ~77M-parameter small HF config of anchors.md §6.3, for benchmarks.
+    """The ~77M-parameter small HF config, for benchmarks.
 
-    It has only 8 indexer heads, as in the anchors measurements: fine for timing, too few for tie-free
-    correctness comparisons (architecture.md §12.1); override ``index_n_heads=16`` for those.
+    It has only 8 indexer heads, as in the first benchmark measurements: fine for timing, too few for tie-free
+    correctness comparisons (docs/model.md, the oracle's caveats); override ``index_n_heads=16`` for those.
     """
     config = copy.deepcopy(_SMALL_CONFIG)
     config.update(copy.deepcopy(overrides))
@@ -135,7 +135,7 @@ def _hf_config(config: dict) -> DeepseekV4Config:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Randomisation recipe (architecture.md §9)
+# Randomisation recipe (docs/model.md, "Test models and the randomisation recipe")
 # --------------------------------------------------------------------------------------------------------------------
 
 NORM_WEIGHT_JITTER = 0.1  # norm weights: 1 + 0.1·N(0,1)
@@ -175,7 +175,7 @@ def _init_kind(hf_name: str) -> str:
 
 
 def _random_tensor(kind: str, shape, generator: torch.Generator, n_experts: int | None = None) -> torch.Tensor:
-    """One tensor drawn by the §9 recipe (fp32, or int64 for the hash table)."""
+    """One tensor drawn by the randomisation recipe (fp32, or int64 for the hash table)."""
     if kind == HASH_TABLE:
         # k distinct experts per token row: the prefix of a random permutation of the E experts.
         vocab, top_k = shape
@@ -218,7 +218,7 @@ def check_fully_randomised(before: dict[str, torch.Tensor], after: dict[str, tor
 def build_reference_model(config: dict, seed: int) -> DeepseekV4ForCausalLM:
     """A transformers ``DeepseekV4ForCausalLM`` in fp32 eval mode, eager attention, every tensor randomised.
 
-    Every parameter and persistent buffer (``tid2eid``, ``e_score_correction_bias``) is drawn by the §9 recipe
+    Every parameter and persistent buffer (``tid2eid``, ``e_score_correction_bias``) is drawn by the recipe above
     from one ``torch.Generator`` seeded with ``seed``, in state_dict order, so the same (config, seed) always gives
     the same weights. Non-persistent buffers (the RoPE inverse frequencies) are derived from the config and left
     alone. Raises if any tensor is left at its default init.
@@ -236,7 +236,7 @@ def build_reference_model(config: dict, seed: int) -> DeepseekV4ForCausalLM:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# HF <-> native names (architecture.md §10.1, §10.2)
+# HF <-> native names (docs/model.md, "Native names", "HF names")
 # --------------------------------------------------------------------------------------------------------------------
 
 # Top-level tensors: full HF name -> full native name.
@@ -395,7 +395,7 @@ def model_from_native_state(config: dict, native: dict[str, torch.Tensor]) -> De
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# MTP drafter tensors (architecture.md §11.1)
+# MTP drafter tensors (docs/model.md)
 # --------------------------------------------------------------------------------------------------------------------
 
 # Tensors of an MTP layer outside its decoder block: native suffix -> init kind. Shapes: norms [D], projections [D, D].
@@ -413,7 +413,7 @@ def random_mtp_tensors(config: dict, seed: int, n_layers: int = 1) -> dict[str, 
     Each layer has ``enorm``/``hnorm`` [D], ``e_proj``/``h_proj`` [D, D], its own ``hc_head_{fn,base,scale}`` and
     ``norm.weight`` [D], plus one full decoder block with sliding-window attention only (no compressor, no indexer)
     and a routed ``moe`` FFN (``gate.weight`` + ``gate.bias``, no ``tid2eid``), with the target's layer shapes.
-    The block, hc_head and norm come from a randomised one-layer model of the same widths (same §9 recipe);
+    The block, hc_head and norm come from a randomised one-layer model of the same widths (the same recipe);
     embed/head are the target's and are not included.
     """
     hidden = config["hidden_size"]
@@ -435,7 +435,7 @@ def random_mtp_tensors(config: dict, seed: int, n_layers: int = 1) -> dict[str, 
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Independent FP8 / FP4 quantizer (architecture.md §10.4, §10.5)
+# Independent FP8 / FP4 quantizer (docs/model.md)
 # --------------------------------------------------------------------------------------------------------------------
 
 FP8_BLOCK = 128  # FP8 weights: one scale per 128 x 128 block (ceil grid at the edges)
@@ -546,7 +546,7 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Native checkpoints (architecture.md §2.2, §10)
+# Native checkpoints (docs/model.md)
 # --------------------------------------------------------------------------------------------------------------------
 
 # Dense linears stored as block FP8 when dense="fp8" (main model and MTP layers).
@@ -567,7 +567,7 @@ _HF_ONLY_CONFIG_KEYS = ("layer_types", "mlp_layer_types", "compress_rates", "par
 
 
 def native_config(config: dict, quantization: dict | None = None, expert_dtype_top_level: bool = False) -> dict:
-    """The HF config dict rewritten in DeepSeek native spelling (architecture.md §2.2).
+    """The HF config dict rewritten in DeepSeek native spelling (docs/model.md).
 
     * ``layer_types`` -> ``compress_ratios`` (0 sliding / 4 CSA / 128 HCA), with ``num_nextn_predict_layers``
       trailing 0 entries for the MTP layers (their attention is sliding-only; transformers truncates the list to L),
@@ -778,7 +778,7 @@ def save_hf_checkpoint(model: DeepseekV4ForCausalLM, path, max_shard_size=None) 
     """``model.save_pretrained(path)``: one ``model.safetensors``, or shards + ``model.safetensors.index.json`` when
     ``max_shard_size`` (e.g. ``"200KB"``) is given.
 
-    transformers 5.23 applies the native->HF conversion only partly in reverse (architecture.md §10.3), so the file
+    transformers 5.23 applies the native->HF conversion only partly in reverse (docs/model.md), so the file
     holds a THIRD dialect, neither HF nor native (210 tensors for the tiny config, like native):
       * top-level tensors keep their HF spelling with the ``model.`` prefix (the native rules are anchored at the start
         of the name): ``model.embed_tokens.weight``, ``model.norm.weight``, ``model.hc_head.hc_fn`` /

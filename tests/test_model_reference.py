@@ -1,4 +1,4 @@
-"""dsv4 against the transformers 5.23 ``DeepseekV4ForCausalLM`` fp32 oracle (architecture.md §12).
+"""dsv4 against the transformers 5.23 ``DeepseekV4ForCausalLM`` fp32 oracle (docs/model.md).
 
 Every checkpoint here is written from a randomised transformers model (tests/reference.py) and loaded by dsv4
 through its public API (``LLM``) or its loader (``load_models``). What is compared:
@@ -9,7 +9,7 @@ through its public API (``LLM``) or its loader (``load_models``). What is compar
   slots, vs each sequence's single full forward (<= 1e-4);
 * native FP8 dense + FP4 experts (ue8m0 scales as float8_e8m0fnu and as uint8) and FP8 experts with fp32 scales vs
   transformers loading the very same files;
-* bf16 weights/activations vs fp32 (loose, statistical bounds: §12.3 says bf16 is far from fp32 with random weights).
+* bf16 weights/activations vs fp32 (loose, statistical bounds: bf16 is far from fp32 with random weights).
 
 Configurations: the tiny config (sliding, CSA, HCA, CSA; hash, hash, moe, moe), an all-CSA model with a routed
 first layer, a non-prefix hash layer and sigmoid scoring, an HCA-first model with a small window and HCA rate 8,
@@ -29,7 +29,7 @@ import reference as ref
 from dsv4 import LLM, SamplingParams
 from dsv4.model.batch import ForwardBatch
 
-FP32_TOL = 1e-4  # dsv4 fp32 vs transformers fp32 (observed <= 1.3e-5, architecture.md §12.10)
+FP32_TOL = 1e-4  # dsv4 fp32 vs transformers fp32 (observed <= 1.3e-5, docs/model.md)
 SEQ_LEN = 200
 GREEDY_TOKENS = 32
 GREEDY_PROMPT_LENS = (40, 23)
@@ -338,7 +338,7 @@ def test_bfloat16_stays_close_to_float32(cases):
     total_variation = 0.5 * (p16 - p32).abs().sum(dim=-1)  # per position, in [0, 1]
     agreement = float((lp16.argmax(-1) == case.logprobs.argmax(-1)).float().mean())
     # Observed over 4 prompts: mean TV 0.021-0.034, agreement 0.875-0.94; a different random model: TV 0.53,
-    # agreement 0.0 (architecture.md §12.3: transformers' own bf16 agrees on 82% of argmaxes).
+    # agreement 0.0 (docs/model.md: transformers' own bf16 agrees on 82% of argmaxes).
     assert float(total_variation.mean()) < 0.1
     assert agreement >= 0.75
     assert not torch.equal(lp16, case.logprobs)  # really ran in bf16

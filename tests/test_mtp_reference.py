@@ -1,4 +1,4 @@
-"""dsv4's MTP drafter against an independent oracle built from transformers 5.23 pieces (architecture.md §11.1).
+"""dsv4's MTP drafter against an independent oracle built from transformers 5.23 pieces (docs/model.md).
 
 transformers has no MTP module, so the oracle is assembled here, never from dsv4 code:
 
@@ -43,7 +43,7 @@ CACHE_LEN = 64
 
 CONFIG = ref.tiny_config()
 MTP_PREFIX = "mtp.0."
-# Tensors of an MTP layer outside its decoder block (architecture.md §11.1).
+# Tensors of an MTP layer outside its decoder block (docs/model.md).
 MTP_INPUT_STACK = ("enorm.weight", "hnorm.weight", "e_proj.weight", "h_proj.weight")
 MTP_HEAD_STACK = ("norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")
 
@@ -54,13 +54,13 @@ MTP_HEAD_STACK = ("norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """architecture.md §4: RMSNorm over the last dim, in fp32."""
+    """docs/model.md: RMSNorm over the last dim, in fp32."""
     x = x.float()
     return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 class MTPOracle:
-    """The MTP layer of §11.1 from transformers modules + plain torch, on batch-1 HF-layout tensors."""
+    """The MTP layer (docs/model.md) from transformers modules + plain torch, on batch-1 HF-layout tensors."""
 
     def __init__(self, target, native: dict[str, torch.Tensor], mtp: dict[str, torch.Tensor], config: dict):
         self.target = target

@@ -14,7 +14,7 @@ import reference as ref
 SEED = 1234
 MTP_SEED = 99
 PROMPT_LEN = 70  # > sliding window (32), > one HCA window (16), 17 CSA windows (> index_topk 8)
-TINY_PARAMETERS = 462_541  # anchors.md §6.2
+TINY_PARAMETERS = 462_541  # the tiny config's parameter count (embedding, layers, MTP and head)
 TINY_HF_KEYS = 122
 TINY_NATIVE_TENSORS = 210
 EXACT = 1e-6  # same weights through a different file layout
@@ -83,7 +83,7 @@ def test_build_is_seeded(config, model):
 
 
 def test_every_tensor_is_randomised_by_its_rule(model):
-    """Spot-check each init kind against the §9 recipe's statistics, so a wrong rule order is caught."""
+    """Spot-check each init kind against the randomisation recipe's statistics, so a wrong rule order is caught."""
     state = model.state_dict()
     layer = "model.layers.2."
     assert torch.all(state[layer + "attn_hc.scale"] >= 0.5) and torch.all(state[layer + "attn_hc.scale"] <= 1.5)

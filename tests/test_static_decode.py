@@ -1,4 +1,4 @@
-"""The fixed-shape decode step (`model/static_decode.py`): eager, it equals the batched decode path row for
+"""The fixed-shape decode step (`engine/static_decode.py`): eager, it equals the batched decode path row for
 row and cache row for cache row; compiled (`LLM(compile=True)`), generation equals the eager engine, and a
 refit is seen by the compiled graph in place: no recompilation, results bit-identical to a fresh compiled
 load of the new weights."""
@@ -9,11 +9,11 @@ from torch._dynamo.types import GuardFilterEntry
 
 import reference as ref
 from dsv4 import LLM, SamplingParams
+from dsv4.engine.static_decode import StaticDecode, entry_reads, keep_guard
 from dsv4.kernels.gathered_experts import loop_experts, routed_experts, swiglu
 from dsv4.kernels.registry import KernelRegistry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import cache_tensors
-from dsv4.model.static_decode import StaticDecode, entry_reads, keep_guard
 from dsv4.parallel.state import SINGLE
 
 SEED, NEW_SEED = 5, 6

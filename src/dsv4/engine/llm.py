@@ -125,7 +125,7 @@ class LLM:
         max_num_batched_tokens: tokens per forward step; prompt chunks fill what decodes leave.
         max_model_len: prompt + output tokens per sequence (None: the model's maximum, reduced
             until one sequence's cache fits the memory budget).
-        compile: run pure-decode steps as one `torch.compile`d graph (`model/static_decode.py`): several
+        compile: run pure-decode steps as one `torch.compile`d graph (`engine/static_decode.py`): several
             times fewer framework calls per step; steps with prompt chunks run eager. Needs a C++ compiler;
             routed experts in any format (FP8 / FP4 experts stay quantized and run the fused kernels as
             eager does). The first steps at new shapes compile (minutes on a small CPU, cached on disk by

@@ -25,10 +25,10 @@ from typing import NamedTuple
 import torch
 
 from dsv4.engine.limits import EngineLimits
+from dsv4.engine.static_decode import StaticDecode
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import RingSnapshot
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.model.static_decode import StaticDecode
 
 
 class Chunk(NamedTuple):

@@ -5,7 +5,7 @@ Eager, a MoE layer over quantized stacks (model/moe.py) asks its kernel registry
 a few rows at a time into a per-call panel) and otherwise runs `dequantizing_loop`, the reference, which
 dequantizes only the experts in use, one at a time, for that call. Neither can
 be traced: the kernel is a ctypes call, and the loop reads the expert counts on the host to pick its
-experts. The compiled decode step (model/static_decode.py) therefore calls both through this op, opaque
+experts. The compiled decode step (engine/static_decode.py) therefore calls both through this op, opaque
 to the compiler (its fake gives the output's shape and dtype), which makes the eager forward's choice per
 call: the fused kernel wherever its `supports` takes the call (the registry's own test: any row count over
 stacks of a supported layout), the loop elsewhere. So the compiled step computes what the eager step

@@ -1,7 +1,7 @@
 """A pure-decode step as one fixed-shape tensor program, so `torch.compile` can capture it whole.
 
 A decode step on CPU is dispatch-bound: hundreds of framework calls of a few microseconds each around
-GEMMs that take as long (anchors.md §6.4). `decode_forward` runs the model's own forward
+GEMMs that take as long. `decode_forward` runs the model's own forward
 (`DeepseekV4.forward_layers` and `logits`) over a step plan built from tensors (`DecodeMeta.of_tensors`),
 which has what would break a compiled graph taken out:
 
