@@ -388,6 +388,44 @@ def test_readahead_leaves_the_file_cached_and_nothing_mapped(tmp_path):
     assert file.read_bytes()[:256] == bytes(range(256))
 
 
+def test_readahead_skips_what_the_page_cache_holds(tmp_path, monkeypatch):
+    """A chunk whose pages mincore reports cached is not faulted in (a warm load's thread walks nothing); one
+    with a page missing is, and is released again."""
+    import ctypes
+    import mmap
+
+    from dsv4.weights import readahead as readahead_module
+
+    file = tmp_path / "data"
+    file.write_bytes(bytes(range(256)) * 64)  # 4 pages, read back: cached
+    assert file.read_bytes()[:4] == bytes(range(4))
+    advised: list[int] = []
+    real_madvise = readahead_module._madvise()
+    monkeypatch.setattr(readahead_module, "_madvise", lambda: lambda a, n, advice: advised.append(advice) or
+                        real_madvise(a, n, advice))
+    with file.open("rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    anchor = ctypes.c_char.from_buffer(mapping)
+    try:
+        address, length = ctypes.addressof(anchor), len(mapping)
+        assert readahead_module.cached(address, length)
+        assert readahead_module.populate(address, length) and advised == []
+        real_mincore = readahead_module._mincore()
+
+        def one_page_missing(a, n, vector):
+            result = real_mincore(a, n, vector)
+            vector[1] = b"\x00"
+            return result
+
+        monkeypatch.setattr(readahead_module, "_mincore", lambda: one_page_missing)
+        assert not readahead_module.cached(address, length)
+        assert readahead_module.populate(address, length)
+        assert advised == [readahead_module.MADV_POPULATE_READ, mmap.MADV_DONTNEED]
+    finally:
+        del anchor
+        mapping.close()
+
+
 def test_a_load_asks_for_its_files_before_it_builds_the_model(tiny_release_dir, monkeypatch):
     """A one-process load starts the checkpoint's disk reads before the model build, over every tensor's bytes."""
     from dsv4.weights import loader as loader_module
