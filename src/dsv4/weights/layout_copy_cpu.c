@@ -410,23 +410,39 @@ void copy_many_streamed(const int64_t *src, const int64_t *dst, const int64_t *n
         copy_streamed((const uint8_t *)(uintptr_t)src[j], (uint8_t *)(uintptr_t)dst[j], nbytes[j]);
 }
 
+/* The value of block scale i: fp32 values, or ue8m0 bytes (2^(b - 127): the byte in an fp32 exponent field,
+ * byte 0 giving 0.0 as dsv4.quant.e8m0_to_float32 does; the caller has refused the NaN byte). */
+static inline float block_scale(const void *scale, int e8m0, int64_t i) {
+    if (!e8m0) return ((const float *)scale)[i];
+    uint32_t bits = (uint32_t)((const uint8_t *)scale)[i] << 23;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
 /* value = lut[code] * scale[r / b0][c / b1], formed in fp32 (one rounding, as torch's product); q is
- * contiguous [rows, cols], scale contiguous [ceil(rows / b0), scale_cols]. When b1 is a multiple of
- * TILE_COLS a run has one scale. */
+ * contiguous [rows, cols], scale contiguous [ceil(rows / b0), scale_cols] of fp32 values or (scale_e8m0)
+ * ue8m0 bytes. When b1 is a multiple of TILE_COLS a run has one scale. Returns whether any code is an e4m3fn
+ * NaN code (S.1111.111), checked in the same pass: a caller whose destination nothing reads yet (a fresh
+ * load, a staging buffer) reads the codes once; the others check them before. */
 #define DEQUANT_FP8(NAME, DST_T, STORE)                                                                   \
-    void NAME(const uint8_t *q, const float *scale, const float *lut, DST_T *dst, int64_t rows,           \
-              int64_t cols, int64_t b0, int64_t b1, int64_t scale_cols, int64_t dst_ld) {                 \
+    int NAME(const uint8_t *q, const void *scale, int scale_e8m0, const float *lut, DST_T *dst,           \
+             int64_t rows, int64_t cols, int64_t b0, int64_t b1, int64_t scale_cols, int64_t dst_ld) {    \
         const uint32_t mask = 0; /* the caller bounds the products instead (codes and scales checked) */  \
         int seen = 0;                                                                                     \
+        unsigned nan_codes = 0;                                                                           \
         (void)seen;                                                                                       \
         TILED(DST_T, const uint8_t *qr = q + (r0 + r) * cols + c0;                                        \
-              const float *sr = scale + ((r0 + r) / b0) * scale_cols;                                     \
+              int64_t sr = ((r0 + r) / b0) * scale_cols;                                                  \
+              for (int64_t c = 0; c < nc; c++) nan_codes |= (qr[c] & 0x7Fu) == 0x7Fu;                    \
               if (b1 % TILE_COLS == 0) {                                                                  \
-                  float sv = sr[c0 / b1];                                                                 \
+                  float sv = block_scale(scale, scale_e8m0, sr + c0 / b1);                                \
                   for (int64_t c = 0; c < nc; c++) col[c * TILE_ROWS] = STORE(lut[qr[c]] * sv);           \
               } else {                                                                                    \
-                  for (int64_t c = 0; c < nc; c++) col[c * TILE_ROWS] = STORE(lut[qr[c]] * sr[(c0 + c) / b1]); \
+                  for (int64_t c = 0; c < nc; c++)                                                        \
+                      col[c * TILE_ROWS] = STORE(lut[qr[c]] * block_scale(scale, scale_e8m0, sr + (c0 + c) / b1)); \
               })                                                                                          \
+        return nan_codes != 0;                                                                            \
     }
 
 DEQUANT_FP8(dequant_fp8_f32, float, IDENTITY)

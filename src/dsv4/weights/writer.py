@@ -390,7 +390,9 @@ class WeightWriter:
         if not self.dry_run:
             if slot.kind in (FLOAT, DENSE):
                 # Straight into the destination (or its staging buffer): every check passes before the first write.
-                self._fill(slot.dest, lambda out: dequantize(weight, scale, self.layout, slot.logical, out.dtype, out))
+                # a fresh weight or a staging buffer is not read before the update ends: codes checked as written
+                self._fill(slot.dest, lambda out: dequantize(weight, scale, self.layout, slot.logical, out.dtype, out,
+                                                             check_as_written=self.fresh or self.staged))
             else:
                 values = dequantize(weight, scale, self.layout, slot.logical, torch.float32)
                 q, q_scale = quantize_expert(values, slot.kind, self.layout)
