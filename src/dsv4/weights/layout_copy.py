@@ -7,8 +7,10 @@ inner loop strides through the source a row apart). The C kernels here (`layout_
 this CPU) transpose 8x8 blocks in AVX2 registers, panel by panel so that the source lines a panel shares
 stay in cache, converting bf16 <-> fp32 (torch's round-to-nearest-even) in the same pass; without AVX2 (and
 on the ragged edges) they copy tile by tile through an L1 buffer. FP8 e4m3 codes are dequantized times
-their block scales (torch's fp32 product, one rounding) in the same tiled pass, so a load of an FP8 linear
-into an fp32 or bf16 weight reads each code once and writes each value once.
+their block scales (fp32 values or ue8m0 bytes; torch's fp32 product, one rounding) and checked for NaN
+codes in the same pass: with AVX2 eight codes a step into a row-major band that the register-block
+transposes then place, else through the tiled walk. A load of an FP8 linear into an fp32 or bf16 weight
+reads each code once and writes each value once.
 
 Stores stream (non-temporal: whole lines to memory, none read into the cache first) into fp32 destinations
 too large for the cache, or wherever the caller says nothing reads the destination soon (`stream=True`: a

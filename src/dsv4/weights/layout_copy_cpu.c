@@ -12,8 +12,9 @@
  * straight copies (copy_*: n elements in memory order) do the same for tensors already in their layout.
  *
  * Built with -march=native (layout_copy.py): with AVX2 the transposes move 8x8 blocks through registers
- * (vector_isa() == 256); without it, and on the ragged edges a block does not cover, through the tiled
- * scalar walk below (vector_isa() == 0). Both give the same bytes.
+ * (vector_isa() == 256), and FP8 dequantization decodes 8 codes a step into a band those transposes place;
+ * without it, and on the ragged edges a block does not cover, through the tiled scalar walk below
+ * (vector_isa() == 0). Both give the same bytes.
  */
 #include <stdint.h>
 #include <stdlib.h>
