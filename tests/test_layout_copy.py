@@ -102,6 +102,44 @@ def test_fp8_dequantization_matches_torch(shape, scale_fmt, resident):
     assert torch.equal(dest.contiguous().view(bits), expected.view(bits))
 
 
+@pytest.mark.parametrize("block", [(128, 128), (64, 36)], ids=["vector", "scalar_walk"])
+def test_fp8_dequantization_of_either_kernel_path_matches_torch(block):
+    """Blocks of a multiple of 8 columns take the AVX2 band path, others the tiled table walk: same bytes."""
+    shape = (200, 300)
+    codes, scale = quantize_fp8_blockwise(torch.randn(shape, generator=torch.Generator().manual_seed(3)), block,
+                                          "ue8m0")
+    layout = QuantLayout(fp8_block=block, fp4_group=32, scale_fmt="ue8m0")
+    for resident in (torch.float32, torch.bfloat16):
+        dest = _input_major(shape, resident)
+        dequantize(codes, scale, layout, shape, resident, out=dest, check_as_written=True)
+        bits = torch.int16 if resident.itemsize == 2 else torch.int32
+        expected = dequantize_fp8_blockwise(codes, scale, block, resident)
+        assert torch.equal(dest.contiguous().view(bits), expected.view(bits))
+
+
+@pytest.mark.parametrize("check_as_written", [False, True], ids=["checked_first", "checked_in_the_kernel"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "no_compiler"])
+def test_fp8_nan_codes_are_refused_wherever_they_are_checked(check_as_written, kernel, monkeypatch):
+    """A NaN code (either sign; the last one of a ragged edge too) fails the dequantization, whether the codes
+    are checked before the copy or inside it, with the kernel or torch's path."""
+    from dsv4.weights.convert import ConversionError
+
+    if not kernel:
+        monkeypatch.setattr(layout_copy, "_library", lambda: None)
+    shape = (70, 300)
+    codes, scale = quantize_fp8_blockwise(torch.randn(shape), BLOCK, "ue8m0")
+    layout = QuantLayout(fp8_block=BLOCK, fp4_group=32, scale_fmt="ue8m0")
+    for index, code in ((0, 0x7F), (shape[0] * shape[1] - 1, 0xFF)):
+        bad = codes.view(torch.uint8).clone()
+        bad.view(-1)[index] = code
+        out = _input_major(shape, torch.float32)
+        with pytest.raises(ConversionError, match="1 NaN code"):
+            dequantize(bad.view(torch.float8_e4m3fn), scale, layout, shape, torch.float32, out=out,
+                       check_as_written=check_as_written)
+        if not check_as_written:
+            assert not out.any()  # refused before the first write
+
+
 def test_other_layouts_and_no_compiler_take_torch_path(monkeypatch):
     """Not input-major, or no C compiler: the kernels decline (write nothing) and copy_into / dequantize still
     give torch's bytes."""

@@ -8,7 +8,6 @@ checkpoint with FP8 dense linears and FP4 experts (the release format), in fp32.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -583,7 +582,7 @@ def test_dry_run_checks_names_shapes_and_pairs_from_headers_alone(ckpts, monkeyp
     writer.check_complete(llm.loaded.slot_table().names(), "dry run")
 
     def mutated(info, **changes):
-        return dataclasses.replace(info, **changes)
+        return info._replace(**changes)  # header entries are named tuples
 
     by_name = {info.name: info for info in infos}
     bad = [info for info in infos if info.name not in ("layers.1.attn.wq_a.scale", "norm.weight")]

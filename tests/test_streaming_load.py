@@ -343,6 +343,7 @@ def test_readahead_stays_within_its_lead_and_stops_when_closed(tmp_path, monkeyp
         return True
 
     monkeypatch.setattr(readahead_module, "populate", recording)
+    monkeypatch.setattr(readahead_module, "cached", lambda address, length: False)  # a cold file
 
     def settled():  # the thread has asked for everything the lead allows
         for _ in range(200):
@@ -386,6 +387,35 @@ def test_readahead_leaves_the_file_cached_and_nothing_mapped(tmp_path):
         ahead._thread.join(5)
     assert rss_file() - before < 512 * 1024
     assert file.read_bytes()[:256] == bytes(range(256))
+
+
+def test_readahead_skips_an_extent_the_page_cache_holds(tmp_path, monkeypatch):
+    """An extent whose pages mincore reports all cached is not read at all (a warm load's thread walks
+    nothing); one with a page missing is read chunk by chunk, as a cold one."""
+    import mmap
+
+    from dsv4.weights import readahead as readahead_module
+
+    page = mmap.PAGESIZE
+    file = tmp_path / "data"
+    file.write_bytes(bytes(range(256)) * (4 * page // 256))  # 4 pages, read back: cached
+    assert file.read_bytes()[:4] == bytes(range(4))
+    read: list[int] = []
+    monkeypatch.setattr(readahead_module, "populate", lambda address, length: read.append(length) or True)
+    with readahead_module.Readahead([(file, 0, 4 * page)], chunk_bytes=page) as ahead:
+        ahead._thread.join(5)
+    assert read == []
+    real_mincore = readahead_module._mincore()
+
+    def one_page_missing(address, length, vector):
+        result = real_mincore(address, length, vector)
+        vector[1] = b"\x00"
+        return result
+
+    monkeypatch.setattr(readahead_module, "_mincore", lambda: one_page_missing)
+    with readahead_module.Readahead([(file, 0, 4 * page)], chunk_bytes=page) as ahead:
+        ahead._thread.join(5)
+    assert read == [page] * 4
 
 
 def test_a_load_asks_for_its_files_before_it_builds_the_model(tiny_release_dir, monkeypatch):

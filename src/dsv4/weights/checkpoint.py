@@ -28,12 +28,13 @@ import contextlib
 import ctypes
 import gc
 import json
+import math
 import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -61,12 +62,16 @@ _RELEASE_BYTES = 2 * 1024 * 1024
 # baseline's size: the progress bar moves, the cold read-ahead is the same).
 _RUN_TENSORS = os.sysconf("SC_IOV_MAX")
 _RUN_BYTES = 64 * 1024 * 1024
+_F4_MESSAGE = ("{path}: tensor {name} is stored as F4 (float4_e2m1fn_x2), which safetensors cannot slice; store FP4 "
+               "experts as I8 packed bytes (two e2m1 codes per byte) as DeepSeek's releases do")
 # (name, dtype, shape) -> the tensor a checkpoint tensor's bytes may be read straight into, or None.
 Destination = Callable[[str, torch.dtype, tuple[int, ...]], torch.Tensor | None]
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
+    """One tensor of a safetensors header (immutable; a named tuple: a header parses into thousands of them,
+    and a frozen dataclass cost ~1.5 us more each to build)."""
+
     name: str
     dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
     shape: tuple[int, ...]
@@ -117,23 +122,16 @@ def _parse_header(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         dtype, shape, (begin, end) = meta["dtype"], tuple(meta["shape"]), meta["data_offsets"]
-        if dtype == "F4":
-            raise CheckpointError(
-                f"{path}: tensor {name} is stored as F4 (float4_e2m1fn_x2), which safetensors cannot slice; "
-                f"store FP4 experts as I8 packed bytes (two e2m1 codes per byte) as DeepSeek's releases do"
-            )
-        if dtype not in DTYPE_BYTES:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if end - begin != numel * DTYPE_BYTES[dtype] or end > data_len:
+        itemsize = DTYPE_BYTES.get(dtype)
+        if itemsize is None:
+            raise CheckpointError(_F4_MESSAGE.format(path=path, name=name) if dtype == "F4" else
+                                  f"{path}: tensor {name} has unsupported dtype {dtype}")
+        if end - begin != math.prod(shape) * itemsize or end > data_len or begin < 0:
             raise CheckpointError(
                 f"{path}: tensor {name} data [{begin}, {end}) does not fit its shape {list(shape)} {dtype} "
                 f"or the file ({data_len} data bytes): truncated or corrupt"
             )
-        infos[name] = TensorInfo(name=name, dtype=dtype, shape=shape, file=path, offset=data_start + begin,
-                                 nbytes=end - begin)
+        infos[name] = TensorInfo(name, dtype, shape, path, data_start + begin, end - begin)
     return infos
 
 
@@ -147,6 +145,7 @@ class CheckpointDir:
             raise CheckpointError(f"{self.path}: {problem}")
         self.files = self._files()
         self.tensors: dict[str, TensorInfo] = {}
+        self._in_file_order: dict[Path, list[TensorInfo]] | None = None  # `_wanted_by_file(None)`, once built
         for file in self.files:
             for name, info in read_header(file).items():
                 if name in self.tensors:
@@ -184,30 +183,38 @@ class CheckpointDir:
             if info is None or info.file.name != file:
                 raise CheckpointError(f"{index}: tensor {name} is listed in {file} but not found there")
 
-    def _wanted_by_file(self, wanted: Callable[[str], bool]) -> dict[Path, list[TensorInfo]]:
-        """The wanted tensors of each file, in file order."""
-        by_file: dict[Path, list[TensorInfo]] = {file: [] for file in self.files}
-        for info in self.tensors.values():
-            if wanted(info.name):
+    def _wanted_by_file(self, wanted: Callable[[str], bool] | None) -> dict[Path, list[TensorInfo]]:
+        """The wanted tensors of each file (None: all of them, ordered once per checkpoint), in file order."""
+        if self._in_file_order is None:
+            by_file: dict[Path, list[TensorInfo]] = {file: [] for file in self.files}
+            for info in self.tensors.values():
                 by_file[info.file].append(info)
-        for infos in by_file.values():
-            infos.sort(key=lambda i: i.offset)
-        return by_file
+            for infos in by_file.values():
+                infos.sort(key=_file_offset)
+            self._in_file_order = by_file
+        if wanted is None:
+            return self._in_file_order
+        return {file: [info for info in infos if wanted(info.name)] for file, infos in self._in_file_order.items()}
 
-    def readahead(self, wanted: Callable[[str], bool] = lambda name: True) -> Readahead:
+    def readahead(self, wanted: Callable[[str], bool] | None = None) -> Readahead:
         """Disk reads of the wanted tensors' bytes, issued from now on ahead of `iter_tensors` (given it as
         `readahead`): a context manager that stops them (`weights/readahead.py`)."""
         extents: list[tuple[Path, int, int]] = []
         for file, infos in self._wanted_by_file(wanted).items():
+            start = end = -1
             for info in infos:  # back-to-back tensors coalesced: other ranks' bytes are never asked for
-                if extents and extents[-1][0] == file and extents[-1][2] == info.offset:
-                    extents[-1] = (file, extents[-1][1], info.offset + info.nbytes)
-                elif info.nbytes:
-                    extents.append((file, info.offset, info.offset + info.nbytes))
+                if info.offset == end:
+                    end += info.nbytes
+                    continue
+                if end > start:
+                    extents.append((file, start, end))
+                start, end = info.offset, info.offset + info.nbytes
+            if end > start:
+                extents.append((file, start, end))
         return Readahead(extents)
 
     def iter_tensors(
-        self, wanted: Callable[[str], bool] = lambda name: True, destination: Destination | None = None,
+        self, wanted: Callable[[str], bool] | None = None, destination: Destination | None = None,
         readahead: Readahead | None = None,
     ) -> Iterator[tuple[str, torch.Tensor, str]]:
         """Yield (name, tensor, file) one tensor at a time, file by file, in file order.
@@ -217,7 +224,7 @@ class CheckpointDir:
         longer still reads the right bytes (they fault back in from the file).
 
         Args:
-            wanted: which names to read (the others' bytes are never touched).
+            wanted: which names to read (the others' bytes are never touched); None: every tensor.
             destination: where a tensor's bytes may go as they are, given (name, dtype, shape): a contiguous
                 tensor of that dtype and shape, or None. A tensor given one is read from the file straight
                 into it (one kernel copy out of the page cache: no mapping of its pages, no copy out of a
@@ -231,6 +238,10 @@ class CheckpointDir:
         for file, infos in self._wanted_by_file(wanted).items():
             for info, tensor in _stream(file, infos, destination, readahead):
                 yield info.name, tensor, str(file)
+
+
+def _file_offset(info: TensorInfo) -> int:
+    return info.offset
 
 
 def map_file(path: Path) -> mmap.mmap | None:
@@ -334,18 +345,20 @@ def _read_run(
     yield from run
 
 
-def _writable_bytes(info: TensorInfo, dest: torch.Tensor) -> memoryview:
-    """A buffer over `dest`'s memory (no copy; dest outlives the read), the cheapest one to build (~1 us)."""
+def _writable_bytes(info: TensorInfo, dest: torch.Tensor) -> ctypes.Array:
+    """A buffer over `dest`'s memory (no copy; dest outlives the read), the cheapest one to build (~1 us: a
+    ctypes array of the tensor's bytes, which preadv(2) takes as it is; a memoryview cast of it cost ~2 us
+    more, and ~25 us a tensor in loads whose readahead thread held the interpreter lock meanwhile)."""
     if dest.nbytes != info.nbytes or not dest.is_contiguous():
         raise ValueError(f"{info.name}: a destination of {dest.nbytes} bytes (contiguous: {dest.is_contiguous()}) "
                          f"cannot take its {info.nbytes} bytes")
-    return memoryview((ctypes.c_char * info.nbytes).from_address(dest.data_ptr())).cast("B")
+    return (ctypes.c_char * info.nbytes).from_address(dest.data_ptr())
 
 
 def _read_into(file: Path, fd: int, info: TensorInfo, dest: torch.Tensor) -> None:
     """The tensor's bytes from the file into `dest` (contiguous, info.nbytes long) with preadv(2): the kernel
     copies them out of the page cache (reading them in first when cold), a short read is continued."""
-    buffer = _writable_bytes(info, dest)
+    buffer = memoryview(_writable_bytes(info, dest)).cast("B")  # sliceable without a copy
     done = 0
     while done < info.nbytes:
         try:

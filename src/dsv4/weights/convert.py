@@ -130,8 +130,13 @@ def check_fp8_codes(weight: torch.Tensor) -> None:
     if weight.numel() == 0:
         return
     if int(weight.view(torch.int8).max()) == _E4M3_NAN_INT8 or int(weight.view(torch.uint8).max()) == _E4M3_NAN_UINT8:
-        bad = int(torch.isnan(weight.float()).sum())
-        raise ConversionError(f"fp8 weight holds {bad} NaN code(s) (non-finite values)")
+        raise _fp8_nan_codes(weight)
+
+
+def _fp8_nan_codes(weight: torch.Tensor) -> ConversionError:
+    """The error of an e4m3fn tensor known to hold NaN codes, counting them."""
+    return ConversionError(f"fp8 weight holds {int(torch.isnan(weight.float()).sum())} NaN code(s) "
+                           f"(non-finite values)")
 
 
 def check_expert_table(table: torch.Tensor, n_experts: int) -> None:
@@ -175,17 +180,23 @@ def copy_into(dest: torch.Tensor, value: torch.Tensor) -> None:
 # ---- conversions ----
 def dequantize(
     weight: torch.Tensor, scale: torch.Tensor, layout: QuantLayout, logical: tuple[int, int], dtype: torch.dtype,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, *, check_as_written: bool = False,
 ) -> torch.Tensor:
     """An FP8 (e4m3 + block scale) or FP4 (packed + ue8m0) weight -> validated values [out, in] of `dtype`.
 
     Args:
         out: where to write the values (of `dtype`; returned): every check passes before its first byte is
-            written. An FP8 weight goes into an input-major `out` in one pass (`layout_copy`).
+            written, unless `check_as_written`. An FP8 weight goes into an input-major `out` in one pass
+            (`layout_copy`).
+        check_as_written: nothing reads `out` before this returns and a failure discards it (a fresh load's
+            weight, a staging buffer): an FP8 weight's codes are then checked inside the pass that writes
+            them (one read of the codes, not three).
     """
     if weight.dtype == E4M3:
         check_shape(weight.shape, logical, "fp8 weight")
-        check_fp8_codes(weight)
+        fused = check_as_written and out is not None
+        if not fused:
+            check_fp8_codes(weight)
         if scale.dtype in FLOAT_DTYPES:
             check_finite(scale)
             scale_max = float(scale.abs().max()) if scale.numel() else 0.0
@@ -196,9 +207,16 @@ def dequantize(
         _check_products_finite(scale_max, E4M3_MAX, dtype)
         if out is not None:
             check_shape(scale.shape, fp8_scale_grid_shape(weight.shape, layout.fp8_block), "fp8 scale")
-            grid = fp8_scale_values(scale).to(torch.float32).contiguous()
-            if dequantize_fp8_into(out, weight, grid, layout.fp8_block):
+            # ue8m0 bytes are decoded inside the kernel (their decode here cost more than the kernel on small
+            # linears); float scales go as fp32
+            grid = (scale if scale.dtype == torch.uint8 else scale.to(torch.float32)).contiguous()
+            nan_codes = dequantize_fp8_into(out, weight, grid, layout.fp8_block)
+            if nan_codes:
+                raise _fp8_nan_codes(weight)
+            if nan_codes is not None:
                 return out
+            if fused:  # no kernel: checked before torch's path writes anything
+                check_fp8_codes(weight)
         try:
             values = dequantize_fp8_blockwise(weight, scale, layout.fp8_block, dtype)
         except ValueError as exc:

@@ -7,8 +7,10 @@ inner loop strides through the source a row apart). The C kernels here (`layout_
 this CPU) transpose 8x8 blocks in AVX2 registers, panel by panel so that the source lines a panel shares
 stay in cache, converting bf16 <-> fp32 (torch's round-to-nearest-even) in the same pass; without AVX2 (and
 on the ragged edges) they copy tile by tile through an L1 buffer. FP8 e4m3 codes are dequantized times
-their block scales (torch's fp32 product, one rounding) in the same tiled pass, so a load of an FP8 linear
-into an fp32 or bf16 weight reads each code once and writes each value once.
+their block scales (fp32 values or ue8m0 bytes; torch's fp32 product, one rounding) and checked for NaN
+codes in the same pass: with AVX2 eight codes a step into a row-major band that the register-block
+transposes then place, else through the tiled walk. A load of an FP8 linear into an fp32 or bf16 weight
+reads each code once and writes each value once.
 
 Stores stream (non-temporal: whole lines to memory, none read into the cache first) into fp32 destinations
 too large for the cache, or wherever the caller says nothing reads the destination soon (`stream=True`: a
@@ -81,7 +83,8 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.copy_many_streamed.restype = None
     lib.copy_many_streamed.argtypes = [_PTR, _PTR, _PTR, _I64]
     for name in _DEQUANT_FP8.values():
-        getattr(lib, name).argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [_PTR, _PTR, ctypes.c_int, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64]
     return lib
 
 
@@ -243,26 +246,31 @@ def _e4m3_values() -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-def dequantize_fp8_into(dest: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> bool:
-    """dest[i, j] = table[codes[i, j]] * scale[i // block[0], j // block[1]] for an input-major `dest`.
+def dequantize_fp8_into(dest: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                        block: tuple[int, int]) -> bool | None:
+    """dest[i, j] = table[codes[i, j]] * scale[i // block[0], j // block[1]] for an input-major `dest`, checking
+    in the same pass whether any code is an e4m3fn NaN code (one read of the codes).
 
     Args:
         dest: the input-major fp32 / bf16 weight [out, in].
-        codes: float8_e4m3fn [out, in], contiguous, already checked for NaN codes.
-        scale: float32 block scales [ceil(out / b0), ceil(in / b1)], contiguous.
+        codes: float8_e4m3fn [out, in], contiguous.
+        scale: the block scales [ceil(out / b0), ceil(in / b1)], contiguous: float32 values, or ue8m0 bytes
+            (uint8, decoded in the kernel; the NaN byte already refused).
         block: (b0, b1).
 
     Returns:
-        Whether it was done (nothing is written otherwise).
+        None where it does not apply (nothing written); else whether a code was a NaN code (every value is
+        written all the same: a caller that has not checked the codes first must discard `dest` then).
     """
     kernel = _DEQUANT_FP8.get(dest.dtype)
+    e8m0 = scale.dtype == torch.uint8
     if (kernel is None or not input_major(dest) or codes.device.type != "cpu" or not codes.is_contiguous()
-            or scale.dtype != torch.float32 or not scale.is_contiguous()):
-        return False
+            or scale.dtype not in (torch.float32, torch.uint8) or not scale.is_contiguous()):
+        return None
     lib = _library()
     if lib is None:
-        return False
+        return None
     rows, cols = codes.shape
-    getattr(lib, kernel)(codes.data_ptr(), scale.data_ptr(), _e4m3_values().data_ptr(), dest.data_ptr(), rows, cols,
-                         block[0], block[1], scale.shape[1], dest.stride(1))
-    return True
+    return bool(getattr(lib, kernel)(codes.data_ptr(), scale.data_ptr(), e8m0, _e4m3_values().data_ptr(),
+                                     dest.data_ptr(), rows, cols, block[0], block[1], scale.shape[1],
+                                     dest.stride(1)))

@@ -12,10 +12,12 @@
  * straight copies (copy_*: n elements in memory order) do the same for tensors already in their layout.
  *
  * Built with -march=native (layout_copy.py): with AVX2 the transposes move 8x8 blocks through registers
- * (vector_isa() == 256); without it, and on the ragged edges a block does not cover, through the tiled
- * scalar walk below (vector_isa() == 0). Both give the same bytes.
+ * (vector_isa() == 256), and FP8 dequantization decodes 8 codes a step into a band those transposes place;
+ * without it, and on the ragged edges a block does not cover, through the tiled scalar walk below
+ * (vector_isa() == 0). Both give the same bytes.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "rows.h" /* bf16_to_f32, f32_to_bf16 (torch's rounding): the kernels' shared helpers */
@@ -410,24 +412,120 @@ void copy_many_streamed(const int64_t *src, const int64_t *dst, const int64_t *n
         copy_streamed((const uint8_t *)(uintptr_t)src[j], (uint8_t *)(uintptr_t)dst[j], nbytes[j]);
 }
 
+/* The value of block scale i: fp32 values, or ue8m0 bytes (2^(b - 127): the byte in an fp32 exponent field,
+ * byte 0 giving 0.0 as dsv4.quant.e8m0_to_float32 does; the caller has refused the NaN byte). */
+static inline float block_scale(const void *scale, int e8m0, int64_t i) {
+    if (!e8m0) return ((const float *)scale)[i];
+    uint32_t bits = (uint32_t)((const uint8_t *)scale)[i] << 23;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+#if defined(__AVX2__)
+/* Rows decoded per band of the vector path: a multiple of both transposes' strips (16 and 32 rows). */
+#define DEQUANT_BAND 32
+
+/* 8 e4m3fn codes -> their exact fp32 values: a normal code's exponent and mantissa placed in the fp32 fields
+ * (exponent rebiased 7 -> 127), a subnormal's (exponent 0) value m * 2^-9, the sign bit moved to bit 31.
+ * NaN codes (S.1111.111) decode to 480 here and are marked in *nan: the caller refuses them. */
+static inline __m256 e4m3x8(const uint8_t *p, __m256i *nan) {
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i magnitude = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+    *nan = _mm256_or_si256(*nan, _mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7F)));
+    __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
+    __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(1.0f / 512));
+    __m256 is_subnormal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_or_ps(_mm256_blendv_ps(normal, subnormal, is_subnormal), _mm256_castsi256_ps(sign));
+}
+
+/* Rows [r0, r0 + nr) of the dequantized matrix, row-major into out[nr][cols]: 8 codes a step times their
+ * block's scale (b1 a multiple of 8: one scale per step), the ragged last columns through the table. Returns
+ * whether a code was a NaN code. */
+static int dequant_rows(const uint8_t *q, const void *scale, int e8m0, const float *lut, float *out, int64_t r0,
+                        int64_t nr, int64_t cols, int64_t b0, int64_t b1, int64_t scale_cols) {
+    __m256i nan = _mm256_setzero_si256();
+    unsigned ragged_nan = 0;
+    for (int64_t r = 0; r < nr; r++) {
+        const uint8_t *qr = q + (r0 + r) * cols;
+        int64_t sr = ((r0 + r) / b0) * scale_cols;
+        float *o = out + r * cols;
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8)
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(e4m3x8(qr + c, &nan), _mm256_set1_ps(block_scale(scale, e8m0, sr + c / b1))));
+        for (; c < cols; c++) {
+            ragged_nan |= (qr[c] & 0x7Fu) == 0x7Fu;
+            o[c] = lut[qr[c]] * block_scale(scale, e8m0, sr + c / b1);
+        }
+    }
+    return ragged_nan || !_mm256_testz_si256(nan, nan);
+}
+
+/* The vector path: band by band, decode DEQUANT_BAND rows into a buffer, then transpose them into the
+ * destination with the register-block transposes (the values bit for bit those of the table walk: the same
+ * fp32 product, the same bf16 rounding). -1 where it does not apply (b1 not a multiple of 8, no memory). */
+#define DEQUANT_BANDED(NAME, DST_T, TRANSPOSE_F32)                                                         \
+    static int NAME(const uint8_t *q, const void *scale, int e8m0, const float *lut, DST_T *dst, int64_t rows, \
+                    int64_t cols, int64_t b0, int64_t b1, int64_t scale_cols, int64_t dst_ld) {              \
+        if (b1 % 8 || cols <= 0) return -1;                                                               \
+        float *band = malloc((size_t)(DEQUANT_BAND * cols) * sizeof(float));                              \
+        if (!band) return -1;                                                                             \
+        int nan = 0;                                                                                      \
+        for (int64_t r0 = 0; r0 < rows; r0 += DEQUANT_BAND) {                                              \
+            int64_t nr = r0 + DEQUANT_BAND < rows ? DEQUANT_BAND : rows - r0;                             \
+            nan |= dequant_rows(q, scale, e8m0, lut, band, r0, nr, cols, b0, b1, scale_cols);             \
+            TRANSPOSE_F32(band, dst + r0, nr, cols, cols, dst_ld, 0, 0);                                  \
+        }                                                                                                 \
+        free(band);                                                                                       \
+        return nan;                                                                                       \
+    }
+#endif
+
 /* value = lut[code] * scale[r / b0][c / b1], formed in fp32 (one rounding, as torch's product); q is
- * contiguous [rows, cols], scale contiguous [ceil(rows / b0), scale_cols]. When b1 is a multiple of
- * TILE_COLS a run has one scale. */
-#define DEQUANT_FP8(NAME, DST_T, STORE)                                                                   \
-    void NAME(const uint8_t *q, const float *scale, const float *lut, DST_T *dst, int64_t rows,           \
-              int64_t cols, int64_t b0, int64_t b1, int64_t scale_cols, int64_t dst_ld) {                 \
+ * contiguous [rows, cols], scale contiguous [ceil(rows / b0), scale_cols] of fp32 values or (scale_e8m0)
+ * ue8m0 bytes. When b1 is a multiple of TILE_COLS a run has one scale. Returns whether any code is an e4m3fn
+ * NaN code (S.1111.111), checked in the same pass: a caller whose destination nothing reads yet (a fresh
+ * load, a staging buffer) reads the codes once; the others check them before. */
+#define DEQUANT_FP8(NAME, DST_T, STORE, VECTOR_DEQUANT)                                                                   \
+    int NAME(const uint8_t *q, const void *scale, int scale_e8m0, const float *lut, DST_T *dst,           \
+             int64_t rows, int64_t cols, int64_t b0, int64_t b1, int64_t scale_cols, int64_t dst_ld) {    \
+        VECTOR_DEQUANT                                                                                    \
         const uint32_t mask = 0; /* the caller bounds the products instead (codes and scales checked) */  \
         int seen = 0;                                                                                     \
+        unsigned nan_codes = 0;                                                                           \
         (void)seen;                                                                                       \
         TILED(DST_T, const uint8_t *qr = q + (r0 + r) * cols + c0;                                        \
-              const float *sr = scale + ((r0 + r) / b0) * scale_cols;                                     \
+              int64_t sr = ((r0 + r) / b0) * scale_cols;                                                  \
+              for (int64_t c = 0; c < nc; c++) nan_codes |= (qr[c] & 0x7Fu) == 0x7Fu;                    \
               if (b1 % TILE_COLS == 0) {                                                                  \
-                  float sv = sr[c0 / b1];                                                                 \
+                  float sv = block_scale(scale, scale_e8m0, sr + c0 / b1);                                \
                   for (int64_t c = 0; c < nc; c++) col[c * TILE_ROWS] = STORE(lut[qr[c]] * sv);           \
               } else {                                                                                    \
-                  for (int64_t c = 0; c < nc; c++) col[c * TILE_ROWS] = STORE(lut[qr[c]] * sr[(c0 + c) / b1]); \
+                  for (int64_t c = 0; c < nc; c++)                                                        \
+                      col[c * TILE_ROWS] = STORE(lut[qr[c]] * block_scale(scale, scale_e8m0, sr + (c0 + c) / b1)); \
               })                                                                                          \
+        return nan_codes != 0;                                                                            \
     }
 
-DEQUANT_FP8(dequant_fp8_f32, float, IDENTITY)
-DEQUANT_FP8(dequant_fp8_bf16, uint16_t, f32_to_bf16)
+#if defined(__AVX2__)
+static int transpose_b32_f(const float *src, float *dst, int64_t rows, int64_t cols, int64_t src_ld, int64_t dst_ld,
+                           int stream, uint32_t mask) {
+    return transpose_b32((const uint32_t *)src, (uint32_t *)dst, rows, cols, src_ld, dst_ld, stream, mask);
+}
+
+DEQUANT_BANDED(banded_fp8_f32, float, transpose_b32_f)
+DEQUANT_BANDED(banded_fp8_bf16, uint16_t, transpose_f32_bf16)
+#define VECTOR_F32                                                                                        \
+    int banded = banded_fp8_f32(q, scale, scale_e8m0, lut, dst, rows, cols, b0, b1, scale_cols, dst_ld);  \
+    if (banded >= 0) return banded;
+#define VECTOR_BF16                                                                                       \
+    int banded = banded_fp8_bf16(q, scale, scale_e8m0, lut, dst, rows, cols, b0, b1, scale_cols, dst_ld); \
+    if (banded >= 0) return banded;
+#else
+#define VECTOR_F32
+#define VECTOR_BF16
+#endif
+
+DEQUANT_FP8(dequant_fp8_f32, float, IDENTITY, VECTOR_F32)
+DEQUANT_FP8(dequant_fp8_bf16, uint16_t, f32_to_bf16, VECTOR_BF16)

@@ -193,7 +193,7 @@ def load_models(
         if checkpoint is not None:
             shard = loaded.shard_slicer(routes)
             writer = WeightWriter(routes, layout, error_type=CheckpointError, shard=shard, fresh=True)
-            wanted = (lambda name: True) if shard is None else (lambda name: not shard.held_elsewhere(name))
+            wanted = None if shard is None else (lambda name: not shard.held_elsewhere(name))  # None: every tensor
             if ahead is None:
                 ahead = reads.enter_context(checkpoint.readahead(wanted))
             with _progress(checkpoint) as bar, contextlib.closing(

@@ -5,7 +5,9 @@ dtype (bf16/fp32 values are quantized on the fly into FP8/FP4 experts; native FP
 their `.scale`, possibly in a later bucket). Everything goes through the same `WeightWriter` as a
 checkpoint load, so a refit can never map, pair or convert differently from a fresh load of the same
 weights. Every tensor is validated (known name, shape, dtype, finite values, e8m0 bytes, routing-table
-rows) before any byte of it is written (an HF stacked-experts tensor: expert by expert).
+rows) before any byte of it reaches a weight that serves (an HF stacked-experts tensor: expert by expert):
+atomic sessions check float values inside the copy that stages them; fail-stop sessions inside the copy
+that writes them, since from the first write on (and after any failure) the models serve nothing.
 
 Two failure policies, because a true rollback costs memory:
 

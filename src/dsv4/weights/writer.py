@@ -5,7 +5,7 @@ mapping, pairing of weights with their scales, validation and conversion exist o
 
 Cost model (what makes a load or a refit cost what its bytes cost):
   * names resolve through the models' RouteTable: one dict lookup per tensor;
-  * every value check reads the incoming tensor once (convert.py), before anything is written; an atomic
+  * every value check reads the incoming tensor once (convert.py), before anything that serves is written; an atomic
     refit checks float values while it copies them into their staging buffer (nothing reads it before
     `commit()`), so validating and staging them is one read;
   * a tensor already in the resident format is copied straight into its destination: fail-stop refits
@@ -13,8 +13,9 @@ Cost model (what makes a load or a refit cost what its bytes cost):
     (`staged=True`) and once more at `commit()`; a checkpoint load reads such a tensor from its file
     straight into the destination (`destination()`), and checks its values there;
   * a fresh load (`fresh=True`: nothing reads the models before it returns, and a failed load discards
-    them) checks float values inside the copy that writes them, as an atomic refit checks them inside its
-    staging copy: one read of the values;
+    them) and a fail-stop refit (the models serve nothing from its first write on, nor after a failure)
+    check float values inside the copy that writes them, as an atomic refit checks them inside its staging
+    copy: one read of the values;
   * resident tensors (allocated by the build) and staging buffers are `WeightArena` memory: never
     zero-filled, faulted in by huge pages on the first write (fresh 4 KiB pages cost more than the copy),
     and staging buffers are kept from one atomic update to the next (`StagingBuffers`);
@@ -342,14 +343,16 @@ class WeightWriter:
                 copy_finite_into(buffer, values, stream=True)
                 self._staging.append((slot.dest, buffer, raw))
                 return
-            if self.fresh and not _in_place(slot.dest, values):
-                # Stores through the cache: a fresh page is zeroed as it is first written, and streaming
-                # into it measured slower (the small and medium benchmark loads, 5-40%).
-                self._before_writing()
-                copy_finite_into(slot.dest, values)
+            self._before_writing()
+            if _in_place(slot.dest, values):  # read straight into its destination (`destination`)
+                check_finite(values)
                 return
-            check_finite(values)
-            self._put(slot.dest, values)
+            # Fresh loads and fail-stop updates check the values inside the copy that writes them (one read):
+            # nothing reads a fresh model, and a failed fail-stop update stops serving whatever it wrote.
+            # A fresh load's fresh pages are zeroed as they are first written, and streaming into them measured
+            # slower (the small and medium benchmark loads, 5-40%): the size rule. An update's weights are
+            # not read before it ends: streamed, as staging is.
+            copy_finite_into(slot.dest, values, stream=None if self.fresh else True)
             return
         weight, scale = quantize_expert(values, slot.kind, self.layout)
         self._put(slot.dest, weight, owned=True)
@@ -390,7 +393,9 @@ class WeightWriter:
         if not self.dry_run:
             if slot.kind in (FLOAT, DENSE):
                 # Straight into the destination (or its staging buffer): every check passes before the first write.
-                self._fill(slot.dest, lambda out: dequantize(weight, scale, self.layout, slot.logical, out.dtype, out))
+                # a fresh weight or a staging buffer is not read before the update ends: codes checked as written
+                self._fill(slot.dest, lambda out: dequantize(weight, scale, self.layout, slot.logical, out.dtype, out,
+                                                             check_as_written=self.fresh or self.staged))
             else:
                 values = dequantize(weight, scale, self.layout, slot.logical, torch.float32)
                 q, q_scale = quantize_expert(values, slot.kind, self.layout)
