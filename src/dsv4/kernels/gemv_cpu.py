@@ -86,11 +86,12 @@ MAX_BF16_ROWS = 1 if BF16_MATRIX_UNITS else 16
 # static split waits for a thread that has no core when another process keeps one busy. Taking the one-row
 # fp32 calls here leaves a batch-1 step no product on OpenMP, so the step can run torch at one thread while
 # this pool keeps the others (`KernelRegistry.threads_for_rows`): measured 2-3x faster than OpenMP under
-# a co-running load (benchmarks/bench_contention.py), equal idle. From 2 rows MKL's small GEMMs fall behind
-# the kernel's row blocks: the small config's eager decode step with this limit at 16 against 1
-# (bench_versions.py, 1 thread, 5 pairs, shared machine) x1.39 at 4 rows and x1.30 at 16; at 64 it is 0.81
-# against 1 and about equal at 32 (x1.02), so the limit stops at 16.
-MAX_F32_ROWS = 16
+# a co-running load (benchmarks/bench_contention.py), equal idle. Measured, not adopted: with this limit at 16
+# the small config's eager decode step ran x1.39 at 4 rows and x1.30 at 16 (bench_versions.py, 1 thread, 5
+# pairs), but the few-row kernel and MKL's GEMM sum in different orders, so a prompt's rows would then round
+# differently prefilled alone (<= 16 rows) and in a shared batch (more): the shared-prefill and DSpark
+# rewind tests, which hold those bit for bit, fail. Raising it needs both paths to sum alike.
+MAX_F32_ROWS = 1
 # fp32 rows against a bf16 weight (`LLM(dtype="bfloat16", activation_dtype="float32")`): the kernel reads the
 # bf16 weight once where torch needs a widened fp32 copy of it first (`model.linear.compute_weight`). Measured
 # on 128x256, 128x49 and 512x2048 input-major weights, 1 thread, shared machine, vs widen + F.linear: 1.2-3.8x
@@ -272,7 +273,7 @@ class _PoolKernel:
 class DenseGemv(_PoolKernel):
     """x [R, K] @ weight.T for an input-major fp32 / bf16 weight [N, K] and fp32 / bf16 rows; `supports`
     accepts the calls where it was measured faster than torch (`_DENSE_ROWS`: bf16 on bf16, R <= MAX_BF16_ROWS;
-    fp32 on bf16, R <= MAX_WIDENING_ROWS; fp32 on fp32, R <= MAX_F32_ROWS: faster from 2 rows, as fast at one
+    fp32 on bf16, R <= MAX_WIDENING_ROWS; fp32 on fp32, R <= MAX_F32_ROWS: as fast as MKL idle
     and not on OpenMP), the call itself runs any row count and every pair. A model's projection binds it to its
     weight once (`bind`, at finalize), so its calls check only their rows."""
 
