@@ -49,6 +49,9 @@ enum { OK = 0, ERR_ALLOC = 1, ERR_ARGS = 2 };
 /* Weight rows folded per pass over the accumulators: 4 independent streams keep the prefetchers busy and
    cut the accumulator traffic to 1/4 of the weight traffic. */
 #define K_UNROLL 4
+/* Weight rows a dense pass prefetches ahead of the rows it reads: the hardware prefetchers stop at each 4 KiB
+   page, and a pass crosses one every few rows, so without this each page starts with demand misses. */
+#define DENSE_PREFETCH_ROWS 8
 /* Dense chunks are cut at multiples of this many columns (one cache line of fp32). */
 #define SPLIT_ALIGN 16
 /* A dense chunk streams at least this many columns of each weight row (shorter row pieces defeat the
@@ -112,13 +115,26 @@ static long matrix_bytes(int fmt, long elements) {
     return fmt == FMT_F32 ? 4 * elements : fmt == FMT_BF16 ? 2 * elements : fmt == FMT_FP8 ? elements : elements / 2;
 }
 
-/* Chunk size for n items: about CHUNKS_PER_THREAD chunks a thread, at least `least` items, a multiple of
-   `align`; the whole range when the weights are too small to be worth a second thread. */
-static long chunk_size(long n, int nthreads, long weight_bytes, long least, long align) {
-    if (nthreads <= 1 || weight_bytes < MIN_PARALLEL_BYTES) return n;
-    long size = (n + (long)CHUNKS_PER_THREAD * nthreads - 1) / ((long)CHUNKS_PER_THREAD * nthreads);
+/* Bytes of one cache line: the prefetch stride. */
+#define CACHE_LINE 64
+
+/* Asks for [p, p + bytes) to be brought into cache ahead of its use (a hint: never faults, past the end included). */
+static inline __attribute__((always_inline)) void prefetch_bytes(const void *p, long bytes) {
+    for (long b = 0; b < bytes; b += CACHE_LINE) __builtin_prefetch((const char *)p + b, 0, 3);
+}
+
+/* Chunk size that cuts n items into about `pieces` chunks: at least `least` items, a multiple of `align`. */
+static long split_size(long n, long pieces, long least, long align) {
+    long size = (n + pieces - 1) / pieces;
     size = (size + align - 1) / align * align;
     return size < least ? least : size;
+}
+
+/* Chunk size for n items: about CHUNKS_PER_THREAD chunks a thread; the whole range when the weights are too
+   small to be worth a second thread. */
+static long chunk_size(long n, int nthreads, long weight_bytes, long least, long align) {
+    if (nthreads <= 1 || weight_bytes < MIN_PARALLEL_BYTES) return n;
+    return split_size(n, (long)CHUNKS_PER_THREAD * nthreads, least, align);
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -334,6 +350,10 @@ static inline __attribute__((always_inline)) void dense_tile_of(const float *res
         const void *restrict w0 = dense_row(w, wfmt, k, ldw, n0), *restrict w1 = dense_row(w, wfmt, k + 1, ldw, n0),
                             *restrict w2 = dense_row(w, wfmt, k + 2, ldw, n0),
                             *restrict w3 = dense_row(w, wfmt, k + 3, ldw, n0);
+        if (k + K_UNROLL + DENSE_PREFETCH_ROWS <= K)
+            for (long q = 0; q < K_UNROLL; ++q)
+                prefetch_bytes(dense_row(w, wfmt, k + DENSE_PREFETCH_ROWS + q, ldw, n0),
+                               width * (wfmt == FMT_F32 ? 4 : 2));
         for (long r = 0; r < R; ++r) {
             const float a0 = x[r * ldx + k], a1 = x[r * ldx + k + 1], a2 = x[r * ldx + k + 2], a3 = x[r * ldx + k + 3];
             float *restrict out = acc + r * ldacc;
@@ -978,6 +998,15 @@ static void moe_gather_chunk(const void *arg, long c) {
     }
 }
 
+/* Chunk size for an expert-major split of n columns per expert over `used` experts (matrix_bytes each): about
+   CHUNKS_PER_THREAD chunks a thread across all of them, so that few experts are cut finely and many are not
+   cut at all (a dense chunk reads a piece of each weight row: the longer the piece, the better it streams). */
+static long expert_chunk(long n, int nthreads, long used, long matrix_bytes, long least, long align) {
+    if (nthreads <= 1 || matrix_bytes * used < MIN_PARALLEL_BYTES) return n;
+    const long chunks = (long)CHUNKS_PER_THREAD * nthreads;
+    return split_size(n, (chunks + used - 1) / used, least, align);
+}
+
 /* Chunk c of an expert-major split (n_chunks chunks of `chunk` columns per expert, n columns): its expert,
    and its columns [*lo, *hi). */
 static long expert_columns(long c, long n_chunks, long chunk, long n, long *lo, long *hi) {
@@ -1080,10 +1109,13 @@ int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long to
     }
     /* Each token's slots, ascending (slots run expert by expert: ascending expert order, as the reference adds). */
     for (long s = 0; s < P; ++s) token_slots[token[s] * topk + taken[token[s]]++] = s;
-    const long used = P < E ? P : E; /* at most P distinct experts are read */
+    long used = 0; /* experts with picks: only their chunks do work */
+    for (long e = 0; e < E; ++e) used += start[e + 1] > start[e];
     const long matrix = matrix_bytes(fmt, D * I);
-    const long chunk_i = chunk_size(I, nthreads, 2 * matrix * used, SPLIT_ALIGN, SPLIT_ALIGN);
-    const long chunk_d = chunk_size(D, nthreads, matrix * used, SPLIT_ALIGN, SPLIT_ALIGN);
+    const int dense = fmt == FMT_F32 || fmt == FMT_BF16;
+    const long least = dense ? MIN_CHUNK_COLS : MIN_CHUNK_ROWS, align = dense ? SPLIT_ALIGN : 1;
+    const long chunk_i = expert_chunk(I, nthreads, used, 2 * matrix, least, align);
+    const long chunk_d = expert_chunk(D, nthreads, used, matrix, least, align);
     moe_job job = {.T = T, .D = D, .I = I, .E = E, .topk = topk, .b0 = b0, .b1 = b1, .chunk_i = chunk_i,
                    .chunk_d = chunk_d, .n_chunks_i = (I + chunk_i - 1) / chunk_i,
                    .n_chunks_d = (D + chunk_d - 1) / chunk_d, .fmt = fmt, .act = act, .limit = limit, .x = x,

@@ -106,18 +106,19 @@ MAX_QUANT_K = 16384
 FP4_STEP = 32
 # Picks (tokens x k) per expert of the layer up to which the fused dense expert kernel is used, by the stacks'
 # dtype: each used expert's weights are read once for all its rows, which wins while the rows per expert are
-# few; beyond, the grouped GEMMs (grouped_mm) win. Measured with benchmarks/bench_gemv.py-style calls on the
-# small config (E=16, k=2, 2 threads, cold weights), fused kernel vs what the model runs without it: fp32 x2.4
-# at 1 token, x1.24 at 16, x1.03 at 32 (4 picks per expert), x0.76 at 64; bf16 x4-13 from 1 to 64 tokens
-# (oneDNN's small bf16 GEMMs are slow). fp32 activations on bf16 stacks take the bf16 count (the alternative
-# there is the loop over widened experts). FP8 / FP4 stacks have no limit: from PANEL_MIN_ROWS rows per expert
+# few; beyond, the grouped GEMMs (grouped_mm) win. fp32, measured on the small config (E=16, k=2, 2 threads,
+# cold weights, quiet machine), fused kernel vs what the model runs without it (GroupedExperts): x2.75 at 16
+# tokens (2 picks per expert), x2.6 at 32, x2.2 at 64 to 96, x1.85 at 128, x1.3-1.4 at 256 (32 picks per
+# expert), x0.98 at 512, x0.91 at 1024. bf16 x4-13 from 1 to 64 tokens (oneDNN's small bf16 GEMMs are slow).
+# fp32 activations on bf16 stacks take the bf16 count (the alternative there is the loop over widened
+# experts). FP8 / FP4 stacks have no limit: from PANEL_MIN_ROWS rows per expert
 # the C kernel decodes each weight row once per call into a small panel (gemv_cpu.c quant_rows_panel), and it
 # beat the dequantizing loop, the alternative, at every size measured (small config, 2 threads, busy shared
 # machine: x4-16 at 512 to 4096 tokens, 16 to 256 picks per expert). Against dense fp32 experts of the same
 # values (their grouped GEMMs; bench_gemv.py "vs fp32" rows), 1 thread, busy machine: x1.8 at 128 tokens,
 # x1.2-1.4 at 256, about equal at 512, x0.7-0.85 at 1024-4096 tokens (MKL's GEMM outruns the panel's
 # dot-product blocks once every expert has ~64 rows or more).
-MAX_PICKS_PER_EXPERT = {torch.float32: 4, torch.bfloat16: 16}
+MAX_PICKS_PER_EXPERT = {torch.float32: 32, torch.bfloat16: 16}
 # Bytes of per-call scratch rows (gathered inputs, gate / up / SwiGLU rows and outputs of every pick) one
 # moe_experts call may allocate: larger calls (long prefill chunks) run a slice of tokens at a time. Each token's
 # result is computed alone, so slicing changes no value; each slice reads the used experts' weights again.
