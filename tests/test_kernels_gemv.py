@@ -21,6 +21,7 @@ from dsv4.kernels import gemv_cpu
 from dsv4.kernels.gathered_experts import loop_experts
 from dsv4.kernels.gemv_cpu import (
     MAX_BF16_ROWS,
+    MAX_F32_DECODE_ROWS,
     MAX_F32_ROWS,
     MAX_PICKS_PER_EXPERT,
     MAX_WIDENING_ROWS,
@@ -503,6 +504,26 @@ def test_projection_binds_its_kernel_at_finalize_only(monkeypatch):
     monkeypatch.undo()
     assert torch.equal(proj(_rows(3, 48, torch.float32, 7)), F.linear(_rows(3, 48, torch.float32, 7), proj.weight))
     assert Linear(48, 40, torch.float32, KernelRegistry(force_reference=True)).product is None
+
+
+def test_projection_takes_more_rows_of_a_decode_step_only(monkeypatch):
+    """A decode step's rows (`decode_rows`) go to the few-row kernel up to MAX_F32_DECODE_ROWS, any other rows
+    (a prompt's, a verify span's) only up to MAX_F32_ROWS; the model passes its step plan's flag down, so the
+    rows of a prefill never do, and a prompt sums alike alone and in a shared batch."""
+    proj = Linear(48, 40, torch.float32, KernelRegistry())
+    proj.bind_kernels()
+    hits = collections.Counter()
+    proj.product = _CountedKernel(proj.product, hits, LINEAR)
+    rows = _rows(MAX_F32_DECODE_ROWS, 48, torch.float32, seed=8)
+    assert MAX_F32_DECODE_ROWS > MAX_F32_ROWS
+    assert torch.equal(proj(rows), F.linear(rows, proj.weight)) and hits[LINEAR] == 0  # not decode rows: torch
+    _assert_fp32_product_close(proj(rows, decode_rows=True), rows, proj.weight)
+    assert hits[LINEAR] == 1
+    more = _rows(MAX_F32_DECODE_ROWS + 1, 48, torch.float32, seed=9)
+    assert torch.equal(proj(more, decode_rows=True), F.linear(more, proj.weight)) and hits[LINEAR] == 1
+    decode = ForwardBatch.build([(slot, [3], 5) for slot in range(4)])
+    prefill = ForwardBatch.build([(0, [3, 4, 5], 0), (1, [6], 9)])
+    assert decode.decode_rows and not prefill.decode_rows
 
 
 # ---- wired into the model: kernels on vs the reference registry ----

@@ -117,15 +117,15 @@ class ModelRunner:
         if not logit_rows:
             return StepResult(streams, None, captured)
         if len(logit_rows) == batch.num_tokens:  # every row, in order (a pure decode step): no gather
-            return StepResult(streams, self.logits(streams) if logits is None else logits, captured)
+            return StepResult(streams, self.logits(streams, batch.decode_rows) if logits is None else logits, captured)
         picked = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         if logits is not None:
             return StepResult(streams, logits.index_select(0, picked), captured)
         return StepResult(streams, self.logits(streams.index_select(0, picked)), captured)
 
-    def logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """Pre-head streams [N, hc, D] -> fp32 logits [N, V]."""
-        return self.model.logits(streams)
+    def logits(self, streams: torch.Tensor, decode_rows: bool = False) -> torch.Tensor:
+        """Pre-head streams [N, hc, D] -> fp32 logits [N, V]; decode_rows: a decode step's rows (`Linear.forward`)."""
+        return self.model.logits(streams, decode_rows)
 
     def rewind(self, lengths: dict[int, int]) -> None:
         """Forget positions >= lengths[slot] of each slot (draft tokens of the last step that were not

@@ -196,20 +196,20 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         """x [T, D] (normed block input) -> [T, D]; reads and extends each sequence's cache slot."""
-        T, pos = x.shape[0], batch.positions
-        q_res = self.q_norm(self.wq_a(x), inplace=True)  # [T, ql]
+        T, pos, dr = x.shape[0], batch.positions, batch.decode_rows  # dr: `Linear.forward`'s decode_rows
+        q_res = self.q_norm(self.wq_a(x, dr), inplace=True)  # [T, ql]
         # Per-head unweighted norm, then RoPE: [T, H, hd]
-        q = norm_rope_(self.wq_b(q_res).view(T, self.n_heads, self.head_dim), self.eps, None, pos, self.rope)
-        kv = norm_rope_(self.wkv(x), self.kv_norm.eps, self.kv_norm.weight, pos, self.rope)  # [T, hd]
+        q = norm_rope_(self.wq_b(q_res, dr).view(T, self.n_heads, self.head_dim), self.eps, None, pos, self.rope)
+        kv = norm_rope_(self.wkv(x, dr), self.kv_norm.eps, self.kv_norm.weight, pos, self.rope)  # [T, hd]
 
         side = _SideInputs()
         if self.compressor is not None:  # raw projections (gate before ape): the compressor's ring holds them
-            side.comp_kv, side.comp_gate = self.compressor.wkv(x), self.compressor.wgate(x)
+            side.comp_kv, side.comp_gate = self.compressor.wkv(x, dr), self.compressor.wgate(x, dr)
         if self.indexer is not None:
-            side.idx_kv, side.idx_gate = self.indexer.compressor.wkv(x), self.indexer.compressor.wgate(x)
-            side.idx_q = norm_rope_(self.indexer.wq_b(q_res).view(T, self.indexer.n_heads, -1), None, None, pos,
-                                    self.rope)
-            side.idx_w = self.indexer.weights_proj(x)
+            indexer = self.indexer
+            side.idx_kv, side.idx_gate = indexer.compressor.wkv(x, dr), indexer.compressor.wgate(x, dr)
+            side.idx_q = norm_rope_(indexer.wq_b(q_res, dr).view(T, indexer.n_heads, -1), None, None, pos, self.rope)
+            side.idx_w = indexer.weights_proj(x, dr)
 
         decode, prefill = batch.plan.decode, batch.plan.prefill
         if decode is not None and decode.pure:  # its rows are the whole flat batch, in segment order: no gather
@@ -226,7 +226,7 @@ class Attention(nn.Module):
                 else:
                     out[prefill.rows] = padded[prefill.valid]
         # V carried RoPE: de-rotate at the query position
-        return self._project_out(norm_rope_(out, None, None, pos, self.rope, inverse=True))
+        return self._project_out(norm_rope_(out, None, None, pos, self.rope, inverse=True), dr)
 
     def _decode(
         self, q: torch.Tensor, kv: torch.Tensor, meta: DecodeMeta, cache: LayerCache, side: "_SideInputs"
@@ -389,7 +389,7 @@ class Attention(nn.Module):
             start += keys.shape[1]
         return out
 
-    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+    def _project_out(self, out: torch.Tensor, decode_rows: bool = False) -> torch.Tensor:
         """Grouped low-rank output: heads split into g groups, each mapped to ol by its own block of wo_a."""
         T = out.shape[0]
         grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [g, T, (H/g)*hd]
@@ -397,7 +397,7 @@ class Attention(nn.Module):
         wo_a = wo_a.view(self.o_groups, self.o_lora_rank, -1).transpose(1, 2)  # [g, (H/g)*hd, ol]
         # One bmm over the groups (an einsum plans the same product per call: 2-3x its cost at a decode row)
         low_rank = bf16_products.bmm(grouped, wo_a).transpose(0, 1).reshape(T, -1)  # [T, g*ol]
-        return all_reduce(self.wo_b(low_rank), self.parallel)  # tensor parallel: the ranks' groups summed
+        return all_reduce(self.wo_b(low_rank, decode_rows), self.parallel)  # tensor parallel: the ranks' groups summed
 
 
 @dataclass

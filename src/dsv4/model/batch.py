@@ -55,6 +55,11 @@ class ForwardBatch:
         )
 
     @property
+    def decode_rows(self) -> bool:
+        """Every row is one sequence's next token (a decode step): the few-row products take more such rows."""
+        return self.plan.single_tokens
+
+    @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
 

@@ -82,7 +82,9 @@ class Block(nn.Module):
 
     def _ffn(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """streams: the block's own (the attention sublayer's output), so the fused path updates them in place."""
-        return self._sublayer(streams, "ffn", self.ffn_norm, lambda x: self.ffn(x, batch.token_ids), in_place=True)
+        decode_rows = batch.decode_rows
+        return self._sublayer(streams, "ffn", self.ffn_norm, lambda x: self.ffn(x, batch.token_ids, decode_rows),
+                              in_place=True)
 
     def _sublayer(self, streams: torch.Tensor, sub: str, norm: RMSNorm, run, in_place: bool) -> torch.Tensor:
         """One mHC-wrapped sublayer over [T, hc, D] streams: collapse them into the normed input of `run`

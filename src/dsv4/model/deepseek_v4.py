@@ -121,6 +121,6 @@ class DeepseekV4(TopLevelModel):
         return streams, captured
 
     @torch.no_grad()
-    def logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """S [T, hc, D] -> fp32 logits [T, V]."""
-        return self.head(self.norm(hyper_head(self, streams, self.cfg))).float()
+    def logits(self, streams: torch.Tensor, decode_rows: bool = False) -> torch.Tensor:
+        """S [T, hc, D] -> fp32 logits [T, V]; decode_rows: a decode step's rows (`Linear.forward`)."""
+        return self.head(self.norm(hyper_head(self, streams, self.cfg)), decode_rows).float()

@@ -59,6 +59,11 @@ class DraftBlocks:
     n_blocks: int
     block_size: int
 
+    @property
+    def decode_rows(self) -> bool:
+        """Never a decode step's rows (`ForwardBatch.decode_rows`): a draft block is B rows of one sequence."""
+        return False
+
 
 @dataclass(frozen=True)
 class StageContext:

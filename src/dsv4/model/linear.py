@@ -53,9 +53,11 @@ class Linear(nn.Module):
         call checks only its rows."""
         self.product = self.kernels.bind(LINEAR, self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_rows: bool = False) -> torch.Tensor:
+        """decode_rows: x's rows are a decode step's (`StepPlan.single_tokens`), which the few-row kernel takes
+        in larger numbers than other rows (`gemv_cpu.MAX_F32_DECODE_ROWS`)."""
         if not torch.compiler.is_compiling():  # a captured graph runs torch (and guards nothing of the kernel)
             product = self.product
-            if product is not None and product.supports(x):
+            if product is not None and product.supports(x, decode_rows):
                 return product(x)
         return bf16_products.linear(x, compute_weight(self.weight, x.dtype))

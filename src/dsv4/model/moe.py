@@ -201,8 +201,9 @@ class SharedExpert(nn.Module):
         self.w3 = Linear(cfg.hidden_size, width, dtype, kernels)
         self.w2 = Linear(width, cfg.hidden_size, dtype, kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit))
+    def forward(self, x: torch.Tensor, decode_rows: bool = False) -> torch.Tensor:
+        """decode_rows: x's rows are a decode step's (`Linear.forward`)."""
+        return self.w2(swiglu(self.w1(x, decode_rows), self.w3(x, decode_rows), self.limit), decode_rows)
 
 
 class MoE(nn.Module):
@@ -227,11 +228,12 @@ class MoE(nn.Module):
         self.layer_kernel = None if self.parallel.is_parallel else self.kernels.bind(
             MOE_LAYER, self.gate, self.experts, self.shared_experts, _ROUTING_NORM_EPS)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, D], token_ids [T] (hash routing needs them) -> [T, D]."""
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, decode_rows: bool = False) -> torch.Tensor:
+        """x [T, D], token_ids [T] (hash routing needs them) -> [T, D]; decode_rows: x's rows are a decode
+        step's (`Linear.forward`)."""
         if not torch.compiler.is_compiling():  # a captured graph runs torch (and guards nothing of the kernel)
             fused = self.layer_kernel
             if fused is not None and fused.supports(x, token_ids):
                 return fused(x, token_ids)
         ids, weights = self.gate(x, token_ids)
-        return all_reduce(self.experts(x, ids, weights) + self.shared_experts(x), self.parallel)
+        return all_reduce(self.experts(x, ids, weights) + self.shared_experts(x, decode_rows), self.parallel)
