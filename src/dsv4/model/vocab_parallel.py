@@ -44,5 +44,6 @@ class VocabParallelHead(nn.Module):
         self.parallel = parallel
         self.weight = input_major(parallel.local(vocab_size), dim, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_rows: bool = False) -> torch.Tensor:
+        """decode_rows: `Linear.forward`'s flag, taken for its signature: this shard's product runs in torch."""
         return all_gather_last(bf16_products.linear(x, compute_weight(self.weight, x.dtype)), self.parallel)
