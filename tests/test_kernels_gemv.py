@@ -506,7 +506,7 @@ def test_projection_binds_its_kernel_at_finalize_only(monkeypatch):
     assert Linear(48, 40, torch.float32, KernelRegistry(force_reference=True)).product is None
 
 
-def test_projection_takes_more_rows_of_a_decode_step_only(monkeypatch):
+def test_projection_takes_more_rows_of_a_decode_step_only():
     """A decode step's rows (`decode_rows`) go to the few-row kernel up to MAX_F32_DECODE_ROWS, any other rows
     (a prompt's, a verify span's) only up to MAX_F32_ROWS; the model passes its step plan's flag down, so the
     rows of a prefill never do, and a prompt sums alike alone and in a shared batch."""
@@ -523,7 +523,8 @@ def test_projection_takes_more_rows_of_a_decode_step_only(monkeypatch):
     assert torch.equal(proj(more, decode_rows=True), F.linear(more, proj.weight)) and hits[LINEAR] == 1
     decode = ForwardBatch.build([(slot, [3], 5) for slot in range(4)])
     prefill = ForwardBatch.build([(0, [3, 4, 5], 0), (1, [6], 9)])
-    assert decode.decode_rows and not prefill.decode_rows
+    verify = ForwardBatch.build([(0, [3, 4], 5), (1, [6], 9)], decode_span=2)  # a verify span: decode path
+    assert decode.decode_rows and not prefill.decode_rows and not verify.decode_rows
 
 
 # ---- wired into the model: kernels on vs the reference registry ----

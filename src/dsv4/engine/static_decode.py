@@ -69,7 +69,7 @@ def decode_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """token_ids, positions, slots [B] -> (streams S [B, hc, D], fp32 logits [B, V]).
     Writes each row's window ring, compressor rings and completed entries in its cache slot."""
-    plan = StepPlan(decode=DecodeMeta.of_tensors(positions, slots, reads), prefill=None, single_tokens=True)
+    plan = StepPlan(decode=DecodeMeta.of_tensors(positions, slots, reads), prefill=None)
     batch = ForwardBatch(token_ids=token_ids, positions=positions, segments=(), plan=plan)
     streams, _ = model.forward_layers(batch, cache)
     return streams, model.logits(streams)

@@ -998,11 +998,11 @@ static void moe_gather_chunk(const void *arg, long c) {
     }
 }
 
-/* Chunk size for an expert-major split of n columns per expert over `used` experts (matrix_bytes each): about
-   CHUNKS_PER_THREAD chunks a thread across all of them, so that few experts are cut finely and many are not
-   cut at all (a dense chunk reads a piece of each weight row: the longer the piece, the better it streams). */
-static long expert_chunk(long n, int nthreads, long used, long matrix_bytes, long least, long align) {
-    if (nthreads <= 1 || matrix_bytes * used < MIN_PARALLEL_BYTES) return n;
+/* Chunk size for an expert-major split of n columns per expert over `used` experts (bytes_each weight bytes
+   each): about CHUNKS_PER_THREAD chunks a thread across all of them, so that few experts are cut finely and
+   many are not cut at all (a dense chunk reads a piece of each weight row: the longer, the better it streams). */
+static long expert_chunk(long n, int nthreads, long used, long bytes_each, long least, long align) {
+    if (nthreads <= 1 || bytes_each * used < MIN_PARALLEL_BYTES) return n;
     const long chunks = (long)CHUNKS_PER_THREAD * nthreads;
     return split_size(n, (chunks + used - 1) / used, least, align);
 }

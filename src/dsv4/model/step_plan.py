@@ -37,7 +37,11 @@ class StepPlan:
 
     decode: DecodeMeta | None
     prefill: PrefillMeta | None
-    single_tokens: bool = False  # a decode step: every row is one sequence's next token
+
+    @property
+    def single_tokens(self) -> bool:
+        """A decode step: every row is one sequence's next token (no prefill chunk, no multi-row span)."""
+        return self.prefill is None and self.decode is not None and self.decode.spans is None
 
     @classmethod
     def of_segments(cls, segments: Sequence[Segment], num_rows: int, device: torch.device,
@@ -48,8 +52,7 @@ class StepPlan:
         if decode_span < 1:
             raise ValueError(f"decode_span must be >= 1, got {decode_span}")
         if segments and num_rows == len(segments):  # every segment one token (none is empty): a decode step
-            return cls(decode=DecodeMeta.of_single_tokens(segments, True, device, positions), prefill=None,
-                       single_tokens=True)
+            return cls(decode=DecodeMeta.of_single_tokens(segments, True, device, positions), prefill=None)
         rows = [seg for seg in segments if seg.length <= decode_span]
         chunks = [seg for seg in segments if seg.length > decode_span]
         pure = not chunks
