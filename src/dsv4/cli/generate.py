@@ -13,7 +13,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from dsv4.cli.arguments import embedded_model_help, non_negative_float, non_negative_int, positive_int
+from dsv4.cli.arguments import (
+    add_engine_arguments,
+    embedded_model_help,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from dsv4.embedded import DEFAULT_MODEL
 
 # Token-id prompts the CLI uses when the model has no tokenizer (taken modulo the vocabulary).
@@ -34,16 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens to generate per prompt at most")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="activation and dense-weight dtype (auto: the checkpoint's)")
-    parser.add_argument("--activation-dtype", choices=("float32", "bfloat16"), default=None,
-                        help="activations and caches, when wider than --dtype (bfloat16 weights at rest with "
-                             "float32 math; default: --dtype)")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    parser.add_argument("--draft", choices=("mtp", "dspark"), default=None,
-                        help="speculative decoding with this drafter from the checkpoint (prints its acceptance)")
-    parser.add_argument("--num-speculative-tokens", type=positive_int, default=None,
-                        help="draft tokens per step with --draft (default: the drafter's: 3 for mtp, dspark's block)")
+    add_engine_arguments(parser)
 
 
 def parse_prompt(prompt: str) -> str | list[int]:

@@ -26,6 +26,7 @@ import torch
 
 from dsv4.engine.limits import EngineLimits
 from dsv4.engine.static_decode import StaticDecode
+from dsv4.engine.step_memory import keep_step_memory
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import RingSnapshot
 from dsv4.model.deepseek_v4 import DeepseekV4
@@ -70,6 +71,8 @@ class ModelRunner:
         # a verify chunk then costs the decode path's ops, not the padded prefill path's.
         self.decode_span = self.cache.rollback_limit()
         self.device = model.embed.weight.device
+        if self.device.type == "cpu":  # steps' temporaries reuse their memory instead of faulting it in anew
+            keep_step_memory()
         self._snapshot: RingSnapshot | None = None  # the last step's verify chunks' overwritten rows
 
     @property

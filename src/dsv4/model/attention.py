@@ -87,10 +87,11 @@ class Compressor(nn.Module):
         slots_gate = source_gate.view(-1, d).index_select(0, windows.source_rows).view(E, -1, d).float()
         ape = self.ape.view(m, 2, d).transpose(0, 1).reshape(2 * m, d) if self.overlap else self.ape  # [S, d] by slot
         slots_gate.add_(ape)  # in place: a fresh tensor
-        if windows.empty_slots is not None:  # window 0's Ca slots (no previous window) weigh nothing
-            empty = windows.empty_slots.unsqueeze(-1)  # out of place: a compiled graph fuses it into the gather
-            slots_kv = slots_kv.masked_fill(empty, 0.0)
-            slots_gate = slots_gate.masked_fill(empty, float("-inf"))
+        if windows.empty_slot_bias is not None:
+            # Window 0's Ca slots (no previous window) get gate -inf, so weight exactly 0. Their kv needs no
+            # mask: the plan points them at position 0's token, which window 0 weighs itself (so it is finite
+            # wherever the entry is), and a finite value times weight 0 adds a zero to the pooled sum.
+            slots_gate.add_(windows.empty_slot_bias)
         pooled = (slots_kv * slots_gate.softmax(dim=1)).sum(dim=1)  # [E, d] fp32
         entries = norm_rope_(pooled.to(kv.dtype), self.norm.eps, self.norm.weight, windows.window_ids * m, rope)
         # Written into the cache tensor itself, not a view of it: a compiled graph then scatters the rows

@@ -16,6 +16,7 @@ import logging
 import os
 from pathlib import Path
 
+from dsv4.cli.arguments import add_engine_arguments
 from dsv4.server.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_BUCKET_BYTES,
@@ -44,21 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights-root", type=Path, default=None,
                         help="the only directory /admin/weights/reload may read checkpoints from")
     parser.add_argument("--served-model-name", default=None, help="the name clients give as `model`")
-    parser.add_argument("--draft", choices=("mtp", "dspark"), default=None,
-                        help="speculative decoding with this drafter from the checkpoint")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="draft tokens per sequence and step with --draft (default: the drafter's: 3 for mtp, "
-                             "dspark's block)")
+    add_engine_arguments(parser)
     parser.add_argument("--speculation-max-batch", type=int, default=None,
                         help="speculate only in steps with at most this many decoding sequences")
     parser.add_argument("--no-share-prompt-prefill", dest="share_prompt_prefill", action="store_false",
                         help="prefill every sequence's prompt itself, also when others share it (default: once)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="activation and dense-weight dtype (auto: the checkpoint's)")
-    parser.add_argument("--activation-dtype", choices=("float32", "bfloat16"), default=None,
-                        help="activations and caches, when wider than --dtype (bfloat16 weights at rest with "
-                             "float32 math; default: --dtype)")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     parser.add_argument("--expert-dtype", choices=("fp4", "fp8", "dense"), default=None,
                         help="resident format of the routed experts (default: the checkpoint's)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="cache slots (sequences decoded together)")
