@@ -108,8 +108,8 @@ class RoutedExperts(nn.Module):
         """The stacks (and their scales) as zeros: every load writes each byte of them, so a build that wrote
         values here (unit scales, say) would write the scales twice and fault their pages in before the load's
         copy (the build's tensors come from a `WeightArena` on CPU: zeros no one has written). A zero scale
-        is a valid value of either format (fp32 0.0; ue8m0 byte 0 is 2^-127), and zero codes dequantize to
-        zeros whatever their scale."""
+        is a valid value of either format (fp32 0.0; ue8m0 byte 0, which `quant.e8m0_to_float32` decodes to
+        0.0), and zero codes dequantize to zeros whatever their scale."""
         if self.format == DENSE:
             return input_major(out_dim, in_dim, self.dtype, stack=(E,)), None
         if self.format == FP8:
