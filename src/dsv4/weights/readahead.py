@@ -35,6 +35,7 @@ import ctypes
 import functools
 import mmap
 import os
+import platform
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,9 +46,11 @@ CHUNK_BYTES = 8 * 1024 * 1024
 LEAD_BYTES = 256 * 1024 * 1024
 # <linux/mman.h>: fault every page of the range in for reading (Python's mmap module does not name it).
 MADV_POPULATE_READ = 22
-# cachestat(2)'s system call number: new system calls share one number on every architecture since Linux 5.x
-# (<asm-generic/unistd.h>, x86-64's table alike); Python's os module does not wrap it.
+# cachestat(2)'s system call number (Python's os module does not wrap it): 451 in x86-64's table and in
+# <asm-generic/unistd.h>, which arm64 and riscv64 use. Other architectures number it otherwise (a wrong number
+# would be another system call), so there the mincore path answers.
 SYS_CACHESTAT = 451
+CACHESTAT_MACHINES = ("x86_64", "aarch64", "arm64", "riscv64")
 
 
 class _CachestatRange(ctypes.Structure):
@@ -93,7 +96,9 @@ def _cachestat() -> Callable[[int, int, ctypes.c_void_p, ctypes.c_void_p, int], 
 def file_cached(fd: int, start: int, length: int) -> bool | None:
     """Whether cachestat(2) counts every page of bytes [start, start + length) of an open file (`start`
     page-aligned) in the page cache; None where it does not answer (a kernel before 6.5, or one that refuses
-    the caller this file): then ask `cached` on a mapping of it."""
+    the caller this file, an architecture not in CACHESTAT_MACHINES): then ask `cached` on a mapping of it."""
+    if platform.machine() not in CACHESTAT_MACHINES:
+        return None
     if length <= 0:
         return True
     asked, counts = _CachestatRange(start, length), _Cachestat()
