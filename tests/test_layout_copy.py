@@ -102,9 +102,11 @@ def test_fp8_dequantization_matches_torch(shape, scale_fmt, resident):
     assert torch.equal(dest.contiguous().view(bits), expected.view(bits))
 
 
-@pytest.mark.parametrize("block", [(128, 128), (64, 36)], ids=["vector", "scalar_walk"])
-def test_fp8_dequantization_of_either_kernel_path_matches_torch(block):
-    """Blocks of a multiple of 8 columns take the AVX2 band path, others the tiled table walk: same bytes."""
+@pytest.mark.parametrize("block", [(128, 128), (24, 64), (64, 36)], ids=["direct", "banded", "scalar_walk"])
+def test_fp8_dequantization_of_every_kernel_path_matches_torch(block):
+    """Into fp32, blocks of a multiple of 16 rows and 8 columns take the AVX2 direct path (register blocks
+    straight from the codes), other multiples of 8 columns the band path (bf16 always), the rest the tiled
+    table walk: same bytes. 200 x 300 leaves ragged rows and columns to the direct path's edges."""
     shape = (200, 300)
     codes, scale = quantize_fp8_blockwise(torch.randn(shape, generator=torch.Generator().manual_seed(3)), block,
                                           "ue8m0")
@@ -115,6 +117,23 @@ def test_fp8_dequantization_of_either_kernel_path_matches_torch(block):
         bits = torch.int16 if resident.itemsize == 2 else torch.int32
         expected = dequantize_fp8_blockwise(codes, scale, block, resident)
         assert torch.equal(dest.contiguous().view(bits), expected.view(bits))
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (61, 133)], ids=["whole_blocks", "ragged"])
+def test_fp8_dequantization_decodes_every_code_exactly(shape):
+    """Every e4m3fn code but the NaN ones (subnormals, both zeros, the largest), in every position of the
+    register blocks and the ragged edges, times scales across the ue8m0 range: the table walk's fp32 product."""
+    codes = torch.arange(shape[0] * shape[1], dtype=torch.int64).remainder(256).to(torch.uint8)
+    codes = torch.where((codes & 0x7F) == 0x7F, torch.zeros_like(codes), codes).view(shape)
+    codes = codes[torch.randperm(shape[0], generator=torch.Generator().manual_seed(4))].contiguous()
+    grid = (-(-shape[0] // BLOCK[0]), -(-shape[1] // BLOCK[1]))
+    scale = torch.randint(1, 254, grid, dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    layout = QuantLayout(fp8_block=BLOCK, fp4_group=32, scale_fmt="ue8m0")
+    fp8 = codes.view(torch.float8_e4m3fn)
+    dest = _input_major(shape, torch.float32)
+    dequantize(fp8, scale.view(torch.float8_e8m0fnu), layout, shape, torch.float32, out=dest, check_as_written=True)
+    expected = dequantize_fp8_blockwise(fp8, scale.view(torch.float8_e8m0fnu), BLOCK, torch.float32)
+    assert torch.equal(dest.contiguous().view(torch.int32), expected.view(torch.int32))
 
 
 @pytest.mark.parametrize("check_as_written", [False, True], ids=["checked_first", "checked_in_the_kernel"])
@@ -129,7 +148,8 @@ def test_fp8_nan_codes_are_refused_wherever_they_are_checked(check_as_written, k
     shape = (70, 300)
     codes, scale = quantize_fp8_blockwise(torch.randn(shape), BLOCK, "ue8m0")
     layout = QuantLayout(fp8_block=BLOCK, fp4_group=32, scale_fmt="ue8m0")
-    for index, code in ((0, 0x7F), (shape[0] * shape[1] - 1, 0xFF)):
+    # the first code (a register block), one inside the last whole block row, and the ragged edge's last one
+    for index, code in ((0, 0x7F), (63 * shape[1] + 17, 0xFF), (shape[0] * shape[1] - 1, 0xFF)):
         bad = codes.view(torch.uint8).clone()
         bad.view(-1)[index] = code
         out = _input_major(shape, torch.float32)

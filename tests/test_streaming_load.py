@@ -343,7 +343,8 @@ def test_readahead_stays_within_its_lead_and_stops_when_closed(tmp_path, monkeyp
         return True
 
     monkeypatch.setattr(readahead_module, "populate", recording)
-    monkeypatch.setattr(readahead_module, "cached", lambda address, length: False)  # a cold file
+    monkeypatch.setattr(readahead_module, "file_cached", lambda fd, start, length: False)  # a cold file
+    monkeypatch.setattr(readahead_module, "cached", lambda address, length: False)
 
     def settled():  # the thread has asked for everything the lead allows
         for _ in range(200):
@@ -389,9 +390,11 @@ def test_readahead_leaves_the_file_cached_and_nothing_mapped(tmp_path):
     assert file.read_bytes()[:256] == bytes(range(256))
 
 
-def test_readahead_skips_an_extent_the_page_cache_holds(tmp_path, monkeypatch):
-    """An extent whose pages mincore reports all cached is not read at all (a warm load's thread walks
-    nothing); one with a page missing is read chunk by chunk, as a cold one."""
+@pytest.mark.parametrize("asked", ["cachestat", "mincore"])
+def test_readahead_skips_an_extent_the_page_cache_holds(tmp_path, monkeypatch, asked):
+    """An extent whose pages the kernel reports all cached (cachestat(2), or mincore(2) on a mapping where
+    cachestat does not answer) is not read at all (a warm load's thread walks nothing); one with a page
+    missing is read chunk by chunk, as a cold one."""
     import mmap
 
     from dsv4.weights import readahead as readahead_module
@@ -400,19 +403,35 @@ def test_readahead_skips_an_extent_the_page_cache_holds(tmp_path, monkeypatch):
     file = tmp_path / "data"
     file.write_bytes(bytes(range(256)) * (4 * page // 256))  # 4 pages, read back: cached
     assert file.read_bytes()[:4] == bytes(range(4))
+    with file.open("rb") as f:
+        answer = readahead_module.file_cached(f.fileno(), 0, 4 * page)
+    if asked == "cachestat" and answer is None:
+        pytest.fail("cachestat(2) did not answer: the kernel predates Linux 6.5 or refuses this file")
+    if asked == "mincore":  # a kernel without cachestat
+        monkeypatch.setattr(readahead_module, "file_cached", lambda fd, start, length: None)
     read: list[int] = []
     monkeypatch.setattr(readahead_module, "populate", lambda address, length: read.append(length) or True)
     with readahead_module.Readahead([(file, 0, 4 * page)], chunk_bytes=page) as ahead:
         ahead._thread.join(5)
     assert read == []
-    real_mincore = readahead_module._mincore()
+    if asked == "cachestat":
+        real_cachestat = readahead_module._cachestat()
 
-    def one_page_missing(address, length, vector):
-        result = real_mincore(address, length, vector)
-        vector[1] = b"\x00"
-        return result
+        def one_page_missing(number, fd, asked_range, counts, flags):
+            result = real_cachestat(number, fd, asked_range, counts, flags)
+            readahead_module._Cachestat.from_address(counts).nr_cache -= 1
+            return result
 
-    monkeypatch.setattr(readahead_module, "_mincore", lambda: one_page_missing)
+        monkeypatch.setattr(readahead_module, "_cachestat", lambda: one_page_missing)
+    else:
+        real_mincore = readahead_module._mincore()
+
+        def one_page_missing(address, length, vector):
+            result = real_mincore(address, length, vector)
+            vector[1] = b"\x00"
+            return result
+
+        monkeypatch.setattr(readahead_module, "_mincore", lambda: one_page_missing)
     with readahead_module.Readahead([(file, 0, 4 * page)], chunk_bytes=page) as ahead:
         ahead._thread.join(5)
     assert read == [page] * 4

@@ -105,17 +105,21 @@ class RoutedExperts(nn.Module):
         self.fused = None  # the fused C kernel bound to the stacks (`bind_kernels`), None: the paths below
 
     def _allocate(self, E: int, out_dim: int, in_dim: int) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """The stacks (and their scales) as zeros: every load writes each byte of them, so a build that wrote
+        values here (unit scales, say) would write the scales twice and fault their pages in before the load's
+        copy (the build's tensors come from a `WeightArena` on CPU: zeros no one has written). A zero scale
+        is a valid value of either format (fp32 0.0; ue8m0 byte 0, which `quant.e8m0_to_float32` decodes to
+        0.0), and zero codes dequantize to zeros whatever their scale."""
         if self.format == DENSE:
             return input_major(out_dim, in_dim, self.dtype, stack=(E,)), None
         if self.format == FP8:
             b0, b1 = self.block
             weight = torch.zeros(E, out_dim, in_dim, dtype=torch.float8_e4m3fn)
-            return _frozen(weight), _frozen(torch.ones(E, -(-out_dim // b0), -(-in_dim // b1)))
+            return _frozen(weight), _frozen(torch.zeros(E, -(-out_dim // b0), -(-in_dim // b1)))
         if in_dim % self.group:
             raise ValueError(f"FP4 experts need the input dim ({in_dim}) to be a multiple of {self.group}")
         weight = torch.zeros(E, out_dim, in_dim // 2, dtype=torch.int8)
-        unit_scale = 127  # ue8m0 byte of 2^0
-        return _frozen(weight), _frozen(torch.full((E, out_dim, in_dim // self.group), unit_scale, dtype=torch.uint8))
+        return _frozen(weight), _frozen(torch.zeros(E, out_dim, in_dim // self.group, dtype=torch.uint8))
 
     def expert_weight(self, name: str, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Expert e's matrix `name` in `dtype` (None: the model's parameter dtype, what export reads): a dense

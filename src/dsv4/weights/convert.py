@@ -99,10 +99,12 @@ def copy_finite_into(dest: torch.Tensor, value: torch.Tensor, *, stream: bool | 
 
 
 def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
-    """ue8m0 scale -> its uint8 bytes (a view), refusing other dtypes and the NaN byte 0xFF."""
-    if scale.dtype not in E8M0_DTYPES:
-        raise ConversionError(f"ue8m0 scale must be float8_e8m0fnu or uint8 bytes, got {scale.dtype}")
-    raw = as_e8m0_bytes(scale)
+    """ue8m0 scale -> its uint8 bytes (a view; uint8 bytes themselves: a load checks thousands of scales, and
+    a view costs ~0.4 us), refusing other dtypes and the NaN byte 0xFF."""
+    dtype = scale.dtype
+    if dtype not in E8M0_DTYPES:
+        raise ConversionError(f"ue8m0 scale must be float8_e8m0fnu or uint8 bytes, got {dtype}")
+    raw = scale if dtype == torch.uint8 else as_e8m0_bytes(scale)
     if raw.numel() and _holds_nan_byte(raw):
         raise ConversionError("ue8m0 scale holds the NaN byte 0xFF")
     return raw
@@ -120,7 +122,7 @@ def _holds_nan_byte(raw: torch.Tensor) -> bool:
     """Whether uint8 `raw` holds the e8m0 NaN byte. Contiguous CPU bytes are scanned by libc's memchr
     (vectorized, with no torch dispatch: ~2 us against ~5-12 us for a reduction of a 16 KiB expert scale, and
     a load checks thousands); elsewhere a max reduction (0xFF is the largest byte)."""
-    if raw.device.type == "cpu" and raw.is_contiguous():
+    if raw.is_cpu and raw.is_contiguous():  # is_cpu: no device object built (~0.2 us a scale)
         return _memchr()(raw.data_ptr(), E8M0_NAN_BYTE, raw.numel()) is not None
     return int(raw.max()) == E8M0_NAN_BYTE
 
