@@ -326,10 +326,20 @@ def test_retract_during_streaming_recomputes_under_the_new_weights(server, admin
         assert admin.post("/admin/weights/begin", json={"mode": "retract"}).status_code == 200
         assert admin.post("/admin/weights/bucket", content=_bucket(weights_b)).status_code == 200
     whole: list[dict] = []
-    batch = threading.Thread(target=lambda: whole.append(
+    streamed: dict[int, dict] = {}
+    failures: list[BaseException] = []
+
+    def recorded(run):  # a thread's failure is re-raised by the test, not lost with the thread
+        def target():
+            try:
+                run()
+            except BaseException as error:  # re-raised below
+                failures.append(error)
+        return threading.Thread(target=target)
+
+    batch = recorded(lambda: whole.append(
         httpx.post(server.url + "/v1/completions", json=LONG_REQUEST, timeout=TIMEOUT_S).json()))
-    batch.start()
-    wait_for(lambda: admin.get("/admin/state").json()["running"] == n, TIMEOUT_S, "the batch request to run")
+    stream = recorded(lambda: streamed.update(_stream(server.url, LONG_REQUEST, on_first_token=update)))
 
     def update():
         if how == "session":
@@ -345,8 +355,19 @@ def test_retract_during_streaming_recomputes_under_the_new_weights(server, admin
             assert admin.get("/admin/state").json()["running"] == 0  # still paused after the update
             answers.append(admin.post("/admin/resume"))
 
-    choices = list(_stream(server.url, LONG_REQUEST, on_first_token=update).values())
+    # Both requests queue behind a pause and start in the same step on resume (their 2n sequences fit the
+    # 16 slots), so the batch runs when the stream's first token triggers the update, however fast the
+    # machine: a poll for the batch running could miss a request that lasts less than its interval.
+    assert admin.post("/admin/pause", json={"mode": "wait"}).json()["paused"] is True
+    batch.start()
+    stream.start()
+    wait_for(lambda: admin.get("/admin/state").json()["waiting"] == 2 * n, TIMEOUT_S, "both requests to queue")
+    assert admin.post("/admin/resume").json()["paused"] is False
+    stream.join(TIMEOUT_S)
     batch.join(TIMEOUT_S)
+    if failures:
+        raise failures[0]
+    choices = list(streamed.values())
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
     assert _version(admin) == version + 1
     (response,) = whole

@@ -38,6 +38,8 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
+#include "dot.h"
+
 enum { ACT_F32 = 0, ACT_BF16 = 1 };
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_FP8 = 2, FMT_FP4 = 3 };
 enum { OK = 0, ERR_ALLOC = 1, ERR_ARGS = 2 };
@@ -736,21 +738,6 @@ static void fp8_rows_vec(const float *x, long R, long K, const uint8_t *w, const
 #else
 /* Portable paths: a table per byte (branch-free; the compiler vectorises the products). */
 
-/* Partial sums per dot product: 16 independent lanes let the compiler vectorise the reduction without
-   reassociating it (no -ffast-math): lane l sums inputs l, l + 16, ... */
-#define LANES 16
-
-static float dot_lanes(const float *restrict a, const float *restrict b, long n) {
-    float lanes[LANES] = {0.0f};
-    long k = 0;
-    for (; k + LANES <= n; k += LANES)
-        for (int l = 0; l < LANES; ++l) lanes[l] += a[k + l] * b[k + l];
-    for (int l = 0; k < n; ++k, ++l) lanes[l] += a[k] * b[k];
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
-    return lanes[0];
-}
-
 static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const uint8_t *scale, long group, long n0,
                      long n1, float *acc, long ldacc) {
     float table[16], dec[MAX_QUANT_K];
@@ -766,7 +753,7 @@ static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const ui
                     dec[k0 + FP4_STEP / 2 + i] = table[wr[k0 / 2 + i] >> 4] * s;
                 }
         }
-        for (long r = 0; r < R; ++r) acc[r * ldacc + (n - n0)] = dot_lanes(xp + r * K, dec, K);
+        for (long r = 0; r < R; ++r) acc[r * ldacc + (n - n0)] = dot(xp + r * K, dec, K);
     }
 }
 #define HAVE_FP8_VEC 0

@@ -1,5 +1,5 @@
 /* Helpers shared by the mHC, norm/RoPE and decode-attention kernels (mhc_cpu.c, norm_rope_cpu.c,
-   decode_attention_cpu.c): fp32 / bf16 rows, a vectorisable dot product (and sum of squares), one row's RMSNorm + RoPE. */
+   decode_attention_cpu.c): fp32 / bf16 rows, a sum of squares (dot.h's dot product), one row's RMSNorm + RoPE. */
 #ifndef DSV4_ROWS_H
 #define DSV4_ROWS_H
 
@@ -9,21 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Partial sums per reduction: 16 independent accumulators fill four SSE / two AVX / one AVX-512 vector
-   and hide the add latency, so a sum over D runs at load speed instead of one dependent add per element.
-   (Sums over hc * D therefore round in a different order than the reference: fp32-rounding level.) */
-#define ACC 16
-
-static float dot(const float *restrict a, const float *restrict b, long n) {
-    float acc[ACC] = {0.0f};
-    long i = 0;
-    for (; i + ACC <= n; i += ACC)
-        for (int l = 0; l < ACC; ++l) acc[l] += a[i + l] * b[i + l];
-    for (int l = 0; i < n; ++i, ++l) acc[l] += a[i] * b[i];
-    for (int w = ACC / 2; w > 0; w /= 2) /* pairwise: log2(ACC) vector adds */
-        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-    return acc[0];
-}
+#include "dot.h"
 
 static float sum_squares(const float *restrict x, long n) { return dot(x, x, n); }
 
