@@ -21,6 +21,8 @@ API_KEY = "test-key"
 MODEL = "sorter"
 MAX_BODY_BYTES = 65536
 CLIENT_TIMEOUT_S = 60.0
+# A client that disconnects from a non-streamed request waits this long for its response first.
+DISCONNECT_AFTER_S = 0.02
 GREEDY = dict(temperature=0.0)
 PROMPT = "sort 31402="
 LOGPROB_TOL = 1e-4
@@ -284,8 +286,12 @@ def test_disconnect_aborts_the_request_and_frees_its_slots(server):
     assert metric(server.url, "num_requests_running") == 0
     # A disconnected non-streamed request is aborted too.
     aborted_before = metric(server.url, "request_success_total", 'finished_reason="abort"')
+    # The client gives up while the request runs: its body is sent (the timeout bounds the wait for the
+    # response), and 64 x 50 tokens take the engine far longer than DISCONNECT_AFTER_S, even on a fast CPU
+    # (0.3 s was not: a fast machine finished the request within it).
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3,
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False},
+                   timeout=httpx.Timeout(CLIENT_TIMEOUT_S, read=DISCONNECT_AFTER_S),
                    headers={"Authorization": f"Bearer {API_KEY}"})
     wait_for(lambda: metric(server.url, "request_success_total", 'finished_reason="abort"') > aborted_before,
              30.0, "the abort of the non-streamed request")
