@@ -145,3 +145,14 @@ def in_process_update_rank(rank: int, port: int, out_dir: str, path: str, new: d
     found = {"before": outcome({}), "bad": outcome(bad), "good": outcome(new),
              "one_expert": outcome({n: t for n, t in new.items() if n.startswith(expert)})}
     torch.save(found, Path(out_dir) / f"rank{rank}.pt")
+
+
+def exit_rank(rank: int, port: int, path: str, stagger_s: float) -> None:
+    """Build a two-rank engine, run one step, and leave: rank 0 at once, rank 1 `stagger_s` later (the
+    process ends with the interpreter's own exit, as a torchrun program does)."""
+    _join_env(rank, port)
+    llm = LLM(path, **ENGINE, tensor_parallel_size=WORLD, distributed_timeout_s=30.0)
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    if rank == 1:
+        time.sleep(stagger_s)
+

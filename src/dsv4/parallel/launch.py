@@ -9,6 +9,7 @@ the rendezvous address and the timeout instead of hanging.
 
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 
@@ -52,6 +53,9 @@ def join_group(tensor_parallel_size: int, expert_parallel: bool, device: str, ti
         address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         try:
             dist.init_process_group(backend_for(device), init_method="env://", timeout=timedelta(seconds=timeout_s))
+            # The group is ours: leave it before the interpreter ends. A rank that exits holding it lets the other
+            # ranks' gloo threads see its sockets close mid-read, and they abort their process (std::terminate).
+            atexit.register(leave_group)
         except RuntimeError as exc:  # the store's timeout (DistStoreError) and connection failures
             raise ParallelError(
                 f"tensor parallel group of {world} ranks at {address}: rank {os.environ['RANK']} could not form it "
@@ -67,6 +71,13 @@ def join_group(tensor_parallel_size: int, expert_parallel: bool, device: str, ti
                             f"LLM's group within the {timeout_s:g} s timeout: {type(exc).__name__}: {exc}") from None
     return ParallelState(rank=dist.get_rank(), world_size=world, expert_parallel=expert_parallel,
                          timeout_s=timeout_s, group=group)
+
+
+def leave_group() -> None:
+    """Destroy the default process group if it is still up (registered at exit by `join_group` when it formed
+    the group itself)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def require_agreement(what: dict, state: ParallelState) -> None:
