@@ -5,7 +5,7 @@ through torch's CPU allocator, which is glibc's malloc. Left to its defaults, gl
 back to the kernel (a block above its mmap threshold is unmapped when freed; free memory above its trim
 threshold at the top of the heap is released), so the next step takes the same memory again as fresh pages:
 one page fault and a zero-fill per 4 KiB, every step. On the tiny benchmark config a 64 x 64-token prefill
-took ~19,000 such faults (~74 MiB) and ran ~8% slower for them than with the workspace kept.
+took ~19,000 such faults (~74 MiB) and ran ~7% slower for them than with the workspace kept.
 
 `keep_step_memory` sets two malloc parameters once, for the process that serves steps:
 
