@@ -227,9 +227,9 @@ def test_decode_span_longer_than_a_ring_is_refused(cfg):
 def test_indexer_picks_break_ties_by_the_lowest_entry():
     """Scores with many exact ties (relu makes every entry whose head dots are all negative score exactly 0,
     whatever the chunk shape; weighted, of either sign), negative scores and masked tails: the picks are the
-    k best entries, ties at the k-th score going to the lowest indices, as a brute-force ranking by
-    (score desc, index asc) gives. A decode row and a prefill chunk then pick the same entries for the same
-    scores."""
+    k best entries, ties at the k-th score going to the lowest indices, in the order a brute-force ranking
+    by (score desc, index asc) gives. A decode row and a prefill chunk then pick the same entries for the
+    same scores."""
     g = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 3, (3, 5, 40), generator=g).float()
     scores[0] -= 2  # scores <= 0 (head weights may be negative): the k-th among the zeros or below
@@ -237,11 +237,11 @@ def test_indexer_picks_break_ties_by_the_lowest_entry():
     scores[0, :2] -= 1  # rows with no zero: the k-th among negative scores
     scores[1, :, 30:] = float("-inf")  # fewer entries visible than the rest
     scores[2, 0, 2:] = float("-inf")  # fewer visible than k
+    scores[2, 1] = torch.randperm(40, generator=g).float()  # distinct scores: best first is not index order
     k = 6
     picks = attention_module.top_k_lowest_index_on_ties(scores, k)
     for row, got in zip(scores.view(-1, 40).tolist(), picks.view(-1, k).tolist()):
-        want = sorted(sorted(range(40), key=lambda j: (-row[j], j))[:k])
-        assert got == want
+        assert got == sorted(range(40), key=lambda j: (-row[j], j))[:k]  # the ranking, in its order
     # The same rows laid out as one chunk or as single rows pick alike.
     assert torch.equal(attention_module.top_k_lowest_index_on_ties(scores.view(15, 1, 40), k).view(3, 5, k), picks)
 
