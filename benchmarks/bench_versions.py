@@ -4,7 +4,10 @@ Each version runs in its own warm worker process, whose `dsv4` and `tests/refere
 tree (PYTHONPATH=<tree>/src), on the same randomised checkpoint (written once by the new tree). The
 driver alternates the two workers workload by workload, after one warm-up each (kernel builds,
 compilation, allocator), and takes the median of the back-to-back pairs' ratios (`paired.py`; a
-neighbour that slows the shared machine for a while slows both runs of a pair alike).
+neighbour that slows the shared machine for a while slows both runs of a pair alike). With --rounds R
+both workers are started afresh R times and the rounds' pairs pooled: a process keeps its memory layout
+(where the allocator and the loader placed its tensors and code) for its whole life, which can shift all
+of one worker's times by ~1% alike, so pairs from one pair of processes share that offset.
 
 Workloads (bench_generate's), at each --batch size:
   throughput  greedy generation of --new-tokens tokens after --prompt-len random prompts, prefill
@@ -17,7 +20,7 @@ A ratio is old seconds / new seconds: > 1, the new tree is faster.
 Writes <out>/bench_versions_<config>[_compiled]_t<threads>.json and .png and prints a summary.
 Usage: python benchmarks/bench_versions.py --old /path/to/old/checkout [--config tiny] [--compile]
                                            [--batch 1 16 64] [--workloads throughput step]
-                                           [--threads 1] [--repeats 5]
+                                           [--threads 1] [--repeats 5] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from paired import paired  # noqa: E402
+from paired import paired, pooled  # noqa: E402
 from report import write_report  # noqa: E402
 
 MODEL_SEED = 0
@@ -102,28 +105,34 @@ def run(args) -> dict:
     import reference as ref
 
     results: dict = {"config": args.config, "compile": args.compile, "threads": args.threads,
-                     "repeats": args.repeats, "old": str(args.old), "old_commit": _commit(args.old),
+                     "repeats": args.repeats, "rounds": args.rounds, "old": str(args.old),
+                     "old_commit": _commit(args.old),
                      "new_commit": _commit(ROOT), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "ratio": "old seconds / new seconds (> 1: new faster)"}
     with tempfile.TemporaryDirectory() as tmp:
         config = bench_generate.CONFIGS[args.config]()
         ref.save_hf_checkpoint(ref.build_reference_model(config, MODEL_SEED), tmp)
-        old, new = Worker(args.old, Path(tmp), args), Worker(ROOT, Path(tmp), args)
-        try:
-            for kind in args.workloads:
-                results[kind] = []
-                for batch in args.batch:
+        runs: dict[tuple[str, int], list] = {(kind, batch): [] for kind in args.workloads for batch in args.batch}
+        for round_index in range(args.rounds):
+            old, new = Worker(args.old, Path(tmp), args), Worker(ROOT, Path(tmp), args)
+            try:
+                for kind, batch in runs:
                     request = f"{kind} {batch}"
-                    t = paired(lambda r=request: old.seconds(r), lambda r=request: new.seconds(r), args.repeats)
-                    row = {"batch": batch, **_figures(kind, batch, t, args.new_tokens), "pairs": list(t.ratios),
-                           **t.fields()}
-                    results[kind].append(row)
-                    shown = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.startswith(("old", "new")))
-                    print(f"{kind} b={batch}: {shown}, x{t.ratio:.3f} [{min(t.ratios):.3f}, {max(t.ratios):.3f}]",
-                          flush=True)
-        finally:
-            old.close()
-            new.close()
+                    t = paired(lambda r=request, w=old: w.seconds(r), lambda r=request, w=new: w.seconds(r),
+                               args.repeats)
+                    runs[kind, batch].append(t)
+                    print(f"round {round_index + 1}/{args.rounds} {kind} b={batch}: x{t.ratio:.3f} "
+                          f"[{min(t.ratios):.3f}, {max(t.ratios):.3f}]", flush=True)
+            finally:
+                old.close()
+                new.close()
+    for (kind, batch), rounds in runs.items():
+        t = pooled(rounds)
+        row = {"batch": batch, **_figures(kind, batch, t, args.new_tokens), "pairs": list(t.ratios),
+               "round_ratios": [r.ratio for r in rounds], **t.fields()}
+        results.setdefault(kind, []).append(row)
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.startswith(("old", "new")))
+        print(f"{kind} b={batch}: {shown}, x{t.ratio:.3f} [{min(t.ratios):.3f}, {max(t.ratios):.3f}]", flush=True)
     return results
 
 
@@ -170,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of both workers")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed pairs per round")
+    parser.add_argument("--rounds", type=int, default=1, help="fresh pairs of worker processes, pairs pooled")
     parser.add_argument("--compile", action="store_true", help="decode steps compiled (LLM(compile=True))")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

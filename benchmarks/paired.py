@@ -41,3 +41,10 @@ def paired(peer_seconds: Callable[[], float], ds_seconds: Callable[[], float], r
     pairs = [(peer_seconds(), ds_seconds()) for _ in range(repeats)]
     return Paired(statistics.median(p for p, _ in pairs), statistics.median(d for _, d in pairs),
                   tuple(p / d for p, d in pairs))
+
+
+def pooled(runs: list[Paired]) -> Paired:
+    """Several runs of the same paired workload (e.g. each in fresh processes) as one: every pair's ratio,
+    and the median of the runs' medians."""
+    return Paired(statistics.median(r.peer_s for r in runs), statistics.median(r.ds_s for r in runs),
+                  tuple(ratio for r in runs for ratio in r.ratios))

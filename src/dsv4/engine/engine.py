@@ -406,7 +406,8 @@ class Engine:
                     proposals.append(None)  # the last row: the bonus token
                 else:
                     proposals.extend([None] * rows)
-                for follower in forks.get(w.seq, ()):  # its first token, from the leader's last prompt row
+                # A follower's first token, from the leader's last prompt row (no lookup in a step without forks)
+                for follower in forks.get(w.seq, ()) if forks else ():
                     slots.append(follower.slot)
                     indices.append(0)
                     proposals.append(None)
@@ -425,7 +426,7 @@ class Engine:
                 if self.proposer is not None:
                     self._report_commit(seq, start, result, w.begin, w.begin + w.known)
                 continue
-            followers = forks.get(seq, ())
+            followers = forks.get(seq, ()) if forks else ()
             if followers:  # before the leader's token: a leader that stops at it frees its slot
                 self._fork(seq, followers, start)
             drafts = w.draft.token_ids
