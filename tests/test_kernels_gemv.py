@@ -29,14 +29,16 @@ from dsv4.kernels.gemv_cpu import (
     FusedExperts,
     FusedQuantExperts,
     QuantGemv,
+    SharedInputGemv,
     WorkerPool,
     build_library,
     describe,
 )
-from dsv4.kernels.registry import FEW_ROW_EXPERTS, LINEAR, QUANT_EXPERTS, KernelRegistry
+from dsv4.kernels.registry import FEW_ROW_EXPERTS, LINEAR, QUANT_EXPERTS, SHARED_INPUT_LINEAR, KernelRegistry
+from dsv4.model.attention import Attention
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.deepseek_v4 import DeepseekV4
-from dsv4.model.linear import Linear, input_major
+from dsv4.model.linear import Linear, SharedInputLinears, input_major
 from dsv4.model.moe import RoutedExperts, swiglu
 from dsv4.quant import dequantize_fp4, dequantize_fp8_blockwise, quantize_fp4, quantize_fp8_blockwise
 
@@ -152,6 +154,86 @@ def test_dense_gemv_fp32_rows_on_bf16_weight_match_widened_linear(lib, pool, two
     got = DenseGemv(lib, pool)(x, w)
     assert got.dtype == torch.float32
     _assert_fp32_product_close(got, x, w.float())
+
+
+# (activation, weight) dtypes the shared-input kernel runs: each pair DenseGemv runs.
+SHARED_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("act, wdtype", SHARED_DTYPES, ids=["fp32", "bf16", "fp32-on-bf16"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_shared_input_gemv_gives_each_weights_own_product_bit_for_bit(lib, pool, act, wdtype, rows):
+    """Several weights of one input in one call (a decode layer's projections of its normed input): each
+    output equals that weight's own DenseGemv call bit for bit, at 1 and 2 threads, for widths below the
+    vector width, the split alignment and the parallel threshold and above them (so the call's chunks span
+    weights of very different sizes)."""
+    widths, in_features = [37, 512, 16, 4096, 300], 96
+    weights = [_weight(n, in_features, wdtype, seed=i) for i, n in enumerate(widths)]
+    x = _rows(rows, in_features, act, seed=rows)
+    single, shared = DenseGemv(lib, pool), SharedInputGemv(lib, pool).bind(*weights)
+    want = [single(x, w) for w in weights]
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got = shared(x)
+            assert [g.shape for g in got] == [(rows, n) for n in widths]
+            assert all(g.dtype == act and torch.equal(g, w) for g, w in zip(got, want))
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_shared_input_gemv_binds_only_weights_of_one_input_it_runs(lib, pool):
+    """No kernel for one weight (that is DenseGemv's), weights of different input widths, a weight DenseGemv
+    does not run (FP8 bytes, a row-major layout) or more than the call takes; rows are those every weight's own
+    product takes."""
+    kernel = SharedInputGemv(lib, pool)
+    a, b = _weight(40, 48, torch.float32, 0), _weight(24, 48, torch.float32, 1)
+    assert kernel.bind(a) is None
+    assert kernel.bind(a, _weight(40, 32, torch.float32, 2)) is None
+    assert kernel.bind(a, torch.zeros(24, 48).to(torch.float8_e4m3fn)) is None
+    assert kernel.bind(a, torch.zeros(24, 48)) is None  # row-major: not the resident layout
+    assert kernel.bind(*[a] * (gemv_cpu.MAX_SHARED_WEIGHTS + 1)) is None
+    bound = kernel.bind(a, b)
+    assert bound is not None
+    assert bound.supports(_rows(1, 48, torch.float32, 0))
+    assert not bound.supports(_rows(MAX_F32_ROWS + 1, 48, torch.float32, 0))  # the rows DenseGemv leaves to MKL
+    assert bound.supports(_rows(MAX_F32_DECODE_ROWS, 48, torch.float32, 0), decode_rows=True)
+    assert not bound.supports(_rows(1, 32, torch.float32, 0))
+
+
+def test_shared_input_linears_bind_at_finalize_and_otherwise_run_each_linear(monkeypatch):
+    """`SharedInputLinears` runs one kernel call once bound (finalize) and each Linear otherwise: before the
+    bind, for rows the kernel does not take, and inside a graph being captured; every way gives the same
+    values, and a refit's in-place copy is what the bound call reads."""
+    registry = KernelRegistry()
+    linears = [Linear(48, n, torch.float32, registry) for n in (40, 24, 8)]
+    for i, linear in enumerate(linears):
+        with torch.no_grad():
+            linear.weight.copy_(_weight(linear.weight.shape[0], 48, torch.float32, seed=i))
+        linear.bind_kernels()
+    shared = SharedInputLinears(*linears)
+    x = _rows(1, 48, torch.float32, seed=3)
+    hits = collections.Counter()
+    for linear in linears:
+        linear.product = _CountedKernel(linear.product, hits, LINEAR)
+    want = shared(x)  # not bound yet: one Linear (its own kernel) each
+    assert hits[LINEAR] == 3
+    shared.bind_kernels(registry)
+    shared.product = _CountedKernel(shared.product, hits, SHARED_INPUT_LINEAR)
+    got = shared(x)
+    assert hits == {LINEAR: 3, SHARED_INPUT_LINEAR: 1}
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    with torch.no_grad():
+        linears[1].weight.copy_(_weight(24, 48, torch.float32, seed=9))  # a refit: same storage, new values
+    _assert_fp32_product_close(shared(x)[1], x, linears[1].weight)
+    assert hits[SHARED_INPUT_LINEAR] == 2
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert all(torch.equal(g, F.linear(x, linear.weight)) for g, linear in zip(shared(x), linears))
+    monkeypatch.undo()
+    more = _rows(MAX_F32_ROWS + 1, 48, torch.float32, seed=4)
+    assert all(torch.equal(g, F.linear(more, linear.weight)) for g, linear in zip(shared(more), linears))
+    assert hits[SHARED_INPUT_LINEAR] == 2
 
 
 def test_dense_gemv_declines_what_it_cannot_run_or_loses(lib, pool):
@@ -550,6 +632,10 @@ class CountingRegistry(KernelRegistry):
         for module in model.modules():
             if isinstance(module, Linear) and module.product is not None:
                 module.product = _CountedKernel(module.product, self.hits, LINEAR)
+            if isinstance(module, Attention):
+                for shared in (module.from_x, module.from_q):
+                    if shared.product is not None:
+                        shared.product = _CountedKernel(shared.product, self.hits, SHARED_INPUT_LINEAR)
             if isinstance(module, RoutedExperts) and module.fused is not None:
                 op = FEW_ROW_EXPERTS if module.format == "dense" else QUANT_EXPERTS
                 module.fused = _CountedKernel(module.fused, self.hits, op)
@@ -571,8 +657,10 @@ class _CountedKernel:
 
 
 # expert format, model dtype -> the few-row ops that must serve its calls
-WIRED = {("dense", torch.float32): {FEW_ROW_EXPERTS, LINEAR}, ("dense", torch.bfloat16): {FEW_ROW_EXPERTS, LINEAR},
-         ("fp8", torch.float32): {QUANT_EXPERTS, LINEAR}, ("fp4", torch.float32): {QUANT_EXPERTS, LINEAR}}
+WIRED = {("dense", torch.float32): {FEW_ROW_EXPERTS, LINEAR, SHARED_INPUT_LINEAR},
+         ("dense", torch.bfloat16): {FEW_ROW_EXPERTS, LINEAR, SHARED_INPUT_LINEAR},
+         ("fp8", torch.float32): {QUANT_EXPERTS, LINEAR, SHARED_INPUT_LINEAR},
+         ("fp4", torch.float32): {QUANT_EXPERTS, LINEAR, SHARED_INPUT_LINEAR}}
 # (bf16 activations on FP8/FP4 experts: test_fused_quant_experts_match_loop. In the tiny dummy model's bf16
 # FP4 forward, near-tied routing makes either bf16 path differ from the fp32 one by up to half the logit scale.)
 
@@ -603,7 +691,8 @@ def test_wired_kernels_match_the_reference_model(fmt, dtype):
         logits = {name: model.logits(model(batch, caches[name])[0]) for name, model in models.items()}
         want = logits["reference"]
         torch.testing.assert_close(logits["wired"], want, rtol=scale_tol, atol=scale_tol * want.abs().max().item())
-    assert set(wired.kernels.hits) & {LINEAR, FEW_ROW_EXPERTS, QUANT_EXPERTS} == WIRED[(fmt, dtype)]
+    few_row_ops = {LINEAR, SHARED_INPUT_LINEAR, FEW_ROW_EXPERTS, QUANT_EXPERTS}
+    assert set(wired.kernels.hits) & few_row_ops == WIRED[(fmt, dtype)]
 
 
 class RowsRecordingRegistry(KernelRegistry):

@@ -6,6 +6,7 @@
  * decoded once per call into a panel of PANEL_NB rows that all x rows read). Python side: gemv_cpu.py.
  *
  *   dense_xw    y[R, N] = x[R, K] W^T, W resident input-major: storage [K, N] (row k contiguous), fp32 or bf16
+ *   dense_xw_shared  y_i = x W_i^T for several such weights of one input: one call, one split over the pool
  *   quant_xw    y[R, N] = x[R, K] W^T, W [N, K] output-major: FP8 e4m3 with fp32 block scales [ceil(N/b0),
  *               ceil(K/b1)], or FP4 e2m1 (two codes a byte, low nibble = even input) with ue8m0 scales [N, K/g]
  *   moe_experts the routed-expert sum of one MoE layer, out[T, D] = sum_j w_tj E_{e_tj}(x_t), E_e(x) =
@@ -873,6 +874,69 @@ int dense_xw(pool *p, const void *x, int act, long R, long K, const void *w, int
     free(xf);
     if (act == ACT_BF16) free(acc);
     return status;
+}
+
+/* Most weights one dense_xw_shared call takes (a layer's projections of one input number at most 7). */
+#define MAX_SHARED 16
+
+/* dense_xw over several weights of one x, chunk c of all their chunks (weight i's run from first[i]). */
+typedef struct {
+    const float *x;
+    long R, K, count;
+    int act;
+    const void *const *w;
+    const int *wfmt;
+    const long *N;
+    void *const *y;
+    float *acc[MAX_SHARED];
+    long chunk[MAX_SHARED], first[MAX_SHARED + 1];
+} shared_job;
+
+static void shared_chunk(const void *arg, long c) {
+    const shared_job *j = arg;
+    long i = 0;
+    while (c >= j->first[i + 1]) ++i;
+    const long N = j->N[i], n0 = (c - j->first[i]) * j->chunk[i], n1 = n0 + j->chunk[i] < N ? n0 + j->chunk[i] : N;
+    dense_range(j->x, j->R, j->K, j->K, j->w[i], j->wfmt[i], N, n0, n1, j->acc[i] + n0, N);
+    if (j->act != ACT_F32)
+        for (long r = 0; r < j->R; ++r) store_row(j->y[i], j->act, r * N + n0, j->acc[i] + r * N + n0, n1 - n0);
+}
+
+/* y_i[R, N_i] = x[R, K] W_i^T for i < count, each W_i resident input-major [K, N_i] (fp32 or bf16): what
+   `count` dense_xw calls give, bit for bit (each output column is summed in the same order), in one call whose
+   chunks span every weight. Why: a decode layer's projections of one input are a few hundred KiB each, below
+   what is worth a second thread alone (MIN_PARALLEL_BYTES) or a call's fixed cost; together they split evenly. */
+int dense_xw_shared(pool *p, const void *x, int act, long R, long K, long count, const void *const *w,
+                    const int *wfmt, const long *N, void *const *y, int nthreads) {
+    if (R <= 0 || K <= 0 || count <= 0 || count > MAX_SHARED) return ERR_ARGS;
+    long bytes = 0, columns = 0;
+    for (long i = 0; i < count; ++i) {
+        if ((wfmt[i] != FMT_F32 && wfmt[i] != FMT_BF16) || N[i] <= 0) return ERR_ARGS;
+        bytes += matrix_bytes(wfmt[i], K * N[i]);
+        columns += N[i];
+    }
+    float *xf = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
+    float *acc = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * columns)) : NULL;
+    if (act == ACT_BF16 && (!xf || !acc)) {
+        free(xf), free(acc);
+        return ERR_ALLOC;
+    }
+    shared_job job = {.x = rows_f32(x, act, R * K, xf), .R = R, .K = K, .count = count, .act = act, .w = w,
+                      .wfmt = wfmt, .N = N, .y = y};
+    const long pieces = (long)CHUNKS_PER_THREAD * nthreads;
+    for (long i = 0, offset = 0; i < count; offset += R * N[i], ++i) {
+        job.acc[i] = act == ACT_BF16 ? acc + offset : (float *)y[i];
+        /* each weight's share of the chunks follows its share of the bytes */
+        const long own = matrix_bytes(wfmt[i], K * N[i]);
+        job.chunk[i] = nthreads <= 1 || bytes < MIN_PARALLEL_BYTES
+                           ? N[i]
+                           : split_size(N[i], (pieces * own + bytes - 1) / bytes, MIN_CHUNK_COLS, SPLIT_ALIGN);
+        job.first[i + 1] = job.first[i] + (N[i] + job.chunk[i] - 1) / job.chunk[i];
+    }
+    pool_run(p, job.first[count], shared_chunk, &job, nthreads);
+    free(xf);
+    free(acc);
+    return OK;
 }
 
 /* b0, b1: the FP8 block (b0 output rows x b1 inputs); FP4: b1 = inputs per scale (b0 unused). */

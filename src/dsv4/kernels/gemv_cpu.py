@@ -111,6 +111,8 @@ _DENSE_ROWS = {(torch.bfloat16, torch.bfloat16): MAX_BF16_ROWS, (torch.float32, 
 _DECODE_ROWS = {(torch.float32, torch.float32): MAX_F32_DECODE_ROWS}
 # Input width the quantized kernel decodes a weight row into (its stack buffer, MAX_QUANT_K in the C file).
 MAX_QUANT_K = 16384
+# Most weights one SharedInputGemv call takes (gemv_cpu.c MAX_SHARED).
+MAX_SHARED_WEIGHTS = 16
 # FP4 inputs one decode step reads (16 bytes): an FP4 scale group must be a multiple of it (FP4_STEP in C).
 FP4_STEP = 32
 # Picks (tokens x k) per expert of the layer up to which the fused dense expert kernel is used, by the stacks'
@@ -159,6 +161,8 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.vector_isa.argtypes = []
     lib.dense_xw.restype = Int
     lib.dense_xw.argtypes = [P, P, Int, L, L, P, Int, L, L, P, Int]
+    lib.dense_xw_shared.restype = Int
+    lib.dense_xw_shared.argtypes = [P, P, Int, L, L, L, P, P, P, P, Int]
     lib.quant_xw.restype = Int
     lib.quant_xw.argtypes = [P, P, Int, L, L, Int, P, P, L, L, L, P, Int]
     lib.moe_experts.restype = Int
@@ -344,6 +348,64 @@ class BoundGemv:
                           y.data_ptr(), self._pool.threads())
         _check(status, "dense_xw")
         return y
+
+
+class SharedInputGemv(_PoolKernel):
+    """DenseGemv over several input-major weights that multiply the same rows, in one C call
+    (`dense_xw_shared`): the results `DenseGemv` gives weight by weight, bit for bit, for one call's fixed
+    cost and one split of all their columns over the pool. Bound at finalize to a module's projections of one
+    input (a decode layer's q / kv / compressor / indexer projections of its normed input); the rows it takes
+    are those every weight's own DenseGemv takes."""
+
+    _entry = "dense_xw_shared"
+
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool):
+        super().__init__(lib, pool)
+        self._single = DenseGemv(lib, pool)  # what each weight's own call would take
+
+    def bind(self, *weights: torch.Tensor) -> BoundSharedGemv | None:
+        """This kernel fixed to the weights (one input width), or None when DenseGemv takes none of the
+        calls on some weight (its dtype or layout) or they differ in input width."""
+        bound = [self._single.bind(weight) for weight in weights]
+        if len(bound) < 2 or len(bound) > MAX_SHARED_WEIGHTS or any(b is None for b in bound):
+            return None
+        if len({b.in_features for b in bound}) != 1:
+            return None
+        return BoundSharedGemv(self._fn, self._pool, bound)
+
+    def supports(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
+        bound = self.bind(*weights)
+        return not torch.compiler.is_compiling() and bound is not None and bound.supports(x)
+
+    def __call__(self, x: torch.Tensor, *weights: torch.Tensor) -> list[torch.Tensor]:
+        return self.bind(*weights)(x)
+
+
+class BoundSharedGemv:
+    """SharedInputGemv fixed to its weights (each a `BoundGemv`): pointer, format and width arrays made once."""
+
+    def __init__(self, fn, pool: WorkerPool, bound: list[BoundGemv]):
+        self._fn, self._pool, self._bound = fn, pool, bound
+        self.in_features = bound[0].in_features
+        count = len(bound)
+        self._count = count
+        self._out_features = [b.out_features for b in bound]
+        self._weights = (ctypes.c_void_p * count)(*(b.weight.data_ptr() for b in bound))
+        self._formats = (ctypes.c_int * count)(*(_DENSE_FMT[b.weight.dtype] for b in bound))
+        self._widths = (ctypes.c_long * count)(*self._out_features)
+
+    def supports(self, x: torch.Tensor, decode_rows: bool = False) -> bool:
+        """The rows every weight's own bound product takes."""
+        return all(b.supports(x, decode_rows) for b in self._bound)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        R = x.shape[0]
+        ys = [x.new_empty(R, n) for n in self._out_features]
+        outputs = (ctypes.c_void_p * self._count)(*(y.data_ptr() for y in ys))
+        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, self.in_features, self._count,
+                          self._weights, self._formats, self._widths, outputs, self._pool.threads())
+        _check(status, "dense_xw_shared")
+        return ys
 
 
 class QuantGemv(_PoolKernel):
@@ -600,8 +662,8 @@ def usable_cpus() -> int:
 
 
 def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts,
-                                                      FusedMoeLayer]:
-    """All five kernels over one build of the library and one worker pool.
+                                                      FusedMoeLayer, SharedInputGemv]:
+    """All six kernels over one build of the library and one worker pool.
 
     Args:
         threads: threads every call uses (the pool gets threads - 1 workers); None: the pool gets a worker
@@ -614,11 +676,12 @@ def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, Fus
     lib = build_library()
     pool = WorkerPool(lib, (threads or usable_cpus()) - 1, fixed=threads is not None)
     return (DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool),
-            FusedMoeLayer(lib, pool))
+            FusedMoeLayer(lib, pool), SharedInputGemv(lib, pool))
 
 
 @functools.cache
-def shared_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts, FusedMoeLayer]:
+def shared_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts, FusedMoeLayer,
+                              SharedInputGemv]:
     """The process's one set of kernels (`build_kernels()`): every kernel registry hands these out, so a
     process runs one worker pool however many models it builds, as torch runs one intra-op pool."""
     return build_kernels()

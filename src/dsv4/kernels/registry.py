@@ -39,6 +39,7 @@ MOE_EXPERTS = "moe_experts"
 MHC_FUSED = "mhc_fused"
 NORM_ROPE = "norm_rope"
 LINEAR = "linear"
+SHARED_INPUT_LINEAR = "shared_input_linear"
 FEW_ROW_EXPERTS = "few_row_experts"
 QUANT_EXPERTS = "quant_experts"
 MOE_LAYER = "moe_layer"
@@ -134,6 +135,11 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
         Backend("cpu_c", functools.partial(_build_few_row, 0),
                 "few-row products on input-major weights (gemv_cpu.c DenseGemv): one-row fp32 calls, bf16 calls up "
                 "to MAX_BF16_ROWS rows, and fp32 rows on bf16 weights up to a few rows"),
+    ),
+    SHARED_INPUT_LINEAR: (
+        Backend("cpu_c", functools.partial(_build_few_row, 5),
+                "several few-row products of one input (a decode layer's projections of its normed input) in one "
+                "C call, the columns of all split over the pool (gemv_cpu.c dense_xw_shared)"),
     ),
     FEW_ROW_EXPERTS: (
         Backend("cpu_c", functools.partial(_build_few_row, 2),

@@ -27,7 +27,7 @@ from dsv4.kernels.decode_attention_cpu import attend_args
 from dsv4.kernels.registry import DECODE_ATTENTION, KernelRegistry, default_registry
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.cache import CompressorCache, LayerCache
-from dsv4.model.linear import Linear, compute_weight
+from dsv4.model.linear import Linear, SharedInputLinears, compute_weight
 from dsv4.model.norm import RMSNorm
 from dsv4.model.rope import RotaryTable, norm_rope_
 from dsv4.model.step_plan import DecodeMeta, PrefillMeta, WindowPlan, mask_to_bias
@@ -197,23 +197,37 @@ class Attention(nn.Module):
                                          kernels=kernels)
         if layer_type == CSA:
             self.indexer = Indexer(cfg, dtype, kernels)
+        # The projections of the layer input x, and of the q low-rank rows: each set one kernel call at decode.
+        from_x = [self.wq_a, self.wkv]
+        from_q = [self.wq_b]
+        if self.compressor is not None:
+            from_x += [self.compressor.wkv, self.compressor.wgate]
+        if self.indexer is not None:
+            from_x += [self.indexer.compressor.wkv, self.indexer.compressor.wgate, self.indexer.weights_proj]
+            from_q += [self.indexer.wq_b]
+        self.from_x, self.from_q = SharedInputLinears(*from_x), SharedInputLinears(*from_q)
+
+    def bind_kernels(self) -> None:
+        """At finalize (`process_weights_after_loading`, every one): bind the shared-input products."""
+        self.from_x.bind_kernels(self.kernels)
+        self.from_q.bind_kernels(self.kernels)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
         """x [T, D] (normed block input) -> [T, D]; reads and extends each sequence's cache slot."""
         T, pos, dr = x.shape[0], batch.positions, batch.decode_rows  # dr: `Linear.forward`'s decode_rows
-        q_res = self.q_norm(self.wq_a(x, dr), inplace=True)  # [T, ql]
+        q_a, kv, *x_side = self.from_x(x, dr)  # wq_a, wkv, then the compressors' and the indexer's (`__init__`)
+        q_res = self.q_norm(q_a, inplace=True)  # [T, ql]
+        q, *q_side = self.from_q(q_res, dr)
         # Per-head unweighted norm, then RoPE: [T, H, hd]
-        q = norm_rope_(self.wq_b(q_res, dr).view(T, self.n_heads, self.head_dim), self.eps, None, pos, self.rope)
-        kv = norm_rope_(self.wkv(x, dr), self.kv_norm.eps, self.kv_norm.weight, pos, self.rope)  # [T, hd]
+        q = norm_rope_(q.view(T, self.n_heads, self.head_dim), self.eps, None, pos, self.rope)
+        kv = norm_rope_(kv, self.kv_norm.eps, self.kv_norm.weight, pos, self.rope)  # [T, hd]
 
         side = _SideInputs()
         if self.compressor is not None:  # raw projections (gate before ape): the compressor's ring holds them
-            side.comp_kv, side.comp_gate = self.compressor.wkv(x, dr), self.compressor.wgate(x, dr)
+            side.comp_kv, side.comp_gate = x_side[:2]
         if self.indexer is not None:
-            indexer = self.indexer
-            side.idx_kv, side.idx_gate = indexer.compressor.wkv(x, dr), indexer.compressor.wgate(x, dr)
-            side.idx_q = norm_rope_(indexer.wq_b(q_res, dr).view(T, indexer.n_heads, -1), None, None, pos, self.rope)
-            side.idx_w = indexer.weights_proj(x, dr)
+            side.idx_kv, side.idx_gate, side.idx_w = x_side[2:]
+            side.idx_q = norm_rope_(q_side[0].view(T, self.indexer.n_heads, -1), None, None, pos, self.rope)
 
         decode, prefill = batch.plan.decode, batch.plan.prefill
         if decode is not None and decode.pure:  # its rows are the whole flat batch, in segment order: no gather

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dsv4.kernels import bf16_products
-from dsv4.kernels.registry import LINEAR, KernelRegistry, default_registry
+from dsv4.kernels.registry import LINEAR, SHARED_INPUT_LINEAR, KernelRegistry, default_registry
 
 
 def input_major(out_features: int, in_features: int, dtype: torch.dtype, stack: tuple[int, ...] = ()) -> nn.Parameter:
@@ -61,3 +61,25 @@ class Linear(nn.Module):
             if product is not None and product.supports(x, decode_rows):
                 return product(x)
         return bf16_products.linear(x, compute_weight(self.weight, x.dtype))
+
+
+class SharedInputLinears:
+    """Several Linear layers that multiply the same rows: `(x)` -> their outputs, in order. A call the registry's
+    SHARED_INPUT_LINEAR kernel takes (bound to the weights at finalize: `bind_kernels`) runs them in one C call,
+    the others one Linear call each (the reference, whose results the kernel gives bit for bit). Not a module:
+    the Linear layers stay where they are registered (names, loading and refit see nothing of this)."""
+
+    def __init__(self, *linears: Linear):
+        self.linears = linears
+        self.product = None
+
+    def bind_kernels(self, kernels: KernelRegistry) -> None:
+        """At finalize, after a load or refit (the kernel reads the weights' addresses, which stay put)."""
+        self.product = kernels.bind(SHARED_INPUT_LINEAR, *(linear.weight for linear in self.linears))
+
+    def __call__(self, x: torch.Tensor, decode_rows: bool = False) -> list[torch.Tensor]:
+        if not torch.compiler.is_compiling():
+            product = self.product
+            if product is not None and product.supports(x, decode_rows):
+                return product(x)
+        return [linear(x, decode_rows) for linear in self.linears]
