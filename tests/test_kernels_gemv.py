@@ -185,8 +185,8 @@ def test_shared_input_gemv_gives_each_weights_own_product_bit_for_bit(lib, pool,
 
 def test_shared_input_gemv_binds_only_weights_of_one_input_it_runs(lib, pool):
     """No kernel for one weight (that is DenseGemv's), weights of different input widths, a weight DenseGemv
-    does not run (FP8 bytes, a row-major layout) or more than the call takes; rows are those every weight's own
-    product takes."""
+    does not run (FP8 bytes, a row-major layout) or more than the call takes; rows: up to MAX_SHARED_ROWS that
+    every weight's own product takes."""
     kernel = SharedInputGemv(lib, pool)
     a, b = _weight(40, 48, torch.float32, 0), _weight(24, 48, torch.float32, 1)
     assert kernel.bind(a) is None
@@ -198,7 +198,7 @@ def test_shared_input_gemv_binds_only_weights_of_one_input_it_runs(lib, pool):
     assert bound is not None
     assert bound.supports(_rows(1, 48, torch.float32, 0))
     assert not bound.supports(_rows(MAX_F32_ROWS + 1, 48, torch.float32, 0))  # the rows DenseGemv leaves to MKL
-    assert bound.supports(_rows(MAX_F32_DECODE_ROWS, 48, torch.float32, 0), decode_rows=True)
+    assert not bound.supports(_rows(gemv_cpu.MAX_SHARED_ROWS + 1, 48, torch.float32, 0), decode_rows=True)
     assert not bound.supports(_rows(1, 32, torch.float32, 0))
 
 

@@ -904,15 +904,14 @@ static void shared_chunk(const void *arg, long c) {
 
 /* y_i[R, N_i] = x[R, K] W_i^T for i < count, each W_i resident input-major [K, N_i] (fp32 or bf16): what
    `count` dense_xw calls give, bit for bit (each output column is summed in the same order), in one call whose
-   chunks span every weight. Why: a decode layer's projections of one input are a few hundred KiB each, below
-   what is worth a second thread alone (MIN_PARALLEL_BYTES) or a call's fixed cost; together they split evenly. */
+   chunks are all theirs: one dispatch to the pool instead of `count` (and, from Python, one call instead of
+   `count`), and the workers take the small weights' single chunks alongside the large weights' pieces. */
 int dense_xw_shared(pool *p, const void *x, int act, long R, long K, long count, const void *const *w,
                     const int *wfmt, const long *N, void *const *y, int nthreads) {
     if (R <= 0 || K <= 0 || count <= 0 || count > MAX_SHARED) return ERR_ARGS;
-    long bytes = 0, columns = 0;
+    long columns = 0;
     for (long i = 0; i < count; ++i) {
         if ((wfmt[i] != FMT_F32 && wfmt[i] != FMT_BF16) || N[i] <= 0) return ERR_ARGS;
-        bytes += matrix_bytes(wfmt[i], K * N[i]);
         columns += N[i];
     }
     float *xf = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
@@ -923,14 +922,10 @@ int dense_xw_shared(pool *p, const void *x, int act, long R, long K, long count,
     }
     shared_job job = {.x = rows_f32(x, act, R * K, xf), .R = R, .K = K, .count = count, .act = act, .w = w,
                       .wfmt = wfmt, .N = N, .y = y};
-    const long pieces = (long)CHUNKS_PER_THREAD * nthreads;
     for (long i = 0, offset = 0; i < count; offset += R * N[i], ++i) {
         job.acc[i] = act == ACT_BF16 ? acc + offset : (float *)y[i];
-        /* each weight's share of the chunks follows its share of the bytes */
-        const long own = matrix_bytes(wfmt[i], K * N[i]);
-        job.chunk[i] = nthreads <= 1 || bytes < MIN_PARALLEL_BYTES
-                           ? N[i]
-                           : split_size(N[i], (pieces * own + bytes - 1) / bytes, MIN_CHUNK_COLS, SPLIT_ALIGN);
+        /* each weight cut as its own call cuts it (a share of the chunks by bytes balanced worse at 4+ rows) */
+        job.chunk[i] = chunk_size(N[i], nthreads, matrix_bytes(wfmt[i], K * N[i]), MIN_CHUNK_COLS, SPLIT_ALIGN);
         job.first[i + 1] = job.first[i] + (N[i] + job.chunk[i] - 1) / job.chunk[i];
     }
     pool_run(p, job.first[count], shared_chunk, &job, nthreads);

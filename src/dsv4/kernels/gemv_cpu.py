@@ -113,6 +113,10 @@ _DECODE_ROWS = {(torch.float32, torch.float32): MAX_F32_DECODE_ROWS}
 MAX_QUANT_K = 16384
 # Most weights one SharedInputGemv call takes (gemv_cpu.c MAX_SHARED).
 MAX_SHARED_WEIGHTS = 16
+# Most rows SharedInputGemv takes: what it saves is a fixed cost per call, which only a one-row step notices
+# (benchmarks/bench_shared_input.py, small config, 2 threads: decode step x1.03-1.05 at 1 row, x0.97-1.04 at 4
+# and x0.98-0.99 at 16, where each call's own work dwarfs it).
+MAX_SHARED_ROWS = 1
 # FP4 inputs one decode step reads (16 bytes): an FP4 scale group must be a multiple of it (FP4_STEP in C).
 FP4_STEP = 32
 # Picks (tokens x k) per expert of the layer up to which the fused dense expert kernel is used, by the stacks'
@@ -354,8 +358,8 @@ class SharedInputGemv(_PoolKernel):
     """DenseGemv over several input-major weights that multiply the same rows, in one C call
     (`dense_xw_shared`): the results `DenseGemv` gives weight by weight, bit for bit, for one call's fixed
     cost and one split of all their columns over the pool. Bound at finalize to a module's projections of one
-    input (a decode layer's q / kv / compressor / indexer projections of its normed input); the rows it takes
-    are those every weight's own DenseGemv takes."""
+    input (a decode layer's q / kv / compressor / indexer projections of its normed input); it takes up to
+    MAX_SHARED_ROWS rows that every weight's own DenseGemv takes (the call itself runs any rows)."""
 
     _entry = "dense_xw_shared"
 
@@ -395,8 +399,8 @@ class BoundSharedGemv:
         self._widths = (ctypes.c_long * count)(*self._out_features)
 
     def supports(self, x: torch.Tensor, decode_rows: bool = False) -> bool:
-        """The rows every weight's own bound product takes."""
-        return all(b.supports(x, decode_rows) for b in self._bound)
+        """Up to MAX_SHARED_ROWS rows that every weight's own bound product takes."""
+        return x.dim() == 2 and x.shape[0] <= MAX_SHARED_ROWS and all(b.supports(x, decode_rows) for b in self._bound)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         R = x.shape[0]
