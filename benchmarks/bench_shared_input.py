@@ -1,11 +1,9 @@
 """A decode layer's projections of one input in one C call (`SharedInputLinears`, gemv_cpu.c dense_xw_shared)
 against one few-row kernel call per projection (its reference: each Linear's own bound DenseGemv).
 
-One engine, one process: every attention layer's shared-input products are unbound (None: each Linear runs
-its own call) and bound again in turn, so the two sides of a pair share weights, caches, threads and the
-machine's state of the moment. Workload: the median decode engine step (bench_generate's `dsv4_decode_step`:
-forward + sampling) with B running sequences after --prompt-len random prompts; ratio = separate-calls
-seconds / shared-call seconds (> 1: the shared call is faster), the median of --repeats back-to-back pairs.
+One engine, one process (`kernel_ab.py`): every attention layer's shared-input products are unbound (None: each
+Linear runs its own call) and bound again in turn; ratio = separate-calls seconds / shared-call seconds of the
+decode step (> 1: the shared call is faster).
 
 Writes <out>/bench_shared_input_<config>_<experts>_t<threads>.json and .png and prints a summary.
 Usage: python benchmarks/bench_shared_input.py [--config small] [--experts dense] [--batch 1 4 16]
@@ -29,10 +27,11 @@ import bench_generate as bench  # noqa: E402
 import reference as ref  # noqa: E402
 from dsv4 import LLM  # noqa: E402
 from dsv4.model.attention import Attention  # noqa: E402
-from paired import paired  # noqa: E402
+from kernel_ab import decode_step_ab, plot_decode_step_ab  # noqa: E402
 from report import write_report  # noqa: E402
 
 MODEL_SEED = 0
+SIDES = ("separate", "shared")  # the JSON's "<side>_ms" keys
 
 
 class SharedInputSwitch:
@@ -52,26 +51,8 @@ class SharedInputSwitch:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = results["decode_step"]
-    batches = [r["batch"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(batches, [r["separate_ms"] for r in rows], "o-", label="one call per projection")
-    ax.plot(batches, [r["shared_ms"] for r in rows], "o-", label="one call per input (shared)")
-    for r in rows:
-        ax.annotate(f"x{r['ratio']:.3f}", (r["batch"], r["shared_ms"]), textcoords="offset points", xytext=(4, -12))
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("running sequences (rows per decode step)")
-    ax.set_ylabel("median decode step (ms)")
-    ax.set_title(f"{results['config']} config, {results['experts']} experts, {results['threads']} threads")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_decode_step_ab(results["decode_step"], path, SIDES, ("one call per projection", "one call per input"),
+                        f"{results['config']} config, {results['experts']} experts, {results['threads']} threads")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,27 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"config": args.config, "experts": args.experts, "threads": args.threads,
                      "repeats": args.repeats, "prompt_len": args.prompt_len, "steps": args.steps,
                      "ratio": "separate-calls seconds / shared-call seconds (> 1: the shared call is faster)",
-                     "decode_step": []}
+                     }
     with tempfile.TemporaryDirectory() as tmp:
         ref.save_hf_checkpoint(ref.build_reference_model(config, MODEL_SEED), tmp)
         llm = LLM(tmp, dtype="float32", expert_dtype=args.experts, max_num_seqs=max(args.batch),
                   max_model_len=args.prompt_len + args.steps + 2,
                   max_num_batched_tokens=max(args.batch) * args.prompt_len)
-        switch = SharedInputSwitch(llm)
-        for batch in args.batch:
-            prompts = bench._prompts(batch, args.prompt_len, config["vocab_size"])
-
-            def step(shared: bool, p=prompts) -> float:
-                switch.use(shared)
-                return bench.dsv4_decode_step(llm, p, args.steps)
-
-            t = paired(lambda: step(False), lambda: step(True), args.repeats)
-            row = {"batch": batch, "separate_ms": t.peer_s * 1e3, "shared_ms": t.ds_s * 1e3, "pairs": list(t.ratios),
-                   **t.fields()}
-            results["decode_step"].append(row)
-            print(f"b={batch}: separate {row['separate_ms']:.3f} ms, shared {row['shared_ms']:.3f} ms, "
-                  f"x{t.ratio:.3f} [{min(t.ratios):.3f}, {max(t.ratios):.3f}]", flush=True)
-        switch.use(True)
+        results["decode_step"] = decode_step_ab(llm, SharedInputSwitch(llm).use, args.batch, args.prompt_len,
+                                                args.steps, args.repeats, config["vocab_size"], SIDES)
     write_report(args.out / f"bench_shared_input_{args.config}_{args.experts}_t{args.threads}", results, plot)
     return 0
 
