@@ -1,7 +1,8 @@
 """The one-call MoE layer of a decode token (gemv_cpu.FusedMoeLayer, the registry's MOE_LAYER) against the
 layer's torch reference (the same MoE module built with a reference-only registry: torch router, the reference
 expert loop over dequantized or dense experts, torch shared expert), for every expert format and router kind;
-and the calls it must decline (more rows, bf16 rows, a graph being compiled, tensor parallelism)."""
+and the calls it must decline (more rows, bf16 rows on wider weights, a graph being compiled, tensor
+parallelism)."""
 
 import dataclasses
 
@@ -52,11 +53,11 @@ def _fill(moe: MoE, fmt: str, g: torch.Generator) -> None:
         linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) / linear.weight.shape[1] ** 0.5 * 4)
 
 
-def _pair(fmt: str, mlp_type: str, scoring: str) -> tuple[MoE, MoE]:
+def _pair(fmt: str, mlp_type: str, scoring: str, dtype: torch.dtype = torch.float32) -> tuple[MoE, MoE]:
     """The layer with the default kernels and the same layer (same weights) with reference-only kernels."""
     cfg = _config(scoring)
-    fast = MoE(cfg, mlp_type, fmt, torch.float32, KernelRegistry())
-    reference = MoE(cfg, mlp_type, fmt, torch.float32, KernelRegistry(force_reference=True))
+    fast = MoE(cfg, mlp_type, fmt, dtype, KernelRegistry())
+    reference = MoE(cfg, mlp_type, fmt, dtype, KernelRegistry(force_reference=True))
     _fill(fast, fmt, torch.Generator().manual_seed(SEED))
     reference.load_state_dict(fast.state_dict())
     for layer in (fast, reference):
@@ -75,6 +76,24 @@ def test_one_token_layer_matches_reference(fmt, mlp_type, scoring):
         token_ids = torch.tensor([token * 37 % fast.gate.tid2eid.shape[0] if fast.gate.hashed else token])
         assert fast.layer_kernel.supports(x, token_ids) and reference.layer_kernel is None
         torch.testing.assert_close(fast(x, token_ids), reference(x, token_ids), **FP32_TOL)
+
+
+@pytest.mark.parametrize("mlp_type", [MOE, HASH_MOE])
+@pytest.mark.parametrize("fmt", [DENSE, FP8, FP4])
+def test_one_bf16_token_on_bf16_weights_matches_reference(fmt, mlp_type):
+    """bf16 rows (a bf16 engine's decode token) on bf16 weights at rest: the kernel rounds where the reference's
+    bf16 tensors do (each product's output, silu, the SwiGLU product, the final sum), so the two agree to a few
+    bf16 roundings of the output's scale; the routing is fp32 in both and picks the same experts."""
+    fast, reference = _pair(fmt, mlp_type, "sqrtsoftplus", torch.bfloat16)
+    g = torch.Generator().manual_seed(SEED + 3)
+    for token in range(6):
+        x = torch.randn(1, fast.gate.weight.shape[1], generator=g).bfloat16()
+        token_ids = torch.tensor([token * 37 % fast.gate.tid2eid.shape[0] if fast.gate.hashed else token])
+        assert fast.layer_kernel.supports(x, token_ids) and reference.layer_kernel is None
+        got, want = fast(x, token_ids), reference(x, token_ids)
+        assert got.dtype == want.dtype == torch.bfloat16
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-5, atol=2**-5 * scale)
 
 
 def test_router_picks_the_reference_experts():
@@ -101,7 +120,7 @@ def test_declines_calls_it_does_not_run(monkeypatch):
     one = torch.randn(1, D)
     assert kernel.supports(one, torch.tensor([5]))
     assert not kernel.supports(torch.randn(2, D), torch.tensor([5, 6]))  # two tokens
-    assert not kernel.supports(one.bfloat16(), torch.tensor([5]))  # bf16 rows
+    assert not kernel.supports(one.bfloat16(), torch.tensor([5]))  # bf16 rows on fp32 weights
     assert not kernel.supports(one, torch.tensor([5], dtype=torch.int32))  # a hash row's id must be int64
     # tensor parallel: each rank holds part of every expert and of the shared expert, so the layer is a partial
     # sum for the all-reduce (stood in for here: no process group); no kernel is bound

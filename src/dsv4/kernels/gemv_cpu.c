@@ -1186,7 +1186,7 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
-/* One MoE layer of one fp32 token: router, routed experts and the shared expert in one call.           */
+/* One MoE layer of one token: router, routed experts and the shared expert in one call.                */
 /* ---------------------------------------------------------------------------------------------------- */
 
 enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1, SCORE_SQRTSOFTPLUS = 2 };
@@ -1226,33 +1226,44 @@ static void router_top_k(const float *scores, const float *bias, long E, long k,
     }
 }
 
-/* x [D] fp32 -> out [D] = routed + shared, the MoE layer of one token (`topk` routed experts of E):
-     router    logits = x Wr^T (Wr [E, D] resident input-major, fp32 or bf16), scored by `scoring`; the
+/* x [D] (act: fp32 or bf16) -> out [D] (act) = routed + shared, the MoE layer of one token (`topk` routed
+   experts of E):
+     router    logits = x Wr^T in fp32 (Wr [E, D] resident input-major, fp32 or bf16), scored by `scoring`; the
                experts: a hash row (hash_table[token], int32 [V, topk]) when hash_table is given, else the
                top-k of scores + bias; their weights = scores / (sum + norm_eps) * scaling
      routed    moe_experts over the stacks w1/w3/w2 (fmt, scales, b0/b1), SwiGLU clamped at `limit`
      shared    W2s (silu(min(W1s x, L)) * clamp(W3s x, -L, L)), W1s/W3s [Is, D], W2s [D, Is] input-major
                (shared_fmt: fp32 or bf16)
    Each product is the kernel the layer's separate calls run (dense_xw, moe_experts), so only the router's
-   and the shared SwiGLU's fp32 roundings can differ from the torch reference's. */
-int moe_layer(pool *p, const float *x, long D, long E, long topk, const void *router_w, int router_fmt,
+   and the shared SwiGLU's fp32 roundings can differ from the torch reference's. bf16 rows round where the
+   reference's bf16 tensors do: each product's output, silu's, the SwiGLU product and the final sum. */
+int moe_layer(pool *p, const void *x, int act, long D, long E, long topk, const void *router_w, int router_fmt,
               int scoring, const float *bias, const int32_t *hash_table, long vocab, long token, float scaling,
               float norm_eps, long I, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
               const void *w2, const void *s2, long b0, long b1, float limit, long Is, int shared_fmt,
-              const void *sw1, const void *sw3, const void *sw2, float *out, int nthreads) {
+              const void *sw1, const void *sw3, const void *sw2, void *out, int nthreads) {
     if (D <= 0 || E <= 0 || topk <= 0 || topk > E || Is <= 0 || (router_fmt != FMT_F32 && router_fmt != FMT_BF16) ||
-        (shared_fmt != FMT_F32 && shared_fmt != FMT_BF16) || scoring < SCORE_SOFTMAX || scoring > SCORE_SQRTSOFTPLUS)
+        (shared_fmt != FMT_F32 && shared_fmt != FMT_BF16) || scoring < SCORE_SOFTMAX || scoring > SCORE_SQRTSOFTPLUS ||
+        (act != ACT_F32 && act != ACT_BF16))
         return ERR_ARGS;
     if (hash_table ? token < 0 || token >= vocab : !bias) return ERR_ARGS;
+    const int bf16 = act == ACT_BF16;
     float *scores = malloc(sizeof(float) * (size_t)E), *weights = malloc(sizeof(float) * (size_t)topk);
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)topk);
-    float *work = malloc(sizeof(float) * (size_t)(3 * Is + D)); /* gate | up | SwiGLU | shared output */
+    /* x as fp32 | gate | up | SwiGLU | shared output, each as fp32; bf16 rows also keep act-typed copies */
+    float *work = malloc(sizeof(float) * (size_t)(2 * D + 3 * Is));
+    uint16_t *half = bf16 ? malloc(sizeof(uint16_t) * (size_t)(3 * Is + D)) : NULL;
     int status = OK;
-    if (!scores || !weights || !ids || !work) {
+    if (!scores || !weights || !ids || !work || (bf16 && !half)) {
         status = ERR_ALLOC;
         goto done;
     }
-    dense_range(x, 1, D, D, router_w, router_fmt, E, 0, E, scores, E);
+    float *xf = work, *gate = work + D, *up = gate + Is, *h = up + Is, *shared = h + Is;
+    /* act-typed buffers the products read and write: fp32 rows use the fp32 ones themselves */
+    void *gate_act = bf16 ? (void *)half : (void *)gate, *up_act = bf16 ? (void *)(half + Is) : (void *)up;
+    void *h_act = bf16 ? (void *)(half + 2 * Is) : (void *)h, *shared_act = bf16 ? (void *)(half + 3 * Is) : shared;
+    const float *x32 = rows_f32(x, act, D, xf);
+    dense_range(x32, 1, D, D, router_w, router_fmt, E, 0, E, scores, E);
     router_scores(scoring, scores, E);
     if (hash_table)
         for (long j = 0; j < topk; ++j) ids[j] = hash_table[token * topk + j];
@@ -1267,24 +1278,35 @@ int moe_layer(pool *p, const float *x, long D, long E, long topk, const void *ro
         total += weights[j] = scores[ids[j]];
     }
     for (long j = 0; j < topk; ++j) weights[j] = weights[j] / (total + norm_eps) * scaling;
-    status = moe_experts(p, x, ACT_F32, 1, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit,
-                         out, nthreads);
-    float *gate = work, *up = work + Is, *h = work + 2 * Is, *shared = work + 3 * Is;
-    if (status == OK) status = dense_xw(p, x, ACT_F32, 1, D, sw1, shared_fmt, Is, Is, gate, nthreads);
-    if (status == OK) status = dense_xw(p, x, ACT_F32, 1, D, sw3, shared_fmt, Is, Is, up, nthreads);
+    status = moe_experts(p, x, act, 1, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit, out,
+                         nthreads);
+    if (status == OK) status = dense_xw(p, x, act, 1, D, sw1, shared_fmt, Is, Is, gate_act, nthreads);
+    if (status == OK) status = dense_xw(p, x, act, 1, D, sw3, shared_fmt, Is, Is, up_act, nthreads);
     if (status != OK) goto done;
+    const float lim = bf16 ? bf16_to_f32(f32_to_bf16(limit)) : limit; /* the clamp bound in the rows' dtype */
     for (long i = 0; i < Is; ++i) {
-        const float gc = gate[i] < limit ? gate[i] : limit;
-        const float uc = up[i] < -limit ? -limit : (up[i] > limit ? limit : up[i]);
-        h[i] = silu(gc) * uc;
+        const float g = bf16 ? bf16_to_f32(half[i]) : gate[i], u = bf16 ? bf16_to_f32(half[Is + i]) : up[i];
+        const float gc = g < lim ? g : lim;
+        const float uc = u < -lim ? -lim : (u > lim ? lim : u);
+        if (bf16)
+            half[2 * Is + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu(gc))) * uc);
+        else
+            h[i] = silu(gc) * uc;
     }
-    status = dense_xw(p, h, ACT_F32, 1, Is, sw2, shared_fmt, D, D, shared, nthreads);
-    if (status == OK)
-        for (long d = 0; d < D; ++d) out[d] += shared[d];
+    status = dense_xw(p, h_act, act, 1, Is, sw2, shared_fmt, D, D, shared_act, nthreads);
+    if (status != OK) goto done;
+    if (bf16) {
+        uint16_t *o = out;
+        for (long d = 0; d < D; ++d) o[d] = f32_to_bf16(bf16_to_f32(o[d]) + bf16_to_f32(half[3 * Is + d]));
+    } else {
+        float *o = out;
+        for (long d = 0; d < D; ++d) o[d] += shared[d];
+    }
 done:
     free(scores);
     free(weights);
     free(ids);
     free(work);
+    free(half);
     return status;
 }

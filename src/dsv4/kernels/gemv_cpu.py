@@ -22,7 +22,7 @@ Kernels (each `supports(*args)` / `__call__(*args)` with one signature, as the r
   FusedQuantExperts (x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit): the same for
                     FP8 / FP4 stacks, format from w1's dtype (float8_e4m3fn: FP8 with `block`; int8: FP4 with
                     group block[1])
-  FusedMoeLayer     one fp32 token's whole MoE layer (router, routed and shared experts)
+  FusedMoeLayer     one token's whole MoE layer (router, routed and shared experts), fp32 or bf16
 A model module binds its kernel to its weights once, at finalize (`bind`, through `KernelRegistry.bind`:
 DenseGemv.bind(weight), FusedExperts / FusedQuantExperts.bind(experts), FusedMoeLayer.bind(router, experts,
 shared, eps)): the weights' layout, format and pointers are checked and read there, and the bound kernel's
@@ -114,8 +114,8 @@ MAX_QUANT_K = 16384
 # Most weights one SharedInputGemv call takes (gemv_cpu.c MAX_SHARED).
 MAX_SHARED_WEIGHTS = 16
 # Most rows SharedInputGemv takes: what it saves is a fixed cost per call, which only a one-row step notices
-# (benchmarks/bench_shared_input.py, small config, 2 threads: decode step x1.03-1.05 at 1 row, x0.97-1.04 at 4
-# and x0.98-0.99 at 16, where each call's own work dwarfs it).
+# (benchmarks/bench_kernel_switch.py --switch shared-input, small config, 2 threads: decode step x1.03-1.07 at
+# one row; before this limit x0.97-1.04 at 4 rows and x0.98-0.99 at 16, where each call's own work dwarfs it).
 MAX_SHARED_ROWS = 1
 # FP4 inputs one decode step reads (16 bytes): an FP4 scale group must be a multiple of it (FP4_STEP in C).
 FP4_STEP = 32
@@ -172,8 +172,8 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.moe_experts.restype = Int
     lib.moe_experts.argtypes = [P, P, Int, L, L, L, L, P, P, L, Int, P, P, P, P, P, P, L, L, F, P, Int]
     lib.moe_layer.restype = Int
-    lib.moe_layer.argtypes = [P, P, L, L, L, P, Int, Int, P, P, L, L, F, F, L, Int, P, P, P, P, P, P, L, L, F, L,
-                              Int, P, P, P, P, Int]
+    lib.moe_layer.argtypes = [P, P, Int, L, L, L, P, Int, Int, P, P, L, L, F, F, L, Int, P, P, P, P, P, P, L, L, F,
+                              L, Int, P, P, P, P, Int]
     return lib
 
 
@@ -599,7 +599,7 @@ class FusedMoeLayer(_PoolKernel):
         """
         w1, w3, w2, D = experts.w1, experts.w3, experts.w2, router.weight.shape[1]
         scales = tuple(getattr(experts, f"{name}_scale", None) for name in ("w1", "w3", "w2"))  # None: dense
-        x = torch.empty(1, D)  # the rows the layer takes: one fp32 token
+        x = torch.empty(1, D)  # the layer's stacks checked for one fp32 token (bf16 rows: `acts` below)
         block = experts.quant_block
         stacks = (_dense_stacks_ok(x, w1, w3, w2) if scales[0] is None
                   else _quant_stacks_ok(x, w1, scales[0], w3, scales[1], w2, scales[2], block))
@@ -629,21 +629,29 @@ class FusedMoeLayer(_PoolKernel):
                        w3.data_ptr(), ptr[1], w2.data_ptr(), ptr[2], block[0], block[1], float(experts.limit),
                        inter, _DENSE_FMT[sw1.dtype], sw1.data_ptr(), sw3.data_ptr(), sw2.data_ptr())
         held = (rw, bias, hash_table, w1, w3, w2, *scales, sw1, sw3, sw2)
-        return BoundMoeLayer(self._fn, self._pool, held, routing_args, expert_args, hash_table is not None)
+        # bf16 rows only where the layer's weights are bf16 at rest (dense experts, shared expert) or quantized:
+        # the reference rounds a wider weight to the rows' dtype per call, which the kernel does not.
+        acts = {torch.float32}
+        if all(w.dtype == torch.bfloat16 for w in (sw1, sw3, sw2)) and (scales[0] is not None
+                                                                         or w1.dtype == torch.bfloat16):
+            acts.add(torch.bfloat16)
+        return BoundMoeLayer(self._fn, self._pool, held, routing_args, expert_args, hash_table is not None, acts)
 
 
 class BoundMoeLayer:
     """FusedMoeLayer on one layer's weights (`FusedMoeLayer.bind`): `supports(x, token_ids)` checks the token,
     `__call__` runs the layer. Holds the weights, so the addresses it calls with name live storage."""
 
-    def __init__(self, fn, pool: WorkerPool, held: tuple, routing_args: tuple, expert_args: tuple, hashed: bool):
-        self._fn, self._pool, self._held = fn, pool, held
+    def __init__(self, fn, pool: WorkerPool, held: tuple, routing_args: tuple, expert_args: tuple, hashed: bool,
+                 acts: set[torch.dtype]):
+        self._fn, self._pool, self._held, self._acts = fn, pool, held, acts
         self._routing_args, self._expert_args, self._hashed = routing_args, expert_args, hashed
         self.in_features = routing_args[0]
 
     def supports(self, x: torch.Tensor, token_ids: torch.Tensor) -> bool:
-        """One eager fp32 CPU token (MAX_MOE_LAYER_ROWS) of the layer's width; a hashed layer's token id int64."""
-        return (x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= MAX_MOE_LAYER_ROWS
+        """One eager CPU token (MAX_MOE_LAYER_ROWS) of the layer's width, fp32 or (on bf16 or quantized weights)
+        bf16; a hashed layer's token id int64."""
+        return (x.dtype in self._acts and x.dim() == 2 and x.shape[0] <= MAX_MOE_LAYER_ROWS
                 and x.shape[1] == self.in_features and x.is_cpu and x.is_contiguous() and x.numel() > 0
                 and not x.requires_grad
                 and (not self._hashed or (token_ids.numel() == 1 and token_ids.dtype == torch.int64)))
@@ -651,8 +659,8 @@ class BoundMoeLayer:
     def __call__(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         token = int(token_ids[0]) if self._hashed else 0
-        status = self._fn(self._pool.handle, x.data_ptr(), *self._routing_args, token, *self._expert_args,
-                          out.data_ptr(), self._pool.threads())
+        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], *self._routing_args, token,
+                          *self._expert_args, out.data_ptr(), self._pool.threads())
         _check(status, "moe_layer")
         return out
 

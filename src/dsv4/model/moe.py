@@ -213,7 +213,7 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """The router is replicated (every rank routes every token); routed and shared experts give partial
     sums under tensor / expert parallelism, combined by one all-reduce. On one rank, a call the registry's
-    MOE_LAYER kernel (bound to the weights at finalize) supports (one fp32 token) runs router, routed and shared
+    MOE_LAYER kernel (bound to the weights at finalize) supports (one token) runs router, routed and shared
     experts in that one call."""
 
     def __init__(self, cfg: ModelConfig, mlp_type: str, expert_format: str, dtype: torch.dtype,
