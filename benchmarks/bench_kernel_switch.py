@@ -1,15 +1,17 @@
 """One of the model's bound decode kernels switched off and on in one engine: what it saves per decode step.
 
 Switches (each kernel's reference is what the model runs without it):
-  shared-input  a layer's projections of one input in one C call (`SharedInputLinears`, gemv_cpu.c
-                dense_xw_shared) against one few-row kernel call per projection
-  moe-layer     one token's whole MoE layer in one C call (`MoE.layer_kernel`, gemv_cpu.c moe_layer) against the
-                router, routed-expert kernel and shared expert as separate modules (torch ops around kernels)
+  shared-input      a layer's projections of one input in one C call (`SharedInputLinears`, gemv_cpu.c
+                    dense_xw_shared) against one few-row kernel call per projection
+  moe-layer         one token's whole MoE layer in one C call (`MoE.layer_kernel`, gemv_cpu.c moe_layer) against
+                    the router, routed-expert kernel and shared expert as separate modules (torch ops around kernels)
+  decode-attention  single-token decode rows' attention in C (DECODE_ATTENTION, decode_attention_cpu.c) against the
+                    torch decode path: each attention layer gets a view of its registry that declines the op
 
-One engine, one process (`kernel_ab.py`): the kernel's bindings are dropped and restored in turn; ratio =
-off seconds / on seconds of the decode step (> 1: the kernel is faster). The model is a bench_generate config
-with a seeded random checkpoint (--model small | tiny, --experts its routed-expert format) or an embedded
-model by name (e.g. dsv4-sort, the demo's model, in its own formats), at --dtype.
+One engine, one process (`kernel_ab.py`): the kernel's bindings (or its registry) are swapped out and back in
+turn; ratio = off seconds / on seconds of the decode step (> 1: the kernel is faster). The model is a
+bench_generate config with a seeded random checkpoint (--model small | tiny, --experts its routed-expert
+format) or an embedded model by name (e.g. dsv4-sort, the demo's model, in its own formats), at --dtype.
 
 Writes <out>/bench_kernel_switch_<switch>_<model>[_<experts>]_<dtype>_t<threads>.json and .png.
 Usage: python benchmarks/bench_kernel_switch.py --switch shared-input [--model small] [--experts dense]
@@ -34,6 +36,7 @@ import bench_generate as bench  # noqa: E402
 import reference as ref  # noqa: E402
 from dsv4 import LLM  # noqa: E402
 from dsv4.embedded import EMBEDDED_MODELS  # noqa: E402
+from dsv4.kernels.registry import DECODE_ATTENTION  # noqa: E402
 from dsv4.model.attention import Attention  # noqa: E402
 from dsv4.model.moe import MoE  # noqa: E402
 from kernel_ab import decode_step_ab, plot_decode_step_ab  # noqa: E402
@@ -43,28 +46,44 @@ MODEL_SEED = 0
 SIDES = ("off", "on")  # the JSON's "<side>_ms" keys
 
 
+class TorchDecodeView:
+    """A registry that declines DECODE_ATTENTION: an attention layer given it runs its torch decode path."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def kernel(self, op: str, *args):
+        return None if op == DECODE_ATTENTION else self.registry.kernel(op, *args)
+
+
 class KernelSwitch:
-    """The bound kernels of one kind in every model the engine runs, which `use(False)` drops (the module then
-    runs its reference) and `use(True)` restores: (holder, attribute name, bound kernel) triples."""
+    """One kind of kernel in every model the engine runs, which `use(False)` swaps out (the module then runs its
+    reference) and `use(True)` back in: (holder, attribute name, value on, value off) entries."""
 
     def __init__(self, llm: LLM, switch: str):
-        self.bound = []
+        self.entries = []
         for model in llm.loaded.models.values():
             for module in model.modules():
                 if switch == "shared-input" and isinstance(module, Attention):
                     holders = [(shared, "product") for shared in (module.from_x, module.from_q)]
                 elif switch == "moe-layer" and isinstance(module, MoE):
                     holders = [(module, "layer_kernel")]
+                elif switch == "decode-attention" and isinstance(module, Attention):
+                    registry = module.kernels
+                    if registry.choose(DECODE_ATTENTION).impl is not None:
+                        self.entries.append((module, "kernels", registry, TorchDecodeView(registry)))
+                    continue
                 else:
                     continue
                 # (a q_res with one projection, a layer the kernel cannot run: nothing bound, nothing to switch)
-                self.bound += [(h, name, getattr(h, name)) for h, name in holders if getattr(h, name) is not None]
-        if not self.bound:
-            raise RuntimeError(f"no {switch} kernel is bound in this model (no C build here, or none applies)")
+                self.entries += [(h, name, getattr(h, name), None) for h, name in holders
+                                 if getattr(h, name) is not None]
+        if not self.entries:
+            raise RuntimeError(f"no {switch} kernel serves this model (no C build here, or none applies)")
 
     def use(self, on: bool) -> None:
-        for holder, name, kernel in self.bound:
-            setattr(holder, name, kernel if on else None)
+        for holder, name, value_on, value_off in self.entries:
+            setattr(holder, name, value_on if on else value_off)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -74,7 +93,7 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--switch", choices=("shared-input", "moe-layer"), required=True)
+    parser.add_argument("--switch", choices=("shared-input", "moe-layer", "decode-attention"), required=True)
     parser.add_argument("--model", default="small",
                         help=f"a bench config ({', '.join(sorted(bench.CONFIGS))}) or an embedded model's name")
     parser.add_argument("--experts", choices=("dense", "fp8", "fp4"), default="dense",

@@ -4,7 +4,7 @@ The two sides of a pair share weights, caches, threads and the machine's state o
 of a few percent resolves where two processes (each with its own memory layout) would not. Workload: the
 median decode engine step (bench_generate's `dsv4_decode_step`: forward + sampling) with B running sequences
 after --prompt-len random prompts; ratio = off seconds / on seconds (> 1: the kernel is faster), the median
-of `repeats` back-to-back pairs (`paired.py`). Used by bench_decode_attention.py and bench_shared_input.py.
+of `repeats` back-to-back pairs (`paired.py`). Used by bench_kernel_switch.py.
 """
 
 from __future__ import annotations

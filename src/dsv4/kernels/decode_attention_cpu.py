@@ -23,8 +23,9 @@ from dsv4.kernels.norm_rope_cpu import MAX_ROTARY_PAIRS
 SOURCE = Path(__file__).with_name("decode_attention_cpu.c")
 
 # Rows one call serves: the kernel loops over rows on one thread, the torch path runs batched GEMMs. Measured
-# (bench_decode_attention.py, small config, engine step CPU time, 1 thread): the kernel's step 1.11x / 1.14x /
-# 1.08x faster at 1 / 4 / 8 rows, even at 16 (1.01x), slower at 32 (0.97x).
+# (benchmarks/bench_kernel_switch.py --switch decode-attention's pairing, small config, engine step CPU time, 1
+# thread): the kernel's step 1.11x / 1.14x / 1.08x faster at 1 / 4 / 8 rows, even at 16 (1.01x), slower at 32
+# (0.97x).
 MAX_DECODE_ROWS = 8
 
 
