@@ -47,9 +47,9 @@ def widens(*operands: torch.Tensor) -> bool:
 def describe() -> str:
     """For `dsv4 env`: how this process runs bf16 products."""
     if WIDENS_BF16:
-        return ("bf16 products      widened    bf16 operands widened to fp32, fp32 GEMM, rounded to bf16 once "
+        return ("bf16 products       widened    bf16 operands widened to fp32, fp32 GEMM, rounded to bf16 once "
                 "(this CPU has no AMX-BF16 / AVX512-BF16: torch's bf16 GEMMs run their slow path)")
-    return "bf16 products      torch      torch's bf16 GEMMs (this CPU has bf16 matrix instructions)"
+    return "bf16 products       torch      torch's bf16 GEMMs (this CPU has bf16 matrix instructions)"
 
 
 def _rounded(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -138,8 +138,8 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
     ),
     SHARED_INPUT_LINEAR: (
         Backend("cpu_c", functools.partial(_build_few_row, 5),
-                "several few-row products of one input (a decode layer's projections of its normed input) in one "
-                "C call, the columns of all split over the pool (gemv_cpu.c dense_xw_shared)"),
+                "a one-row decode layer's projections of one input (its normed input, its q rows) in one C call, "
+                "each weight's own product bit for bit (gemv_cpu.c dense_xw_shared)"),
     ),
     FEW_ROW_EXPERTS: (
         Backend("cpu_c", functools.partial(_build_few_row, 2),
@@ -153,8 +153,8 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
     ),
     MOE_LAYER: (
         Backend("cpu_c", functools.partial(_build_few_row, 4),
-                "one token's MoE layer (router, routed and shared experts) in one C call (gemv_cpu.c "
-                "FusedMoeLayer)"),
+                "one token's MoE layer (router, routed and shared experts), fp32 or bf16, in one C call "
+                "(gemv_cpu.c FusedMoeLayer)"),
     ),
     DECODE_ATTENTION: (
         Backend("cpu_c", _build_decode_attention,
@@ -237,7 +237,8 @@ class KernelRegistry:
         return _torch_threads_pinned(impl.pool, threads)
 
     def describe(self) -> list[str]:
-        return [f"{op:18s} {c.backend:10s} {c.reason}" for op in _BACKENDS for c in (self.choose(op),)]
+        width = max(map(len, _BACKENDS))
+        return [f"{op:{width}s} {c.backend:10s} {c.reason}" for op in _BACKENDS for c in (self.choose(op),)]
 
 
 @contextlib.contextmanager
