@@ -6,7 +6,7 @@
  * decoded once per call into a panel of PANEL_NB rows that all x rows read). Python side: gemv_cpu.py.
  *
  *   dense_xw    y[R, N] = x[R, K] W^T, W resident input-major: storage [K, N] (row k contiguous), fp32 or bf16
- *   dense_xw_shared  y_i = x W_i^T for several such weights of one input: one call, one split over the pool
+ *   dense_xw_shared  y_i = x W_i^T for several such weights of one input in one call (dense_xw: one weight)
  *   quant_xw    y[R, N] = x[R, K] W^T, W [N, K] output-major: FP8 e4m3 with fp32 block scales [ceil(N/b0),
  *               ceil(K/b1)], or FP4 e2m1 (two codes a byte, low nibble = even input) with ue8m0 scales [N, K/g]
  *   moe_experts the routed-expert sum of one MoE layer, out[T, D] = sum_j w_tj E_{e_tj}(x_t), E_e(x) =
@@ -837,10 +837,10 @@ static int quant_args_ok(int wfmt, long K, long b0, long b1) {
     return 0;
 }
 
-/* One dense_xw or quant_xw call, cut into chunks of `chunk` output columns. */
+/* One quant_xw call, cut into chunks of `chunk` output columns. */
 typedef struct {
     const float *x; /* [R, K] fp32 (FP4-ordered for FP4 weights) */
-    long R, K, N, ldw, b0, b1, chunk;
+    long R, K, N, b0, b1, chunk;
     int wfmt, act;
     const void *w, *scale;
     float *acc; /* [R, N]: y itself for fp32 outputs, else scratch rounded into y per chunk */
@@ -850,30 +850,9 @@ typedef struct {
 static void product_chunk(const void *arg, long c) {
     const product_job *j = arg;
     const long n0 = c * j->chunk, n1 = n0 + j->chunk < j->N ? n0 + j->chunk : j->N;
-    if (j->wfmt == FMT_F32 || j->wfmt == FMT_BF16)
-        dense_range(j->x, j->R, j->K, j->K, j->w, j->wfmt, j->ldw, n0, n1, j->acc + n0, j->N);
-    else
-        quant_range(j->x, j->R, j->K, j->wfmt, j->w, j->scale, j->b0, j->b1, n0, n1, j->acc + n0, j->N);
+    quant_range(j->x, j->R, j->K, j->wfmt, j->w, j->scale, j->b0, j->b1, n0, n1, j->acc + n0, j->N);
     if (j->act != ACT_F32)
         for (long r = 0; r < j->R; ++r) store_row(j->y, j->act, r * j->N + n0, j->acc + r * j->N + n0, n1 - n0);
-}
-
-int dense_xw(pool *p, const void *x, int act, long R, long K, const void *w, int wfmt, long ldw, long N, void *y,
-             int nthreads) {
-    if ((wfmt != FMT_F32 && wfmt != FMT_BF16) || R <= 0 || K <= 0 || N <= 0 || ldw < N) return ERR_ARGS;
-    float *xf = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * K)) : NULL;
-    float *acc = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * N)) : (float *)y;
-    int status = OK;
-    if (act == ACT_BF16 && (!xf || !acc)) {
-        status = ERR_ALLOC;
-    } else {
-        const long chunk = chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_COLS, SPLIT_ALIGN);
-        product_job job = {rows_f32(x, act, R * K, xf), R, K, N, ldw, 0, 0, chunk, wfmt, act, w, NULL, acc, y};
-        pool_run(p, (N + chunk - 1) / chunk, product_chunk, &job, nthreads);
-    }
-    free(xf);
-    if (act == ACT_BF16) free(acc);
-    return status;
 }
 
 /* Most weights one dense_xw_shared call takes (a layer's projections of one input number at most 7). */
@@ -934,6 +913,11 @@ int dense_xw_shared(pool *p, const void *x, int act, long R, long K, long count,
     return OK;
 }
 
+/* y[R, N] = x[R, K] W^T for one resident input-major W [K, N]: the one-weight dense_xw_shared. */
+int dense_xw(pool *p, const void *x, int act, long R, long K, const void *w, int wfmt, long N, void *y, int nthreads) {
+    return dense_xw_shared(p, x, act, R, K, 1, &w, &wfmt, &N, &y, nthreads);
+}
+
 /* b0, b1: the FP8 block (b0 output rows x b1 inputs); FP4: b1 = inputs per scale (b0 unused). */
 int quant_xw(pool *p, const void *x, int act, long R, long K, int wfmt, const void *w, const void *scale, long b0,
              long b1, long N, void *y, int nthreads) {
@@ -960,7 +944,7 @@ int quant_xw(pool *p, const void *x, int act, long R, long K, int wfmt, const vo
             xs = xf;
         }
         const long chunk = chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_ROWS, 1);
-        product_job job = {xs, R, K, N, 0, b0, b1, chunk, wfmt, act, w, scale, acc, y};
+        product_job job = {xs, R, K, N, b0, b1, chunk, wfmt, act, w, scale, acc, y};
         pool_run(p, (N + chunk - 1) / chunk, product_chunk, &job, nthreads);
     }
 done:
@@ -1280,8 +1264,8 @@ int moe_layer(pool *p, const void *x, int act, long D, long E, long topk, const 
     for (long j = 0; j < topk; ++j) weights[j] = weights[j] / (total + norm_eps) * scaling;
     status = moe_experts(p, x, act, 1, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit, out,
                          nthreads);
-    if (status == OK) status = dense_xw(p, x, act, 1, D, sw1, shared_fmt, Is, Is, gate_act, nthreads);
-    if (status == OK) status = dense_xw(p, x, act, 1, D, sw3, shared_fmt, Is, Is, up_act, nthreads);
+    if (status == OK) status = dense_xw(p, x, act, 1, D, sw1, shared_fmt, Is, gate_act, nthreads);
+    if (status == OK) status = dense_xw(p, x, act, 1, D, sw3, shared_fmt, Is, up_act, nthreads);
     if (status != OK) goto done;
     const float lim = bf16 ? bf16_to_f32(f32_to_bf16(limit)) : limit; /* the clamp bound in the rows' dtype */
     for (long i = 0; i < Is; ++i) {
@@ -1293,7 +1277,7 @@ int moe_layer(pool *p, const void *x, int act, long D, long E, long topk, const 
         else
             h[i] = silu(gc) * uc;
     }
-    status = dense_xw(p, h_act, act, 1, Is, sw2, shared_fmt, D, D, shared_act, nthreads);
+    status = dense_xw(p, h_act, act, 1, Is, sw2, shared_fmt, D, shared_act, nthreads);
     if (status != OK) goto done;
     if (bf16) {
         uint16_t *o = out;

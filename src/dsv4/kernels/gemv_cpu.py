@@ -164,7 +164,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.vector_isa.restype = Int
     lib.vector_isa.argtypes = []
     lib.dense_xw.restype = Int
-    lib.dense_xw.argtypes = [P, P, Int, L, L, P, Int, L, L, P, Int]
+    lib.dense_xw.argtypes = [P, P, Int, L, L, P, Int, L, P, Int]
     lib.dense_xw_shared.restype = Int
     lib.dense_xw_shared.argtypes = [P, P, Int, L, L, L, P, P, P, P, Int]
     lib.quant_xw.restype = Int
@@ -334,7 +334,7 @@ class BoundGemv:
         self._fn, self._pool, self._rows, self._decode_rows = fn, pool, rows, decode_rows
         self.out_features, self.in_features = weight.shape
         N = self.out_features
-        self._weight_args = (weight.data_ptr(), _DENSE_FMT[weight.dtype], N, N)  # pointer, format, N, row stride
+        self._weight_args = (weight.data_ptr(), _DENSE_FMT[weight.dtype], N)  # pointer, format, N
 
     def supports(self, x: torch.Tensor, decode_rows: bool = False) -> bool:
         """Eager CPU rows this weight's product runs faster here than in torch (the caller checked that no
@@ -392,7 +392,6 @@ class BoundSharedGemv:
         self._fn, self._pool, self._bound = fn, pool, bound
         self.in_features = bound[0].in_features
         count = len(bound)
-        self._count = count
         self._out_features = [b.out_features for b in bound]
         self._weights = (ctypes.c_void_p * count)(*(b.weight.data_ptr() for b in bound))
         self._formats = (ctypes.c_int * count)(*(_DENSE_FMT[b.weight.dtype] for b in bound))
@@ -405,8 +404,8 @@ class BoundSharedGemv:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         R = x.shape[0]
         ys = [x.new_empty(R, n) for n in self._out_features]
-        outputs = (ctypes.c_void_p * self._count)(*(y.data_ptr() for y in ys))
-        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, self.in_features, self._count,
+        outputs = (ctypes.c_void_p * len(ys))(*(y.data_ptr() for y in ys))
+        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, self.in_features, len(ys),
                           self._weights, self._formats, self._widths, outputs, self._pool.threads())
         _check(status, "dense_xw_shared")
         return ys
