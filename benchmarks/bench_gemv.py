@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rows, args.expert_tokens, args.repeats, args.pool_mb = [1, 4], [1, 64], 1, 8
     args.pool = 0 if args.warm else args.pool_mb * 2**20
     torch.set_num_threads(args.threads)
-    dense, quant, fused, fused_quant, _ = build_kernels()
+    dense, quant, fused, fused_quant, *_ = build_kernels()
     rows = []
     if "dense" in args.only:
         rows += bench_dense(args, dense, quant)
