@@ -488,22 +488,6 @@ def test_fused_experts_reject_out_of_range_ids(lib, pool):
         FusedExperts(lib, pool)(x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
 
 
-@pytest.mark.parametrize("rows", [4, 9, 16])
-def test_register_blocked_dense_rows_equal_each_row_alone(lib, pool, rows):
-    """From 4 rows on, fp32 weights of at least 4096 output columns (gemv_cpu.c BLOCKED_MIN_ROWS,
-    BLOCKED_MIN_COLS) take the register-blocked pass; a row alone takes the tile pass. Both sum each output in
-    the same spelled-out order, so every row equals itself computed alone, bit for bit, across the pass's
-    column tail (4100 = 128 blocks of 32 + 4), its input panels (70 inputs: a second panel, and a remainder of
-    two after the groups of four) and its row groups of 8; and each is the exact product within fp32 rounding."""
-    w = _weight(4100, 70, torch.float32, seed=11)
-    x = _rows(rows, 70, torch.float32, seed=12)
-    dense = DenseGemv(lib, pool)
-    batched = dense(x, w)
-    for r in range(rows):
-        assert torch.equal(batched[r : r + 1], dense(x[r : r + 1], w))
-    _assert_fp32_product_close(batched, x, w)
-
-
 @pytest.mark.parametrize("rows", [6, 41])  # 41: FP8 / FP4 products and experts take the many-row panel path
 def test_results_do_not_depend_on_threads_or_batch(lib, pool, rows):
     """Each output element is summed by one thread in a fixed order: 1 or 2 threads, and a row alone or with
@@ -727,17 +711,18 @@ class RowsRecordingRegistry(KernelRegistry):
         return impl
 
     @contextlib.contextmanager
-    def threads_for_rows(self, rows):
+    def threads_for_rows(self, rows, decode_rows=False, dtypes=(torch.float32, torch.float32)):
         self.rows = rows
-        with super().threads_for_rows(rows):
+        with super().threads_for_rows(rows, decode_rows, dtypes):
             yield
         self.rows = None
 
 
 def test_one_row_steps_run_torch_on_one_thread_and_the_kernels_on_the_rest(two_threads):
     """A co-running process must not cost a batch-1 step a scheduler slice per OpenMP region: inside a one-row
-    forward torch runs one intra-op thread while the few-row kernels keep the two torch had; wider forwards
-    and a reference-only registry change nothing; the count comes back even when the block raises."""
+    forward, or a decode step of rows whose products the few-row kernels take for its dtypes, torch runs one
+    intra-op thread while the few-row kernels keep the two torch had; wider forwards, a prompt's rows and a
+    reference-only registry change nothing; the count comes back even when the block raises."""
     registry = KernelRegistry()
     pool = registry.choose(LINEAR).impl.pool
     with registry.threads_for_rows(1):
@@ -745,6 +730,12 @@ def test_one_row_steps_run_torch_on_one_thread_and_the_kernels_on_the_rest(two_t
     assert (torch.get_num_threads(), pool.threads(), pool.pinned) == (2, 2, None)
     with registry.threads_for_rows(2):
         assert torch.get_num_threads() == 2
+    with registry.threads_for_rows(MAX_F32_DECODE_ROWS, decode_rows=True):
+        assert (torch.get_num_threads(), pool.threads()) == (1, 2)
+    with registry.threads_for_rows(MAX_F32_DECODE_ROWS + 1, decode_rows=True):
+        assert torch.get_num_threads() == 2
+    with registry.threads_for_rows(4, decode_rows=True, dtypes=(torch.bfloat16, torch.bfloat16)):
+        assert torch.get_num_threads() == (1 if MAX_BF16_ROWS >= 4 else 2)
     with pytest.raises(RuntimeError), registry.threads_for_rows(1):
         raise RuntimeError("a failed forward")
     assert (torch.get_num_threads(), pool.pinned) == (2, None)
@@ -755,8 +746,11 @@ def test_one_row_steps_run_torch_on_one_thread_and_the_kernels_on_the_rest(two_t
     llm = LLM("dsv4-tiny-dummy", load_format="dummy", seed=3, kernels=recording)
     reference = LLM("dsv4-tiny-dummy", load_format="dummy", seed=3, kernels=KernelRegistry(force_reference=True))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    got = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert got == reference.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
-    decode = {(threads, pool_threads) for rows, threads, pool_threads in recording.steps if rows == 1}
-    assert decode == {(1, 2)}, recording.steps  # every one-row step's products: torch at 1, the pool at 2
+    prompts = [[5, 6, 7], [9, 8]]
+    got = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [out.outputs[0].token_ids for out in reference.generate(prompts, params, use_tqdm=False)]
+    decode = {(threads, pool_threads) for rows, threads, pool_threads in recording.steps if rows == 2}
+    assert decode == {(1, 2)}, recording.steps  # every 2-row decode step's products: torch at 1, the pool at 2
+    prefill = {threads for rows, threads, _ in recording.steps if rows == 5}
+    assert prefill in (set(), {2}), recording.steps  # the two prompts' rows together: torch keeps its threads
     assert torch.get_num_threads() == 2

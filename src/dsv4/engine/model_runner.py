@@ -107,9 +107,11 @@ class ModelRunner:
         if self.static_decode is not None and self.static_decode.serves(batch) and not capture_layers:
             streams, logits = self.static_decode(batch, self.cache)
             return self._result(batch, streams, logits, {}, logit_rows)
-        # A one-row step keeps off torch's OpenMP pool (the registry's threads_for_rows says why), head
-        # included; the compiled step's generated code is left on the threads it was compiled for.
-        with self.model.kernels.threads_for_rows(batch.num_tokens):
+        # A one-row step, or a decode step whose products the few-row kernels run, keeps off torch's OpenMP
+        # pool (the registry's threads_for_rows says why), head included; the compiled step's generated code is
+        # left on the threads it was compiled for.
+        with self.model.kernels.threads_for_rows(batch.num_tokens, batch.decode_rows,
+                                                 (self.model.activation_dtype, self.model.dtype)):
             streams, captured = self.model(batch, self.cache, capture_layers)
             return self._result(batch, streams, None, captured, logit_rows)
 

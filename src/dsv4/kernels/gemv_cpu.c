@@ -55,6 +55,9 @@ enum { OK = 0, ERR_ALLOC = 1, ERR_ARGS = 2 };
 /* Weight rows a dense pass prefetches ahead of the rows it reads: the hardware prefetchers stop at each 4 KiB
    page, and a pass crosses one every few rows, so without this each page starts with demand misses. */
 #define DENSE_PREFETCH_ROWS 8
+/* Floats of the accumulator scratch of a pass over several rows of a narrow dense chunk (dense_range): 64 KiB
+   of stack, which holds 16 rows of 1024-column tiles. */
+#define DENSE_SCRATCH_FLOATS 16384
 /* Dense chunks are cut at multiples of this many columns (one cache line of fp32). */
 #define SPLIT_ALIGN 16
 /* A dense chunk streams at least this many columns of each weight row (shorter row pieces defeat the
@@ -329,15 +332,6 @@ static void store_row(void *y, int act, long offset, const float *v, long n) {
 /* Dense, input-major: acc[r, n0:n1] = sum_k x[r, k] W[k, n] for W rows of ldw elements (fp32 or bf16).  */
 /* ---------------------------------------------------------------------------------------------------- */
 
-/* a * b + c with one rounding where the CPU has a fused multiply-add (the compiler vectorises fmaf then), else
-   two: the dense passes spell their sums out with it, so that the tile and register-blocked passes round alike
-   whatever the compiler would contract. */
-#ifdef FP_FAST_FMAF
-#define MUL_ADD(a, b, c) fmaf(a, b, c)
-#else
-#define MUL_ADD(a, b, c) ((a) * (b) + (c))
-#endif
-
 /* Weight i of a dense row (fp32 or bf16) as fp32; wfmt is a constant wherever this is inlined. */
 static inline __attribute__((always_inline)) float dense_weight(const void *row, const int wfmt, long i) {
     return wfmt == FMT_F32 ? ((const float *)row)[i] : bf16_to_f32(((const uint16_t *)row)[i]);
@@ -369,11 +363,9 @@ static inline __attribute__((always_inline)) void dense_tile_of(const float *res
         for (long r = 0; r < R; ++r) {
             const float a0 = x[r * ldx + k], a1 = x[r * ldx + k + 1], a2 = x[r * ldx + k + 2], a3 = x[r * ldx + k + 3];
             float *restrict out = acc + r * ldacc;
-            /* Spelled out (not left to contraction) so that dense_blocked sums in the same order. */
             for (long n = 0; n < width; ++n)
-                out[n] += MUL_ADD(a3, dense_weight(w3, wfmt, n),
-                                  MUL_ADD(a2, dense_weight(w2, wfmt, n),
-                                          MUL_ADD(a1, dense_weight(w1, wfmt, n), a0 * dense_weight(w0, wfmt, n))));
+                out[n] += a0 * dense_weight(w0, wfmt, n) + a1 * dense_weight(w1, wfmt, n) +
+                          a2 * dense_weight(w2, wfmt, n) + a3 * dense_weight(w3, wfmt, n);
         }
     }
     for (; k < K; ++k) {
@@ -381,7 +373,7 @@ static inline __attribute__((always_inline)) void dense_tile_of(const float *res
         for (long r = 0; r < R; ++r) {
             const float a0 = x[r * ldx + k];
             float *restrict out = acc + r * ldacc;
-            for (long n = 0; n < width; ++n) out[n] = MUL_ADD(a0, dense_weight(w0, wfmt, n), out[n]);
+            for (long n = 0; n < width; ++n) out[n] += a0 * dense_weight(w0, wfmt, n);
         }
     }
 }
@@ -392,117 +384,29 @@ static void dense_tile(const float *x, long R, long K, long ldx, const void *w, 
     else dense_tile_of(x, R, K, ldx, w, FMT_BF16, ldw, n0, n1, acc, ldacc);
 }
 
-#if defined(__AVX512F__)
-/* From this many x rows on, fp32 weights of at least BLOCKED_MIN_COLS output columns take the register-blocked
-   pass (dense_blocked): the tile pass keeps its accumulator rows in memory, and at many rows their loads and
-   stores, not the weights, bound it. Measured (bench_gemv, 2 threads, cold weights, AMD EPYC): the 16384 x 512
-   head 1.25x faster than the tile pass at 16 rows and 2x torch; projections of 256-512 columns 1.3-2x slower
-   than the tile pass, so those keep it. */
-#define BLOCKED_MIN_ROWS 4
-#define BLOCKED_MIN_COLS 4096
-/* x rows of one register-blocked pass: two accumulator vectors each, with the step's eight weight vectors
-   and the temporaries, inside AVX-512's 32 registers. */
-#define BLOCKED_RB 8
-/* Output columns of one register-blocked pass: two vectors. */
-#define BLOCKED_COLS 32
-/* A weight panel of the register-blocked path: BLOCKED_PANEL_K rows (a multiple of K_UNROLL) of
-   BLOCKED_PANEL_COLS columns, 64 KiB in fp32. */
-#define BLOCKED_PANEL_K 64
-#define BLOCKED_PANEL_COLS 256
-
-/* `rb` x rows (constant after inlining) against BLOCKED_COLS columns of an fp32 input-major W, inputs [k0, k1)
-   (k1 - k0 a multiple of K_UNROLL unless k1 = K), columns masked by ma / mb (the last block of a range may be
-   narrower): the sums start from zero at k0 = 0, else from acc, and are stored back to acc. Each output is
-   summed exactly as dense_tile_of sums it (per K_UNROLL inputs: the first's product, three fused multiply-adds,
-   then one add into the sum; a remainder input one fused multiply-add), so a row's result depends neither on
-   the pass nor on the other rows. */
-static inline __attribute__((always_inline)) void blocked_pass(const float *restrict x, const int rb, long k0,
-                                                               long k1, long ldx, const float *restrict w, long ldw,
-                                                               __mmask16 ma, __mmask16 mb, float *restrict acc,
-                                                               long ldacc) {
-    __m512 sa[BLOCKED_RB], sb[BLOCKED_RB];
-    for (int r = 0; r < rb; ++r) {
-        sa[r] = k0 ? _mm512_maskz_loadu_ps(ma, acc + r * ldacc) : _mm512_setzero_ps();
-        sb[r] = k0 ? _mm512_maskz_loadu_ps(mb, acc + r * ldacc + 16) : _mm512_setzero_ps();
-    }
-    long k = k0;
-    for (; k + K_UNROLL <= k1; k += K_UNROLL) {
-        __m512 wa[K_UNROLL], wb[K_UNROLL];
-        for (int q = 0; q < K_UNROLL; ++q) {
-            wa[q] = _mm512_maskz_loadu_ps(ma, w + (k + q) * ldw);
-            wb[q] = _mm512_maskz_loadu_ps(mb, w + (k + q) * ldw + 16);
-        }
-        for (int r = 0; r < rb; ++r) {
-            const float *xr = x + r * ldx + k;
-            const __m512 a0 = _mm512_set1_ps(xr[0]), a1 = _mm512_set1_ps(xr[1]), a2 = _mm512_set1_ps(xr[2]),
-                         a3 = _mm512_set1_ps(xr[3]);
-            __m512 ta = _mm512_mul_ps(a0, wa[0]), tb = _mm512_mul_ps(a0, wb[0]);
-            ta = _mm512_fmadd_ps(a1, wa[1], ta), tb = _mm512_fmadd_ps(a1, wb[1], tb);
-            ta = _mm512_fmadd_ps(a2, wa[2], ta), tb = _mm512_fmadd_ps(a2, wb[2], tb);
-            ta = _mm512_fmadd_ps(a3, wa[3], ta), tb = _mm512_fmadd_ps(a3, wb[3], tb);
-            sa[r] = _mm512_add_ps(sa[r], ta), sb[r] = _mm512_add_ps(sb[r], tb);
-        }
-    }
-    for (; k < k1; ++k) {
-        const __m512 wa = _mm512_maskz_loadu_ps(ma, w + k * ldw), wb = _mm512_maskz_loadu_ps(mb, w + k * ldw + 16);
-        for (int r = 0; r < rb; ++r) {
-            const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
-            sa[r] = _mm512_fmadd_ps(a, wa, sa[r]), sb[r] = _mm512_fmadd_ps(a, wb, sb[r]);
-        }
-    }
-    for (int r = 0; r < rb; ++r) {
-        _mm512_mask_storeu_ps(acc + r * ldacc, ma, sa[r]);
-        _mm512_mask_storeu_ps(acc + r * ldacc + 16, mb, sb[r]);
-    }
-}
-
-/* acc[R, n0:n1) for an fp32 input-major W with the sums in registers: BLOCKED_COLS columns by BLOCKED_RB x
-   rows per pass, each weight vector loaded once per pass feeding every row of it. The weights go panel by
-   panel (BLOCKED_PANEL_K rows of BLOCKED_PANEL_COLS columns: long row pieces, which the prefetchers stream,
-   held in L2 while its passes read it); the next panel's rows are prefetched while one is worked on. */
-static void dense_blocked(const float *x, long R, long K, long ldx, const float *w, long ldw, long n0, long n1,
-                          float *acc, long ldacc) {
-    for (long p0 = n0; p0 < n1; p0 += BLOCKED_PANEL_COLS) {
-        const long p1 = p0 + BLOCKED_PANEL_COLS < n1 ? p0 + BLOCKED_PANEL_COLS : n1;
-        for (long k0 = 0; k0 < K; k0 += BLOCKED_PANEL_K) {
-            const long k1 = k0 + BLOCKED_PANEL_K < K ? k0 + BLOCKED_PANEL_K : K;
-            for (long k = k1; k < k1 + BLOCKED_PANEL_K && k < K; ++k) prefetch_bytes(w + k * ldw + p0, (p1 - p0) * 4);
-            for (long n = p0; n < p1; n += BLOCKED_COLS) {
-                const long width = p1 - n < BLOCKED_COLS ? p1 - n : BLOCKED_COLS;
-                const __mmask16 ma = width >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << width) - 1);
-                const __mmask16 mb = width <= 16 ? 0
-                                     : width >= 32 ? (__mmask16)0xffff
-                                                   : (__mmask16)((1u << (width - 16)) - 1);
-                for (long r0 = 0; r0 < R; r0 += BLOCKED_RB) {
-                    const float *xr = x + r0 * ldx;
-                    float *out = acc + r0 * ldacc + (n - n0);
-                    switch (R - r0 < BLOCKED_RB ? R - r0 : BLOCKED_RB) {
-#define BLOCKED_CASE(RB_)                                                                                        \
-    case RB_: blocked_pass(xr, RB_, k0, k1, ldx, w + n, ldw, ma, mb, out, ldacc); break;
-                        BLOCKED_CASE(1) BLOCKED_CASE(2) BLOCKED_CASE(3) BLOCKED_CASE(4) BLOCKED_CASE(5)
-                        BLOCKED_CASE(6) BLOCKED_CASE(7)
-                    default: blocked_pass(xr, BLOCKED_RB, k0, k1, ldx, w + n, ldw, ma, mb, out, ldacc); break;
-#undef BLOCKED_CASE
-                    }
-                }
-            }
-        }
-    }
-}
-#endif
-
 /* acc[R, n0:n1) for a dense input-major W, a TILE_N-column tile at a time (acc rows of ldacc floats). */
 static void dense_range(const float *x, long R, long K, long ldx, const void *w, int wfmt, long ldw, long n0, long n1,
                         float *acc, long ldacc) {
-#if defined(__AVX512F__)
-    if (wfmt == FMT_F32 && R >= BLOCKED_MIN_ROWS && ldw >= BLOCKED_MIN_COLS) {
-        dense_blocked(x, R, K, ldx, (const float *)w, ldw, n0, n1, acc, ldacc);
+    if (R == 1 || ldacc == n1 - n0 || R > DENSE_SCRATCH_FLOATS / SPLIT_ALIGN) {
+        for (long t0 = n0; t0 < n1; t0 += TILE_N) {
+            long t1 = t0 + TILE_N < n1 ? t0 + TILE_N : n1;
+            dense_tile(x, R, K, ldx, w, wfmt, ldw, t0, t1, acc + (t0 - n0), ldacc);
+        }
         return;
     }
-#endif
-    for (long t0 = n0; t0 < n1; t0 += TILE_N) {
-        long t1 = t0 + TILE_N < n1 ? t0 + TILE_N : n1;
-        dense_tile(x, R, K, ldx, w, wfmt, ldw, t0, t1, acc + (t0 - n0), ldacc);
+    /* Several rows of a chunk narrower than acc's rows: the passes accumulate into a contiguous scratch, copied
+       out once per tile. Left in acc, the chunk's pieces of rows a power-of-two stride apart (a 256-column chunk
+       of 512-column rows) crowd into a few L1 sets, which the weight rows streaming through keep evicting:
+       measured (2 threads, cold fp32 weights, both ways paired in one process) 4.3x slower at 16 rows of a
+       512 x 512 weight, 1.7x at 4 rows, and the 16384 x 512 head 1.3-1.4x slower at 4-16 rows. */
+    float scratch[DENSE_SCRATCH_FLOATS];
+    long tile = DENSE_SCRATCH_FLOATS / R;
+    tile = tile < TILE_N ? tile - tile % SPLIT_ALIGN : TILE_N;
+    for (long t0 = n0; t0 < n1; t0 += tile) {
+        const long t1 = t0 + tile < n1 ? t0 + tile : n1, width = t1 - t0;
+        dense_tile(x, R, K, ldx, w, wfmt, ldw, t0, t1, scratch, width);
+        for (long r = 0; r < R; ++r)
+            memcpy(acc + r * ldacc + (t0 - n0), scratch + r * width, sizeof(float) * (size_t)width);
     }
 }
 

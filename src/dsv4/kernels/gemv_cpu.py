@@ -297,6 +297,13 @@ class DenseGemv(_PoolKernel):
 
     _entry = "dense_xw"
 
+    @staticmethod
+    def rows_taken(act: torch.dtype, weight: torch.dtype, decode_rows: bool) -> int:
+        """The most rows of activation dtype `act` this kernel takes on weights of dtype `weight` (0: none),
+        of a decode step's rows when `decode_rows` (`BoundGemv.supports`)."""
+        most = _DENSE_ROWS.get((act, weight), 0)
+        return max(most, _DECODE_ROWS.get((act, weight), 0)) if decode_rows else most
+
     def bind(self, weight: torch.Tensor) -> BoundGemv | None:
         """This kernel fixed to one resident weight, or None when `supports` takes no call on it.
 

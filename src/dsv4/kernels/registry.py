@@ -220,19 +220,30 @@ class KernelRegistry:
             return Choice(op, backend.name, impl, backend.summary + (f"; {detail()}" if detail else ""))
         return Choice(op, REFERENCE, None, "fallback (" + "; ".join(failures) + ")")
 
-    def threads_for_rows(self, rows: int):
-        """A context for a forward of `rows` rows: with at most ONE_THREAD_TORCH_ROWS rows and the few-row
-        kernels built, torch's intra-op pool runs one thread for the block and those kernels' pool keeps
-        the threads torch had; otherwise nothing changes.
+    def threads_for_rows(self, rows: int, decode_rows: bool = False,
+                         dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)):
+        """A context for a forward of `rows` rows: with at most ONE_THREAD_TORCH_ROWS rows, or a decode step
+        (`decode_rows`) of at most the rows whose products the few-row kernels take for its (activation,
+        weight) `dtypes`, and those kernels built, torch's intra-op pool runs one thread for the block and those
+        kernels' pool keeps the threads torch had; otherwise nothing changes.
 
         Why: at one row every product runs in the few-row kernels (caller-runs: a call never waits for a
         worker without a core) and torch's remaining ops are too small to split, but an OpenMP region of
         two threads still waits at its barrier for both; when another process keeps a core busy, that wait
         is a scheduler time slice per region (measured: batch-1 decode 2-3x slower, steps up to 20x).
+        Why also the decode steps of several rows: their products run in the few-row kernels too (the
+        experts' and attention's in kernels of their own, torch keeps only small ops), and torch's OpenMP
+        threads, which spin for a while after each parallel region, would take the core the kernels' worker
+        needs: measured on the small config, fp32, 2 threads, b=16, the 16384x512 head 3.0 -> 2.0 ms and the
+        engine step 17.3 -> 16.3 ms with torch at one thread.
         """
         impl = self.choose(LINEAR).impl
         threads = torch.get_num_threads()
-        if rows > ONE_THREAD_TORCH_ROWS or impl is None or threads == 1:
+        if impl is None or threads == 1:
+            return contextlib.nullcontext()
+        most = max(ONE_THREAD_TORCH_ROWS, impl.rows_taken(*dtypes, decode_rows=True)) if decode_rows else \
+            ONE_THREAD_TORCH_ROWS
+        if rows > most:
             return contextlib.nullcontext()
         return _torch_threads_pinned(impl.pool, threads)
 
