@@ -94,11 +94,13 @@ MAX_BF16_ROWS = 1 if BF16_MATRIX_UNITS else 16
 MAX_F32_ROWS = 1
 # fp32 products of a decode step's rows (each one sequence's next token: `StepPlan.single_tokens`, which the
 # caller passes as `decode_rows`) up to this many: the gain above, taken where it cannot split a prompt's rows
-# between two summation orders, since a prompt's rows (a prefill chunk, a verify span) never come here. Small
-# config, 2 threads, quiet: eager decode step x1.52 at b=4, x1.05-1.09 at b=16 (bench_versions.py, 5 pairs); per
-# shape on cold weights, 16 rows: the 16384x512 head x2.3, the layers' projections 0.6-1.0x; 4 rows: 1.0-1.5x, the
-# head x5.
-MAX_F32_DECODE_ROWS = 16
+# between two summation orders, since a prompt's rows (a prefill chunk, a verify span) never come here. First 16
+# (eager decode step x1.52 at b=4, x1.05-1.09 at b=16); 64 since the dense pass's several-row chunks accumulate in
+# a contiguous scratch (gemv_cpu.c dense_range): small config, 2 threads, engine decode step with torch at one
+# thread through such steps (`KernelRegistry.threads_for_rows`), this limit at 64 against 16: fp32 b=32 24.2 vs
+# 26.6-33.2 ms, b=64 38.8 vs 41.0 ms, FP4 experts b=64 34.0 vs 36.3-43.2 ms. Per shape at 64 rows, cold weights:
+# the 16384x512 head 1.5x MKL's GEMM, the layers' projections 0.8-1.3x.
+MAX_F32_DECODE_ROWS = 64
 # fp32 rows against a bf16 weight (`LLM(dtype="bfloat16", activation_dtype="float32")`): the kernel reads the
 # bf16 weight once where torch needs a widened fp32 copy of it first (`model.linear.compute_weight`). Measured
 # on 128x256, 128x49 and 512x2048 input-major weights, 1 thread, shared machine, vs widen + F.linear: 1.2-3.8x
