@@ -488,6 +488,22 @@ def test_fused_experts_reject_out_of_range_ids(lib, pool):
         FusedExperts(lib, pool)(x, ids, weights, s["w1"], s["w3"], s["w2"], LIMIT)
 
 
+@pytest.mark.parametrize("rows", [48, 53])
+def test_register_blocked_dense_rows_equal_each_row_alone(lib, pool, rows):
+    """From 48 rows on (gemv_cpu.c BLOCKED_MIN_ROWS) fp32 weights take the register-blocked pass, a row alone the
+    tile pass; both sum each output in the same spelled-out order, so every row equals itself computed alone, bit
+    for bit, across the pass's row groups of 8 (53: a remainder of 5), its column blocks (300 columns: a second
+    panel of 256 and a tail of 12) and its input panels (70 inputs: a second panel of 64, and two inputs after the
+    groups of four); and each is the exact product within fp32 rounding."""
+    w = _weight(300, 70, torch.float32, seed=11)
+    x = _rows(rows, 70, torch.float32, seed=12)
+    dense = DenseGemv(lib, pool)
+    batched = dense(x, w)
+    for r in range(rows):
+        assert torch.equal(batched[r : r + 1], dense(x[r : r + 1], w))
+    _assert_fp32_product_close(batched, x, w)
+
+
 @pytest.mark.parametrize("rows", [6, 41])  # 41: FP8 / FP4 products and experts take the many-row panel path
 def test_results_do_not_depend_on_threads_or_batch(lib, pool, rows):
     """Each output element is summed by one thread in a fixed order: 1 or 2 threads, and a row alone or with
