@@ -129,6 +129,19 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const void *p, 
     for (long b = 0; b < bytes; b += CACHE_LINE) __builtin_prefetch((const char *)p + b, 0, 3);
 }
 
+/* Bytes of the pages the hardware prefetchers stay within. */
+#define PAGE_BYTES 4096
+
+/* Asks for the first line of [p, p + bytes) and one line a page after it: the hardware prefetchers, which stop at
+   each page boundary, stream each page on from there. For the tile pass's row pieces this beat asking for every
+   line (the instructions cost issue slots and miss-buffer entries the prefetchers would not have): measured with
+   both builds paired in one process, 2 threads, cold fp32 weights, 1.3-1.4x faster at one row (the 16384 x 512 head
+   595 -> 432 us), 1.13x at 4 rows, equal at 16. The register-blocked pass keeps prefetch_bytes: its next panel's
+   rows are 1 KiB pieces a page or more apart, which page starts alone left 1.14x slower. */
+static inline __attribute__((always_inline)) void prefetch_pages(const void *p, long bytes) {
+    for (long b = 0; b < bytes; b += PAGE_BYTES) __builtin_prefetch((const char *)p + b, 0, 3);
+}
+
 /* Chunk size that cuts n items into about `pieces` chunks: at least `least` items, a multiple of `align`. */
 static long split_size(long n, long pieces, long least, long align) {
     long size = (n + pieces - 1) / pieces;
@@ -367,7 +380,7 @@ static inline __attribute__((always_inline)) void dense_tile_of(const float *res
                             *restrict w3 = dense_row(w, wfmt, k + 3, ldw, n0);
         if (k + K_UNROLL + DENSE_PREFETCH_ROWS <= K)
             for (long q = 0; q < K_UNROLL; ++q)
-                prefetch_bytes(dense_row(w, wfmt, k + DENSE_PREFETCH_ROWS + q, ldw, n0),
+                prefetch_pages(dense_row(w, wfmt, k + DENSE_PREFETCH_ROWS + q, ldw, n0),
                                width * (wfmt == FMT_F32 ? 4 : 2));
         for (long r = 0; r < R; ++r) {
             const float a0 = x[r * ldx + k], a1 = x[r * ldx + k + 1], a2 = x[r * ldx + k + 2], a3 = x[r * ldx + k + 3];
