@@ -718,6 +718,7 @@ class RowsRecordingRegistry(KernelRegistry):
     def __init__(self):
         super().__init__()
         self.steps: list[tuple[int, int, int]] = []  # (rows, torch threads, pool threads) inside the block
+        self.forwards: list[tuple[int, bool, int]] = []  # (rows, decode rows, torch threads) of each forward
         self.rows: int | None = None  # the rows of the forward running now
 
     def kernel(self, op, *args):
@@ -730,6 +731,7 @@ class RowsRecordingRegistry(KernelRegistry):
     def threads_for_rows(self, rows, decode_rows=False, dtypes=(torch.float32, torch.float32)):
         self.rows = rows
         with super().threads_for_rows(rows, decode_rows, dtypes):
+            self.forwards.append((rows, decode_rows, torch.get_num_threads()))
             yield
         self.rows = None
 
@@ -767,6 +769,6 @@ def test_one_row_steps_run_torch_on_one_thread_and_the_kernels_on_the_rest(two_t
     assert got == [out.outputs[0].token_ids for out in reference.generate(prompts, params, use_tqdm=False)]
     decode = {(threads, pool_threads) for rows, threads, pool_threads in recording.steps if rows == 2}
     assert decode == {(1, 2)}, recording.steps  # every 2-row decode step's products: torch at 1, the pool at 2
-    prefill = {threads for rows, threads, _ in recording.steps if rows == 5}
-    assert prefill in (set(), {2}), recording.steps  # the two prompts' rows together: torch keeps its threads
+    assert (5, False, 2) in recording.forwards, recording.forwards  # the two prompts' rows: torch keeps its threads
+    assert {threads for rows, decode, threads in recording.forwards if decode and rows == 2} == {1}, recording.forwards
     assert torch.get_num_threads() == 2
