@@ -79,8 +79,8 @@ MUTATIONS = (
     Mutation(
         "a tensor placed in the model's storage is never read from its file",
         "weights/checkpoint.py",
-        "        done = start + os.preadv(fd, [_writable_bytes(info, dest) for info, dest in run], start)\n",
-        "        done = end\n",
+        "        done = first + os.preadv(fd, views, start + first)\n",
+        "        done = stop\n",
     ),
     Mutation(
         "the writer takes every value for one already in its destination",

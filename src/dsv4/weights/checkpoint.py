@@ -26,7 +26,7 @@ into large folios, where WILLNEED hints left 4 KiB pages that slowed every later
 
 import contextlib
 import ctypes
-import gc
+import functools
 import json
 import math
 import mmap
@@ -39,7 +39,9 @@ from typing import NamedTuple
 import torch
 
 from dsv4.errors import CheckpointError
+from dsv4.weights.collection import collection_paused
 from dsv4.weights.readahead import Readahead
+from dsv4.weights.work_split import cut_points, part_count, run_parts
 
 INDEX_FILE = "model.safetensors.index.json"
 _HEADER_LEN_BYTES = 8  # safetensors: little-endian u64 header size, then the JSON header
@@ -62,6 +64,9 @@ _RELEASE_BYTES = 2 * 1024 * 1024
 # baseline's size: the progress bar moves, the cold read-ahead is the same).
 _RUN_TENSORS = os.sysconf("SC_IOV_MAX")
 _RUN_BYTES = 64 * 1024 * 1024
+# A run split across threads (`work_split.py`) is cut at page boundaries of the file: each part's read starts
+# where the page cache's pages do.
+_READ_PART_ALIGN = mmap.PAGESIZE
 _F4_MESSAGE = ("{path}: tensor {name} is stored as F4 (float4_e2m1fn_x2), which safetensors cannot slice; store FP4 "
                "experts as I8 packed bytes (two e2m1 codes per byte) as DeepSeek's releases do")
 # (name, dtype, shape) -> the tensor a checkpoint tensor's bytes may be read straight into, or None.
@@ -81,25 +86,10 @@ class TensorInfo(NamedTuple):
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate one safetensors header without reading tensor data."""
-    with _collection_paused():
+    """Parse and validate one safetensors header without reading tensor data (a header parses into ~3
+    containers per tensor: `collection.py`)."""
+    with collection_paused():
         return _parse_header(path)
-
-
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
-    """No automatic garbage collection inside: a header parses into ~3 containers per tensor (thousands in a
-    shard), all acyclic and freed by reference counting once the infos are built; collections while they live
-    only promote them towards the next full collection, which walks every object of the process (with torch
-    loaded ~170k, 0.3-0.4 s on the development VM; one ran inside every load of the 1.6 GiB benchmark model).
-    The collector's previous state is restored."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _parse_header(path: Path) -> dict[str, TensorInfo]:
@@ -334,15 +324,38 @@ def _read_run(
     them into their destinations, then yield them. A short or failed read is redone tensor by tensor from the
     first one it left incomplete (which names the tensor at fault)."""
     start = run[0][0].offset
-    try:
-        done = start + os.preadv(fd, [_writable_bytes(info, dest) for info, dest in run], start)
-    except OSError:
-        done = start
-    if done < end:
-        for info, dest in run:
-            if info.offset + info.nbytes > done:
-                _read_into(file, fd, info, dest)
+    buffers = [_writable_bytes(info, dest) for info, dest in run]
+    bounds = cut_points(end - start, part_count(end - start), _READ_PART_ALIGN)
+    if len(bounds) == 2:
+        gaps = _read_part(fd, buffers, start, 0, end - start)
+    else:  # large runs: a part per core, each one preadv(2) of its byte range
+        gaps = [gap for part in run_parts(functools.partial(_read_part, fd, buffers, start), bounds) for gap in part]
+    for info, dest in run:
+        if any(info.offset < gap_end and gap_start < info.offset + info.nbytes for gap_start, gap_end in gaps):
+            _read_into(file, fd, info, dest)
     yield from run
+
+
+def _read_part(fd: int, buffers: list[ctypes.Array], start: int, first: int, stop: int) -> list[tuple[int, int]]:
+    """One preadv(2) of bytes [first, stop) of a run starting at file offset `start` and scattered into
+    `buffers` (back to back); the file range it left unread ([] when none: a short or failed read leaves it
+    to the caller)."""
+    views, skip, wanted = [], first, stop - first
+    for buffer in buffers:
+        size = len(buffer)
+        if skip >= size:
+            skip -= size
+            continue
+        if wanted <= 0:
+            break
+        take = min(size - skip, wanted)
+        views.append(buffer if skip == 0 and take == size else memoryview(buffer).cast("B")[skip:skip + take])
+        skip, wanted = 0, wanted - take
+    try:
+        done = first + os.preadv(fd, views, start + first)
+    except OSError:
+        done = first
+    return [] if done >= stop else [(start + done, start + stop)]
 
 
 def _writable_bytes(info: TensorInfo, dest: torch.Tensor) -> ctypes.Array:

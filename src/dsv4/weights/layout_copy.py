@@ -32,6 +32,7 @@ import torch
 
 import dsv4.kernels
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
+from dsv4.weights.work_split import cut_points, part_count, run_parts
 
 SOURCE = Path(__file__).with_name("layout_copy_cpu.c")
 # The kernels' shared header (bf16 conversions), in the kernels package.
@@ -55,6 +56,10 @@ _DEQUANT_FP8 = {torch.float32: "dequant_fp8_f32", torch.bfloat16: "dequant_fp8_b
 # (layout_copy_cpu.c, `stream`): measured faster from half the cache up, slower at a quarter and below.
 STREAM_CACHE_SHARE = 0.5
 _STREAMED_ITEMSIZE = 4
+# Copies split across threads (`work_split.py`) are cut at multiples of these many rows / elements: every
+# part's first destination address then keeps the 32-byte alignment streaming stores need.
+_PART_ROWS = 64
+_PART_ELEMENTS = 64
 
 
 # vector_isa() of a library whose transposes move 8x8 blocks through AVX2 registers (0: the tiled scalar walk).
@@ -154,8 +159,14 @@ def _transpose(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None,
         return None
     rows, cols = value.shape
     kernel = getattr(lib, f"transpose_{suffix}")
-    return bool(kernel(value.data_ptr(), dest.data_ptr(), rows, cols, cols, dest.stride(1), _streams(dest, stream),
-                       mask))
+    streams, src, dst = _streams(dest, stream), value.data_ptr(), dest.data_ptr()
+    src_row, dst_row = cols * value.element_size(), dest.element_size()  # a source row's step in each
+
+    def rows_range(first: int, stop: int) -> bool:
+        return bool(kernel(src + first * src_row, dst + first * dst_row, stop - first, cols, cols, dest.stride(1),
+                           streams, mask))
+
+    return any(run_parts(rows_range, cut_points(rows, part_count(dest.nbytes), _PART_ROWS)))
 
 
 def laid_out_alike(dest: torch.Tensor, value: torch.Tensor) -> bool:
@@ -175,7 +186,13 @@ def _straight(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None, 
     if lib is None:
         return None
     kernel = getattr(lib, f"copy_{suffix}")
-    return bool(kernel(value.data_ptr(), dest.data_ptr(), dest.numel(), mask, _streams(dest, stream)))
+    streams, src, dst = _streams(dest, stream), value.data_ptr(), dest.data_ptr()
+    src_size, dst_size = value.element_size(), dest.element_size()
+
+    def elements(first: int, stop: int) -> bool:
+        return bool(kernel(src + first * src_size, dst + first * dst_size, stop - first, mask, streams))
+
+    return any(run_parts(elements, cut_points(dest.numel(), part_count(dest.nbytes), _PART_ELEMENTS)))
 
 
 def transpose_into(dest: torch.Tensor, value: torch.Tensor, lib: ctypes.CDLL | None = None, *,
@@ -271,6 +288,13 @@ def dequantize_fp8_into(dest: torch.Tensor, codes: torch.Tensor, scale: torch.Te
     if lib is None:
         return None
     rows, cols = codes.shape
-    return bool(getattr(lib, kernel)(codes.data_ptr(), scale.data_ptr(), e8m0, _e4m3_values().data_ptr(),
-                                     dest.data_ptr(), rows, cols, block[0], block[1], scale.shape[1],
-                                     dest.stride(1)))
+    run, lut, src, scales, dst = getattr(lib, kernel), _e4m3_values().data_ptr(), codes.data_ptr(), \
+        scale.data_ptr(), dest.data_ptr()
+    scale_row = scale.shape[1] * scale.element_size()  # one block row of scales
+
+    def rows_range(first: int, stop: int) -> bool:  # `first` starts a block row
+        return bool(run(src + first * cols, scales + first // block[0] * scale_row, e8m0, lut,
+                        dst + first * dest.element_size(), stop - first, cols, block[0], block[1], scale.shape[1],
+                        dest.stride(1)))
+
+    return any(run_parts(rows_range, cut_points(rows, part_count(dest.nbytes), block[0])))

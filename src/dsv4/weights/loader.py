@@ -27,6 +27,7 @@ from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.derived import TopLevelModel
 from dsv4.parallel.state import SINGLE, ParallelState, check_divisible
 from dsv4.weights.checkpoint import CheckpointDir
+from dsv4.weights.collection import collection_paused
 from dsv4.weights.convert import QuantLayout
 from dsv4.weights.dummy import dummy_tensors
 from dsv4.weights.routes import RouteTable
@@ -172,7 +173,15 @@ def load_models(
     """Build, load and finalize a checkpoint directory's models (`kernels`, `activation_dtype`: see
     `build_models`; under `parallel`, this rank's shard of them: only its part of each tensor is read from the
     files; dummy values are seeded per rank)."""
-    path = Path(path)
+    with collection_paused():  # thousands of objects made, none of them garbage: `collection.py`
+        return _load_models(Path(path), load_format, dtype, device, draft, expert_dtype, seed, kernels, parallel,
+                            activation_dtype)
+
+
+def _load_models(
+    path: Path, load_format: str, dtype: torch.dtype, device: str, draft: str | None, expert_dtype: str | None,
+    seed: int, kernels: KernelRegistry | None, parallel: ParallelState, activation_dtype: torch.dtype | None,
+) -> LoadedModels:
     cfg = ModelConfig.from_file(path)
     if draft is not None and draft not in DRAFTERS:
         raise ConfigError(f"draft: expected one of {DRAFTERS} or None, got {draft!r}")

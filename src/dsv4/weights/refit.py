@@ -43,6 +43,7 @@ import torch
 from dsv4.errors import ParallelError, WeightUpdateError
 from dsv4.parallel.collectives import all_gather_objects
 from dsv4.parallel.state import ParallelState
+from dsv4.weights.collection import collection_paused
 from dsv4.weights.loader import LoadedModels
 from dsv4.weights.report import model_tensors
 from dsv4.weights.writer import WeightWriter
@@ -160,13 +161,14 @@ class WeightUpdateSession:
         pairs = bucket.items() if isinstance(bucket, Mapping) else bucket
         completed = 0
         try:
-            for name, tensor in pairs:
-                if not isinstance(tensor, torch.Tensor):
-                    raise WeightUpdateError(
-                        f"{origin}: tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}"
-                    )
-                completed += self._writer.load(name, tensor, origin)
-            self._writer.own_pending()
+            with collection_paused():  # a bucket's bookkeeping: `collection.py`
+                for name, tensor in pairs:
+                    if not isinstance(tensor, torch.Tensor):
+                        raise WeightUpdateError(
+                            f"{origin}: tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}"
+                        )
+                    completed += self._writer.load(name, tensor, origin)
+                self._writer.own_pending()
         except Exception as exc:
             failure = self._fail(exc)
             self._agree_failed(str(failure))
