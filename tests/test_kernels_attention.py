@@ -351,3 +351,45 @@ def test_decode_kernel_declines_what_it_cannot_serve(cfg):
     assert not kernel.supports(*args(MAX_DECODE_ROWS + 1))
     assert not kernel.supports(*args(1, torch.bfloat16))  # bf16 rows on fp32 caches
     assert not kernel.supports(*args(1, torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layer_type", [CSA, HCA, SLIDING])
+def test_decode_kernel_rows_spread_over_the_pool_equal_one_thread(cfg, layer_type, dtype):
+    """The kernel spreads a call's rows over the few-row kernels' worker pool in chunks: outputs and window
+    rings bit for bit those of the same rows on one thread, for as many rows as it serves (slots shuffled,
+    positions from the first to past the window and through many compressed entries)."""
+    from dsv4.kernels.decode_attention_cpu import DecodeAttentionKernel, build_library
+
+    pooled = _random_attention(cfg, layer_type, seed=5).kernels.choose(DECODE_ATTENTION).impl
+    assert pooled._pool is not None, "the decode-attention kernel got no worker pool"
+    alone = DecodeAttentionKernel(build_library(), None)
+    attn = _random_attention(cfg, layer_type, seed=5)
+    rows = MAX_DECODE_ROWS
+    g = torch.Generator().manual_seed(17)
+    cache = allocate_layer_cache(cfg, layer_type, rows, MAX_LEN, dtype, "cpu")
+    for t in cache_tensors([cache]):
+        t.copy_(torch.randn(t.shape, generator=g))
+    slots = torch.randperm(rows, generator=g)
+    positions = torch.randint(0, MAX_LEN - 1, (rows,), generator=g)
+    positions[:3] = torch.tensor([0, 1, cfg.sliding_window - 1])
+    q = torch.randn(rows, attn.n_heads, attn.head_dim, generator=g).to(dtype)
+    kv = torch.randn(rows, attn.head_dim, generator=g).to(dtype)
+    entries = rate = index = None
+    if attn.compressor is not None:
+        entries, rate = cache.compressor.entries, attn.compressor.rate
+    if attn.indexer is not None:
+        index_q = torch.randn(rows, attn.indexer.n_heads, attn.indexer.head_dim, generator=g).to(dtype)
+        index_w = torch.randn(rows, attn.indexer.n_heads, generator=g).to(dtype)
+        index = (index_q, index_w, cache.indexer.entries, attn.indexer.topk)
+    window = cache.window.clone()
+    args = (q, kv, window, slots, positions, entries, rate, index, attn.attn_sink)
+    assert pooled.supports(*args)
+    with pooled._pool.pinned_threads(4):  # chunks of two rows, taken by whichever threads the pool has
+        got = pooled.attend(*args)
+    got_window = window.clone()
+    window.copy_(cache.window)
+    want = alone.attend(*args)
+    assert torch.equal(got.view(torch.uint8 if dtype == torch.float32 else torch.int16),
+                       want.view(torch.uint8 if dtype == torch.float32 else torch.int16))
+    assert torch.equal(got_window, window)

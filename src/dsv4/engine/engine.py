@@ -281,11 +281,12 @@ class Engine:
             if plan.chunks:
                 work = self._prepare(plan.chunks)
                 verify = [i for i, w in enumerate(work) if w.draft.token_ids]
-                result = self.runner.execute([w.chunk for w in work], self._logit_rows(work), verify,
-                                             capture_layers(self.proposer))
-                forks = dict(plan.forks)
-                self._score_prompts(work, result, forks)
-                self._commit(work, result, reported, forks)
+                chunks, captured = [w.chunk for w in work], capture_layers(self.proposer)
+                with self.runner.step_threads(chunks, captured):  # the sampling on the forward's threads
+                    result = self.runner.execute(chunks, self._logit_rows(work), verify, captured)
+                    forks = dict(plan.forks)
+                    self._score_prompts(work, result, forks)
+                    self._commit(work, result, reported, forks)
                 if self.proposer is not None:
                     end_step(self.proposer)
             outputs = []

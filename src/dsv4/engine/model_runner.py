@@ -18,6 +18,7 @@ rejected draft leaves no trace in the window or compressor rings.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -104,16 +105,30 @@ class ModelRunner:
             self._snapshot = self.cache.snapshot(
                 [(chunks[i].slot, chunks[i].start, len(chunks[i].token_ids)) for i in verify])
         batch = ForwardBatch.build(list(chunks), device=self.device, decode_span=self.decode_span)
-        if self.static_decode is not None and self.static_decode.serves(batch) and not capture_layers:
+        if self._compiled_serves(chunks, capture_layers):
             streams, logits = self.static_decode(batch, self.cache)
             return self._result(batch, streams, logits, {}, logit_rows)
-        # A one-row step, or a decode step whose products the few-row kernels run, keeps off torch's OpenMP
-        # pool (the registry's threads_for_rows says why), head included; the compiled step's generated code is
-        # left on the threads it was compiled for.
-        with self.model.kernels.threads_for_rows(batch.num_tokens, batch.decode_rows,
-                                                 (self.model.activation_dtype, self.model.dtype)):
+        with self.step_threads(chunks, capture_layers):
             streams, captured = self.model(batch, self.cache, capture_layers)
             return self._result(batch, streams, None, captured, logit_rows)
+
+    def step_threads(self, chunks: Sequence[Chunk], capture_layers: tuple[int, ...] = ()):
+        """The threads a step over `chunks` runs on, as a context for its forward (`execute`) and the caller's
+        sampling of its logits. A one-row step, or a decode step whose products the few-row kernels run, keeps
+        off torch's OpenMP pool (the registry's threads_for_rows says why), head and sampling included: an OpenMP
+        region of the sampler's (an argmax over 16 x 16384 logits is one) leaves torch's worker spinning on the
+        core the kernels' worker needs, into the next step (measured on the small config, fp32, b=16: the step
+        16.4 -> 15.6 ms with the sampling inside). The compiled step's generated code is left on the threads it
+        was compiled for."""
+        if self._compiled_serves(chunks, capture_layers):
+            return contextlib.nullcontext()
+        rows = sum(len(chunk.token_ids) for chunk in chunks)
+        single_tokens = bool(chunks) and rows == len(chunks)  # a decode step (`StepPlan.single_tokens`)
+        return self.model.kernels.threads_for_rows(rows, single_tokens, (self.model.activation_dtype, self.model.dtype))
+
+    def _compiled_serves(self, chunks: Sequence[Chunk], capture_layers: tuple[int, ...]) -> bool:
+        """Whether the compiled decode step runs these chunks: every one a single token, no layer captured."""
+        return self.static_decode is not None and not capture_layers and self.static_decode.serves(chunks)
 
     def _result(self, batch: ForwardBatch, streams: torch.Tensor, logits: torch.Tensor | None,
                 captured: dict[int, torch.Tensor], logit_rows: Sequence[int]) -> StepResult:

@@ -22,6 +22,8 @@ an in-place refit is seen by the next step with no recompilation (tests/test_sta
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +34,9 @@ from dsv4.model.cache import LayerCache, ModelCache
 from dsv4.model.deepseek_v4 import DeepseekV4
 from dsv4.model.moe import DENSE
 from dsv4.model.step_plan import DecodeMeta, StepPlan
+
+if TYPE_CHECKING:  # the runner imports this module
+    from dsv4.engine.model_runner import Chunk
 from dsv4.parallel.state import ParallelState
 
 
@@ -129,10 +134,10 @@ class StaticDecode:
             self._forward = torch._dynamo.config.patch(specialize_float=True)(compiled)
 
     @staticmethod
-    def serves(batch: ForwardBatch) -> bool:
-        """Whether every segment of the batch is one token (its plan has single-token decode rows only)."""
-        plan = batch.plan
-        return plan.prefill is None and plan.decode is not None and plan.decode.spans is None
+    def serves(chunks: Sequence[Chunk]) -> bool:
+        """Whether a step of these chunks is a pure-decode step: every chunk one token (the step plan then has
+        single-token decode rows only)."""
+        return bool(chunks) and all(len(chunk.token_ids) == 1 for chunk in chunks)
 
     def __call__(self, batch: ForwardBatch, cache: ModelCache) -> tuple[torch.Tensor, torch.Tensor]:
         """A pure-decode batch -> (streams [B, hc, D], fp32 logits [B, V]); extends the rows' cache slots."""

@@ -5,7 +5,14 @@
    are tested against (tests/test_kernels_attention.py). The arithmetic is fp32; rows and caches are fp32 or
    bf16 (`bf16`): widened on load, rounded once on store, and rounded to bf16 where the torch path rounds (the
    pooled entry, each q.k product, each probability). */
+#include <stdatomic.h>
+
 #include "rows.h"
+
+/* Another library's thread pool (the gemv library's `pool_for`): run fn(job, c) for c in [0, n_chunks) on up
+   to nthreads threads, the caller's included, returning when all have run. */
+typedef void (*chunk_fn)(const void *job, long chunk);
+typedef void (*pool_for_fn)(void *pool, long n_chunks, chunk_fn fn, const void *job, int nthreads);
 
 /* Element i of an fp32 or bf16 tensor, as fp32. */
 static inline float element(const void *base, int bf16, long i) {
@@ -116,18 +123,28 @@ static void top_k(const float *score, long n, long k, long *heap, char *chosen) 
     for (long i = 0; i < size; ++i) chosen[heap[i]] = 1;
 }
 
-/* Per row b: kv [B, hd] goes to window ring row pos % W of window [S, W, hd]; then each head of q [B, H, hd]
-   attends, with scale hd^-0.5 and a sink logit sink[h] (no value), to the ring rows holding positions
-   (pos - W, pos] and to the n = (pos + 1) / rate complete entries of entries [S, E_max, hd] (NULL: a
-   sliding layer), or, with an indexer (index_q [B, nI, dI], index_w [B, nI], index_entries [S, E_max, dI];
-   NULL: none), to the min(topk, n) entries it picks: score[s] = sum_h relu(q_h . K_s) dI^-0.5 w_h nI^-0.5.
-   out [B, H, hd]. Returns 0, or 1 when the scratch cannot be allocated. */
-int attend_decode(long B, int bf16, long H, long hd, const long *slots, const long *pos, const void *q,
-                  const void *kv, void *window, long W, const void *entries, long max_entries, long rate,
-                  const void *index_q, const void *index_w, const void *index_entries, long nI, long dI, long topk,
-                  const float *sink, void *out) {
+/* The attention of a call's rows: its arguments (`attend_decode`'s), and whether a row range's scratch could not be
+   allocated. */
+typedef struct {
+    long B, H, hd, W, max_entries, rate, nI, dI, topk;
+    int bf16;
+    const long *slots, *pos;
+    const void *q, *kv, *entries, *index_q, *index_w, *index_entries;
+    void *window, *out;
+    const float *sink;
+    long rows_per_chunk;
+    atomic_int failed;
+} attend_job;
+
+/* Rows [b0, b1) of `attend_decode`; 1 when the scratch cannot be allocated. Rows touch only their own slots'
+   window rows and outputs, so row ranges run in parallel. */
+static int attend_rows(attend_job *j, long b0, long b1) {
+    const long W = j->W, hd = j->hd, H = j->H, nI = j->nI, dI = j->dI, rate = j->rate, max_entries = j->max_entries;
+    const int bf16 = j->bf16;
+    const long *slots = j->slots, *pos = j->pos;
+    const void *entries = j->entries, *index_q = j->index_q;
     long most_entries = 0;
-    for (long b = 0; b < B; ++b) {
+    for (long b = b0; b < b1; ++b) {
         const long n = entries ? (pos[b] + 1) / rate : 0;
         if (n > most_entries) most_entries = n < max_entries ? n : max_entries;
     }
@@ -135,7 +152,7 @@ int attend_decode(long B, int bf16, long H, long hd, const long *slots, const lo
     /* logits [keys_max] | scores [most_entries] | keys [keys_max, hd] (fp32 copies) | q, out, index q rows */
     const size_t floats = (size_t)keys_max + most_entries + (size_t)keys_max * hd + 2 * hd + (size_t)nI * dI + dI + nI;
     float *logits = malloc(floats * sizeof(float));
-    long *heap = malloc((size_t)(topk > 0 ? topk : 1) * sizeof(long));
+    long *heap = malloc((size_t)(j->topk > 0 ? j->topk : 1) * sizeof(long));
     char *chosen = malloc((size_t)(most_entries > 0 ? most_entries : 1));
     if (!logits || !heap || !chosen) {
         free(logits), free(heap), free(chosen);
@@ -144,22 +161,22 @@ int attend_decode(long B, int bf16, long H, long hd, const long *slots, const lo
     float *score = logits + keys_max, *keys = score + most_entries, *qh = keys + keys_max * hd, *o = qh + hd;
     float *iq = o + hd, *ik = iq + nI * dI, *iw = ik + dI;
     const float scale = 1.0f / sqrtf((float)hd);
-    for (long b = 0; b < B; ++b) {
+    for (long b = b0; b < b1; ++b) {
         const long p = pos[b], slot = slots[b];
         const long ring = slot * W * hd;
-        store_row(window, bf16, ring + (p % W) * hd, load_row(kv, bf16, b * hd, hd, keys), hd);
+        store_row(j->window, bf16, ring + (p % W) * hd, load_row(j->kv, bf16, b * hd, hd, keys), hd);
         long N = 0; /* ring row i holds position p - ((p - i) mod W): written once that is >= 0 */
         for (long i = 0; i < W && i <= p; ++i, ++N)
-            load_into(keys + N * hd, window, bf16, ring + i * hd, hd);
+            load_into(keys + N * hd, j->window, bf16, ring + i * hd, hd);
         long n = entries ? (p + 1) / rate : 0;
         if (n > max_entries) n = max_entries;
         const long slot_entries = slot * max_entries * hd;
         if (n > 0 && index_q) {
             const float head_scale = 1.0f / sqrtf((float)nI), dim_scale = 1.0f / sqrtf((float)dI);
             load_into(iq, index_q, bf16, b * nI * dI, nI * dI);
-            load_into(iw, index_w, bf16, b * nI, nI);
+            load_into(iw, j->index_w, bf16, b * nI, nI);
             for (long s = 0; s < n; ++s) {
-                const float *key = load_row(index_entries, bf16, (slot * max_entries + s) * dI, dI, ik);
+                const float *key = load_row(j->index_entries, bf16, (slot * max_entries + s) * dI, dI, ik);
                 float total = 0.0f;
                 for (long h = 0; h < nI; ++h) {
                     const float relu = fmaxf(dot(iq + h * dI, key, dI), 0.0f);
@@ -167,7 +184,7 @@ int attend_decode(long B, int bf16, long H, long hd, const long *slots, const lo
                 }
                 score[s] = total;
             }
-            top_k(score, n, topk < n ? topk : n, heap, chosen);
+            top_k(score, n, j->topk < n ? j->topk : n, heap, chosen);
         }
         for (long s = 0; s < n; ++s) {
             if (index_q && !chosen[s]) continue;
@@ -175,26 +192,62 @@ int attend_decode(long B, int bf16, long H, long hd, const long *slots, const lo
             load_into(row, entries, bf16, slot_entries + s * hd, hd);
         }
         for (long h = 0; h < H; ++h) {
-            load_into(qh, q, bf16, (b * H + h) * hd, hd);
-            float most = sink[h];
-            for (long j = 0; j < N; ++j) {
-                logits[j] = rounded(dot(qh, keys + j * hd, hd), bf16) * scale;
-                if (logits[j] > most) most = logits[j];
+            load_into(qh, j->q, bf16, (b * H + h) * hd, hd);
+            float most = j->sink[h];
+            for (long i = 0; i < N; ++i) {
+                logits[i] = rounded(dot(qh, keys + i * hd, hd), bf16) * scale;
+                if (logits[i] > most) most = logits[i];
             }
-            float total = expf(sink[h] - most);
-            for (long j = 0; j < N; ++j) {
-                logits[j] = expf(logits[j] - most);
-                total += logits[j];
+            float total = expf(j->sink[h] - most);
+            for (long i = 0; i < N; ++i) {
+                logits[i] = expf(logits[i] - most);
+                total += logits[i];
             }
             memset(o, 0, hd * sizeof(float));
-            for (long j = 0; j < N; ++j) {
-                const float weight = rounded(logits[j] / total, bf16);
-                const float *k = keys + j * hd;
+            for (long i = 0; i < N; ++i) {
+                const float weight = rounded(logits[i] / total, bf16);
+                const float *k = keys + i * hd;
                 for (long c = 0; c < hd; ++c) o[c] += weight * k[c];
             }
-            store_row(out, bf16, (b * H + h) * hd, o, hd);
+            store_row(j->out, bf16, (b * H + h) * hd, o, hd);
         }
     }
     free(logits), free(heap), free(chosen);
     return 0;
+}
+
+/* Chunk c of a job's rows (a pool's chunk function). */
+static void attend_chunk(const void *job, long c) {
+    attend_job *j = (attend_job *)job;
+    const long b0 = c * j->rows_per_chunk, b1 = b0 + j->rows_per_chunk < j->B ? b0 + j->rows_per_chunk : j->B;
+    if (attend_rows(j, b0, b1)) atomic_store(&j->failed, 1);
+}
+
+/* Chunks of rows per thread: rows cost alike up to their context lengths, and a few chunks each even those out. */
+#define ATTEND_CHUNKS_PER_THREAD 2
+
+/* Per row b: kv [B, hd] goes to window ring row pos % W of window [S, W, hd]; then each head of q [B, H, hd]
+   attends, with scale hd^-0.5 and a sink logit sink[h] (no value), to the ring rows holding positions
+   (pos - W, pos] and to the n = (pos + 1) / rate complete entries of entries [S, E_max, hd] (NULL: a
+   sliding layer), or, with an indexer (index_q [B, nI, dI], index_w [B, nI], index_entries [S, E_max, dI];
+   NULL: none), to the min(topk, n) entries it picks: score[s] = sum_h relu(q_h . K_s) dI^-0.5 w_h nI^-0.5.
+   out [B, H, hd]. Rows are spread over `nthreads` threads of `pool` by `run` (the gemv library's `pool_for`;
+   NULL: the caller's thread alone); a row's arithmetic is the same wherever it runs. Rows must be of distinct
+   slots (a decode step's: one row per sequence). Returns 0, or 1 when a scratch cannot be allocated. */
+int attend_decode(long B, int bf16, long H, long hd, const long *slots, const long *pos, const void *q,
+                  const void *kv, void *window, long W, const void *entries, long max_entries, long rate,
+                  const void *index_q, const void *index_w, const void *index_entries, long nI, long dI, long topk,
+                  const float *sink, void *out, void *pool, pool_for_fn run, int nthreads) {
+    attend_job job = {.B = B, .H = H, .hd = hd, .W = W, .max_entries = max_entries, .rate = rate, .nI = nI, .dI = dI,
+                      .topk = topk, .bf16 = bf16, .slots = slots, .pos = pos, .q = q, .kv = kv, .entries = entries,
+                      .index_q = index_q, .index_w = index_w, .index_entries = index_entries, .window = window,
+                      .out = out, .sink = sink};
+    atomic_init(&job.failed, 0);
+    const long chunks = run && nthreads > 1 ? (B < nthreads * ATTEND_CHUNKS_PER_THREAD ? B
+                                                                                      : nthreads * ATTEND_CHUNKS_PER_THREAD)
+                                            : 1;
+    if (chunks <= 1) return attend_rows(&job, 0, B);
+    job.rows_per_chunk = (B + chunks - 1) / chunks;
+    run(pool, (B + job.rows_per_chunk - 1) / job.rows_per_chunk, attend_chunk, &job, nthreads);
+    return atomic_load(&job.failed);
 }

@@ -17,16 +17,19 @@ from pathlib import Path
 import torch
 
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
+from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool
 from dsv4.kernels.mhc_cpu import check_status, eager_cpu
 from dsv4.kernels.norm_rope_cpu import MAX_ROTARY_PAIRS
 
 SOURCE = Path(__file__).with_name("decode_attention_cpu.c")
 
-# Rows one call serves: the kernel loops over rows on one thread, the torch path runs batched GEMMs. Measured
-# (benchmarks/bench_kernel_switch.py --switch decode-attention's pairing, small config, engine step CPU time, 1
-# thread): the kernel's step 1.11x / 1.14x / 1.08x faster at 1 / 4 / 8 rows, even at 16 (1.01x), slower at 32
-# (0.97x).
-MAX_DECODE_ROWS = 8
+# Rows one call serves: every decode row a step of the few-row kernels has (`gemv_cpu.MAX_F32_DECODE_ROWS`). The
+# kernel spreads them over that pool's threads in chunks, where the torch path (torch at one thread on such
+# steps: `KernelRegistry.threads_for_rows`) runs batched GEMMs on one. Measured (small config, fp32 dense
+# experts, 2 threads, engine decode step, paired in one session): b=16 15.3-16.3 -> 14.2-14.5 ms, b=64
+# 30.9-34.9 -> 28.9-30.6 ms against a limit of 8 rows; before the pool (one thread) the kernel was 1.08-1.14x
+# the torch path at 1-8 rows, even at 16, 0.97x at 32.
+MAX_DECODE_ROWS = MAX_F32_DECODE_ROWS
 
 
 def build_library(march: str = NATIVE) -> ctypes.CDLL:
@@ -36,7 +39,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.compress_decode.restype = Int
     lib.compress_decode.argtypes = [L, Int, P, P, P, P, P, P, L, L, P, L, Int, P, F, P, L, P, L, L]
     lib.attend_decode.restype = Int
-    lib.attend_decode.argtypes = [L, Int, L, L, P, P, P, P, P, L, P, L, L, P, P, P, L, L, L, P, P]
+    lib.attend_decode.argtypes = [L, Int, L, L, P, P, P, P, P, L, P, L, L, P, P, P, L, L, L, P, P, P, P, Int]
     return lib
 
 
@@ -50,13 +53,15 @@ def _rows(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
 
 
 class DecodeAttentionKernel:
-    """`attend` serves a layer's single-token decode rows; `compress` (called first, per compressor) the
-    same rows' compressor rings and entries. `supports` takes `attend`'s arguments: fp32 or bf16 rows and
-    caches, fp32 sinks, at most MAX_DECODE_ROWS rows."""
+    """`attend` serves a layer's single-token decode rows, spread over `pool`'s threads; `compress` (called
+    first, per compressor) the same rows' compressor rings and entries. `supports` takes `attend`'s arguments:
+    fp32 or bf16 rows and caches, fp32 sinks, at most MAX_DECODE_ROWS rows."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool | None = None):
+        """pool: the few-row kernels' worker pool, which `attend` spreads its rows over (None: one thread)."""
         self._compress = lib.compress_decode
         self._attend = lib.attend_decode
+        self._pool = pool
 
     @staticmethod
     def supports(q: torch.Tensor, kv: torch.Tensor, window: torch.Tensor, slots: torch.Tensor,
@@ -117,9 +122,17 @@ class DecodeAttentionKernel:
             0 if entries is None else entries.shape[1], rate or 1,
             None if index_q is None else index_q.data_ptr(), None if index_w is None else index_w.data_ptr(),
             None if index_entries is None else index_entries.data_ptr(), nI, dI, topk, sink.data_ptr(),
-            out.data_ptr())
+            out.data_ptr(), *self._threads())
         check_status(status, "attend_decode", B)
         return out
+
+
+    def _threads(self) -> tuple[int | None, int | None, int]:
+        """(pool handle, its `pool_for`, threads a call may use now) for `attend_decode`; no pool: one thread."""
+        pool = self._pool
+        if pool is None or not pool.handle:
+            return None, None, 1
+        return pool.handle, pool.runner, pool.threads()
 
 
 def attend_args(attn, q: torch.Tensor, kv: torch.Tensor, meta, cache, side) -> tuple:

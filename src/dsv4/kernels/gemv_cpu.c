@@ -324,6 +324,12 @@ static void pool_run(pool *p, long n_chunks, chunk_fn fn, const void *job, int n
     }
 }
 
+/* pool_run for the other kernel libraries (decode attention spreads its rows over this pool rather than start
+   threads of its own: one set of threads for every kernel, as torch runs one intra-op pool). */
+void pool_for(pool *p, long n_chunks, chunk_fn fn, const void *job, int nthreads) {
+    pool_run(p, n_chunks, fn, job, nthreads);
+}
+
 /* Rows of x as fp32 (a copy only for bf16). */
 static const float *rows_f32(const void *x, int act, long count, float *scratch) {
     if (act == ACT_F32) return (const float *)x;

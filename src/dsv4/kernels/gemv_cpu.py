@@ -196,6 +196,9 @@ class WorkerPool:
         if not self.handle:
             raise MemoryError("gemv_cpu: could not allocate the worker pool")
         self.workers = lib.pool_workers(self.handle)
+        # The library's `pool_for(pool, n_chunks, fn, job, threads)`, which other kernel libraries call to run
+        # their chunks on these threads (`decode_attention_cpu.attend_decode`).
+        self.runner = ctypes.cast(lib.pool_for, ctypes.c_void_p).value
         self.fixed = fixed
         self.pinned: int | None = None  # set by `pinned_threads`: the count calls use meanwhile
 

@@ -95,8 +95,13 @@ def _build_norm_rope():
 
 def _build_decode_attention():
     from dsv4.kernels.decode_attention_cpu import DecodeAttentionKernel, build_library
+    from dsv4.kernels.gemv_cpu import shared_kernels
 
-    return DecodeAttentionKernel(build_library())
+    try:
+        pool = shared_kernels()[0].pool  # the few-row kernels' threads spread the rows
+    except (RuntimeError, OSError, MemoryError):
+        pool = None  # their library failed to build: the rows run on the caller's thread
+    return DecodeAttentionKernel(build_library(), pool)
 
 
 def _build_grouped_experts():
