@@ -671,6 +671,13 @@ class _CountedKernel:
         self.hits[self.op] += 1
         return self.bound(*args)
 
+    def supports_grouped(self, *args):
+        return self.bound.supports_grouped(*args)
+
+    def grouped(self, *args):
+        self.hits[self.op] += 1
+        return self.bound.grouped(*args)
+
 
 # expert format, model dtype -> the few-row ops that must serve its calls
 WIRED = {("dense", torch.float32): {FEW_ROW_EXPERTS, LINEAR, SHARED_INPUT_LINEAR},
@@ -772,3 +779,47 @@ def test_one_row_steps_run_torch_on_one_thread_and_the_kernels_on_the_rest(two_t
     assert (5, False, 2) in recording.forwards, recording.forwards  # the two prompts' rows: torch keeps its threads
     assert {threads for rows, decode, threads in recording.forwards if decode and rows == 2} == {1}, recording.forwards
     assert torch.get_num_threads() == 2
+
+
+def _stored_input_major(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] as an input-major parameter of its own (storage [K, N])."""
+    param = input_major(weight.shape[0], weight.shape[1], weight.dtype)
+    param.data.copy_(weight)
+    return param
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 53])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_grouped_product_is_each_groups_own_product(rows, wdtype):
+    """A grouped product (the attention's grouped low-rank output: group g's inputs through its own block of the
+    weight's rows) gives, group by group, exactly what the group's block as a weight of its own gives its inputs
+    (every pass: one row, the tile pass's several rows, the register-blocked pass from 48 rows), and the
+    torch product to fp32 summation order."""
+    groups, k, n = 4, 96, 48
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(groups * n, k, generator=g).to(wdtype)
+    x = torch.randn(rows, groups * k, generator=g)
+    bound = DenseGemv(gemv_cpu.build_library(), gemv_cpu.WorkerPool(gemv_cpu.build_library(), 1)).bind(
+        _stored_input_major(weight))
+    # The rows it takes are the rows the weight's own product takes (fp32 rows on bf16 weights: a few).
+    takes = bound.supports(x[:, :k].contiguous(), True)
+    assert bound.supports_grouped(x, groups, decode_rows=True) == takes
+    y = bound.grouped(x, groups)  # the call itself runs any rows
+    for i in range(groups):
+        block = DenseGemv(gemv_cpu.build_library(), bound._pool).bind(_stored_input_major(weight[i * n:(i + 1) * n]))
+        own = block(x[:, i * k:(i + 1) * k].contiguous())
+        assert torch.equal(y[:, i * n:(i + 1) * n], own), i
+        want = x[:, i * k:(i + 1) * k] @ weight[i * n:(i + 1) * n].float().t()
+        torch.testing.assert_close(y[:, i * n:(i + 1) * n], want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_product_declines_what_it_cannot_run():
+    weight = _stored_input_major(torch.randn(64, 32))
+    bound = DenseGemv(gemv_cpu.build_library(), gemv_cpu.WorkerPool(gemv_cpu.build_library(), 1)).bind(weight)
+    x = torch.randn(2, 4 * 32)
+    assert bound.supports_grouped(x, 4, decode_rows=True)
+    assert not bound.supports_grouped(x.to(torch.bfloat16), 4, decode_rows=True)  # fp32 rows only
+    assert not bound.supports_grouped(torch.randn(2, 3 * 32), 4, decode_rows=True)  # not groups x in_features
+    assert not bound.supports_grouped(torch.randn(2, 3 * 32), 3, decode_rows=True)  # groups must divide outputs
+    assert not bound.supports_grouped(torch.randn(2, 32 * 32), 32, decode_rows=True)  # more than one dispatch takes
+    assert not bound.supports_grouped(torch.randn(MAX_F32_DECODE_ROWS + 1, 4 * 32), 4, decode_rows=True)

@@ -1011,17 +1011,19 @@ static void product_chunk(const void *arg, long c) {
 /* Most weights one dense_xw_shared call takes (a layer's projections of one input number at most 7). */
 #define MAX_SHARED 16
 
-/* dense_xw over several weights of one x, chunk c of all their chunks (weight i's run from first[i]). */
+/* dense_xw over several weights, chunk c of all their chunks (weight i's run from first[i]). Weight i multiplies
+   the K columns of x from x_step * i (rows ldx apart; one shared x: x_step 0, ldx K), its rows are ldw[i] apart,
+   and its sums go to acc[i], rows ldacc[i] apart. */
 typedef struct {
     const float *x;
-    long R, K, count;
+    long R, K, count, ldx, x_step;
     int act;
     const void *const *w;
     const int *wfmt;
     const long *N;
     void *const *y;
     float *acc[MAX_SHARED];
-    long chunk[MAX_SHARED], first[MAX_SHARED + 1];
+    long chunk[MAX_SHARED], first[MAX_SHARED + 1], ldw[MAX_SHARED], ldacc[MAX_SHARED];
 } shared_job;
 
 static void shared_chunk(const void *arg, long c) {
@@ -1029,9 +1031,19 @@ static void shared_chunk(const void *arg, long c) {
     long i = 0;
     while (c >= j->first[i + 1]) ++i;
     const long N = j->N[i], n0 = (c - j->first[i]) * j->chunk[i], n1 = n0 + j->chunk[i] < N ? n0 + j->chunk[i] : N;
-    dense_range(j->x, j->R, j->K, j->K, j->w[i], j->wfmt[i], N, n0, n1, j->acc[i] + n0, N);
+    dense_range(j->x + i * j->x_step, j->R, j->K, j->ldx, j->w[i], j->wfmt[i], j->ldw[i], n0, n1, j->acc[i] + n0,
+                j->ldacc[i]);
     if (j->act != ACT_F32)
         for (long r = 0; r < j->R; ++r) store_row(j->y[i], j->act, r * N + n0, j->acc[i] + r * N + n0, n1 - n0);
+}
+
+/* Each weight cut as its own call cuts it (a share of the chunks by bytes balanced worse at 4+ rows). */
+static void cut_weights(shared_job *job, int nthreads) {
+    for (long i = 0; i < job->count; ++i) {
+        const long N = job->N[i];
+        job->chunk[i] = chunk_size(N, nthreads, matrix_bytes(job->wfmt[i], job->K * N), MIN_CHUNK_COLS, SPLIT_ALIGN);
+        job->first[i + 1] = job->first[i] + (N + job->chunk[i] - 1) / job->chunk[i];
+    }
 }
 
 /* y_i[R, N_i] = x[R, K] W_i^T for i < count, each W_i resident input-major [K, N_i] (fp32 or bf16): what
@@ -1052,14 +1064,13 @@ int dense_xw_shared(pool *p, const void *x, int act, long R, long K, long count,
         free(xf), free(acc);
         return ERR_ALLOC;
     }
-    shared_job job = {.x = rows_f32(x, act, R * K, xf), .R = R, .K = K, .count = count, .act = act, .w = w,
+    shared_job job = {.x = rows_f32(x, act, R * K, xf), .R = R, .K = K, .count = count, .ldx = K, .act = act, .w = w,
                       .wfmt = wfmt, .N = N, .y = y};
     for (long i = 0, offset = 0; i < count; offset += R * N[i], ++i) {
         job.acc[i] = act == ACT_BF16 ? acc + offset : (float *)y[i];
-        /* each weight cut as its own call cuts it (a share of the chunks by bytes balanced worse at 4+ rows) */
-        job.chunk[i] = chunk_size(N[i], nthreads, matrix_bytes(wfmt[i], K * N[i]), MIN_CHUNK_COLS, SPLIT_ALIGN);
-        job.first[i + 1] = job.first[i] + (N[i] + job.chunk[i] - 1) / job.chunk[i];
+        job.ldw[i] = job.ldacc[i] = N[i];
     }
+    cut_weights(&job, nthreads);
     pool_run(p, job.first[count], shared_chunk, &job, nthreads);
     free(xf);
     free(acc);
@@ -1069,6 +1080,33 @@ int dense_xw_shared(pool *p, const void *x, int act, long R, long K, long count,
 /* y[R, N] = x[R, K] W^T for one resident input-major W [K, N]: the one-weight dense_xw_shared. */
 int dense_xw(pool *p, const void *x, int act, long R, long K, const void *w, int wfmt, long N, void *y, int nthreads) {
     return dense_xw_shared(p, x, act, R, K, 1, &w, &wfmt, &N, &y, nthreads);
+}
+
+/* y[R, G * N] with y[r, g * N + n] = sum_k x[r, g * K + k] W[g * N + n, k] for g < G: a grouped product (each
+   group of K inputs through its own block of N outputs: the attention's grouped low-rank output projection) of
+   fp32 rows x [R, G * K] and one resident input-major W [G * N, K] (storage [K, G * N], fp32 or bf16). Each output
+   is summed as dense_xw sums it; the groups' column chunks share one dispatch to the pool. fp32 rows only,
+   G <= MAX_SHARED (else ERR_ARGS: the caller takes torch's path). */
+int dense_xw_grouped(pool *p, const float *x, long R, long G, long K, const void *w, int wfmt, long N, float *y,
+                     int nthreads) {
+    if (R <= 0 || K <= 0 || N <= 0 || G <= 0 || G > MAX_SHARED || (wfmt != FMT_F32 && wfmt != FMT_BF16))
+        return ERR_ARGS;
+    const void *blocks[MAX_SHARED];
+    int formats[MAX_SHARED];
+    long widths[MAX_SHARED];
+    const size_t element = wfmt == FMT_F32 ? sizeof(float) : sizeof(uint16_t);
+    shared_job job = {.x = x, .R = R, .K = K, .count = G, .ldx = G * K, .x_step = K, .act = ACT_F32, .w = blocks,
+                      .wfmt = formats, .N = widths, .y = NULL};
+    for (long g = 0; g < G; ++g) {
+        blocks[g] = (const char *)w + (size_t)(g * N) * element; /* the group's columns of every storage row */
+        formats[g] = wfmt;
+        widths[g] = N;
+        job.acc[g] = y + g * N;
+        job.ldw[g] = job.ldacc[g] = G * N;
+    }
+    cut_weights(&job, nthreads);
+    pool_run(p, job.first[G], shared_chunk, &job, nthreads);
+    return OK;
 }
 
 /* b0, b1: the FP8 block (b0 output rows x b1 inputs); FP4: b1 = inputs per scale (b0 unused). */

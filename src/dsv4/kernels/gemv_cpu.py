@@ -101,6 +101,8 @@ MAX_F32_ROWS = 1
 # 26.6-33.2 ms, b=64 38.8 vs 41.0 ms, FP4 experts b=64 34.0 vs 36.3-43.2 ms. Per shape at 64 rows, cold weights:
 # the 16384x512 head 1.5x MKL's GEMM, the layers' projections 0.8-1.3x.
 MAX_F32_DECODE_ROWS = 64
+# Groups one grouped product takes (gemv_cpu.c MAX_SHARED: the weights one dispatch cuts into chunks).
+MAX_GROUPS = 16
 # fp32 rows against a bf16 weight (`LLM(dtype="bfloat16", activation_dtype="float32")`): the kernel reads the
 # bf16 weight once where torch needs a widened fp32 copy of it first (`model.linear.compute_weight`). Measured
 # on 128x256, 128x49 and 512x2048 input-major weights, 1 thread, shared machine, vs widen + F.linear: 1.2-3.8x
@@ -169,6 +171,8 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.dense_xw.argtypes = [P, P, Int, L, L, P, Int, L, P, Int]
     lib.dense_xw_shared.restype = Int
     lib.dense_xw_shared.argtypes = [P, P, Int, L, L, L, P, P, P, P, Int]
+    lib.dense_xw_grouped.restype = Int
+    lib.dense_xw_grouped.argtypes = [P, P, L, L, L, P, Int, L, P, Int]
     lib.quant_xw.restype = Int
     lib.quant_xw.argtypes = [P, P, Int, L, L, Int, P, P, L, L, L, P, Int]
     lib.moe_experts.restype = Int
@@ -323,7 +327,7 @@ class DenseGemv(_PoolKernel):
         if weight.dim() != 2 or weight.requires_grad or not weight.is_cpu or not rows or not _input_major(weight):
             return None
         decode_rows = {act: max(most, _DECODE_ROWS.get((act, weight.dtype), 0)) for act, most in rows.items()}
-        return BoundGemv(self._fn, self._pool, weight, rows, decode_rows)
+        return BoundGemv(self._fn, self._pool, weight, rows, decode_rows, self._lib.dense_xw_grouped)
 
     def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         bound = self.bind(weight)
@@ -341,9 +345,10 @@ class BoundGemv:
     address it calls with names live storage."""
 
     def __init__(self, fn, pool: WorkerPool, weight: torch.Tensor, rows: dict[torch.dtype, int],
-                 decode_rows: dict[torch.dtype, int]):
+                 decode_rows: dict[torch.dtype, int], grouped_fn=None):
         self.weight = weight
         self._fn, self._pool, self._rows, self._decode_rows = fn, pool, rows, decode_rows
+        self._grouped_fn = grouped_fn  # the library's dense_xw_grouped (`grouped`), None: no grouped calls
         self.out_features, self.in_features = weight.shape
         N = self.out_features
         self._weight_args = (weight.data_ptr(), _DENSE_FMT[weight.dtype], N)  # pointer, format, N
@@ -363,6 +368,27 @@ class BoundGemv:
         status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, self.in_features, *self._weight_args,
                           y.data_ptr(), self._pool.threads())
         _check(status, "dense_xw")
+        return y
+
+    def supports_grouped(self, x: torch.Tensor, groups: int, decode_rows: bool = False) -> bool:
+        """Whether `grouped(x, groups)` runs here: fp32 rows of `groups` * in_features columns, the rows `supports`
+        takes, groups that divide the outputs, at most MAX_GROUPS of them."""
+        most = (self._decode_rows if decode_rows else self._rows).get(x.dtype, 0)
+        return (self._grouped_fn is not None and x.dtype == torch.float32 and 0 < groups <= MAX_GROUPS
+                and self.out_features % groups == 0 and x.dim() == 2 and 0 < x.shape[0] <= most
+                and x.shape[1] == groups * self.in_features and x.is_cpu and x.is_contiguous()
+                and not x.requires_grad and not self.weight.requires_grad)
+
+    def grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
+        """x [R, groups * K] -> y [R, out_features], group g's K inputs through its own block of the weight's
+        rows: y[:, g*N:(g+1)*N] = x[:, g*K:(g+1)*K] @ weight[g*N:(g+1)*N].T (N = out_features / groups), each
+        output summed as `__call__` sums it. The attention's grouped low-rank output projection."""
+        R, N = x.shape[0], self.out_features // groups
+        y = x.new_empty(R, self.out_features)
+        pointer, fmt, _ = self._weight_args
+        status = self._grouped_fn(self._pool.handle, x.data_ptr(), R, groups, self.in_features, pointer, fmt, N,
+                                  y.data_ptr(), self._pool.threads())
+        _check(status, "dense_xw_grouped")
         return y
 
 

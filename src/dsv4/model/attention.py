@@ -410,6 +410,11 @@ class Attention(nn.Module):
     def _project_out(self, out: torch.Tensor, decode_rows: bool = False) -> torch.Tensor:
         """Grouped low-rank output: heads split into g groups, each mapped to ol by its own block of wo_a."""
         T = out.shape[0]
+        product = self.wo_a.product
+        if product is not None and not torch.compiler.is_compiling():  # the few-row kernel, groups in one call
+            rows = out.reshape(T, -1)
+            if product.supports_grouped(rows, self.o_groups, decode_rows):
+                return all_reduce(self.wo_b(product.grouped(rows, self.o_groups), decode_rows), self.parallel)
         grouped = out.reshape(T, self.o_groups, -1).transpose(0, 1)  # [g, T, (H/g)*hd]
         wo_a = compute_weight(self.wo_a.weight, grouped.dtype)
         wo_a = wo_a.view(self.o_groups, self.o_lora_rank, -1).transpose(1, 2)  # [g, (H/g)*hd, ol]
