@@ -226,7 +226,7 @@ def fused_kernels():
 # Token counts: below one Sinkhorn lane block (8 tokens), and two full blocks plus a partial one.
 # (hc, D): the released hc (the kernel's unrolled path) with D a multiple of the 16 partial sums and not
 # (their tail), and another hc (the run-time-hc path).
-@pytest.mark.parametrize("T", [7, 19])
+@pytest.mark.parametrize("T", [7, 19, 70])  # 70: past MAX_MIX_ROWS, torch's GEMM takes the mix
 @pytest.mark.parametrize("broadcast", [False, True])
 @pytest.mark.parametrize("hc, D", [(HC, 48), (HC, 50), (3, 37)])
 def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T, hc, D):
@@ -263,6 +263,28 @@ def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T, hc, D):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_streams, want_streams, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_token_mix_on_the_pool_equals_one_thread_and_each_token_alone(dtype):
+    """The mix GEMM of a decode step's tokens (MAX_MIX_ROWS of them) spread over the few-row kernels' pool: bit for
+    bit what the caller's thread alone gives, and each token's logits what that token alone gives (a dot product
+    per output, whatever the batch or the threads)."""
+    from dsv4.kernels.mhc_cpu import MAX_MIX_ROWS, MhcFusedKernel
+    from dsv4.kernels.registry import MHC_FUSED, KernelRegistry
+
+    pooled = KernelRegistry().choose(MHC_FUSED).impl
+    assert pooled._pool is not None, "the fused mHC kernel got no worker pool"
+    alone = MhcFusedKernel(build_library(), None)
+    g = torch.Generator().manual_seed(23)
+    streams = torch.randn(MAX_MIX_ROWS, HC, 96, generator=g).to(dtype)
+    fn = torch.randn(MIX, HC * 96, generator=g)
+    with pooled._pool.pinned_threads(4):
+        got = pooled._few_token_mix(streams, fn)
+    assert torch.equal(got, alone._few_token_mix(streams, fn))
+    for t in (0, 17, MAX_MIX_ROWS - 1):
+        assert torch.equal(got[t], alone._few_token_mix(streams[t : t + 1], fn)[0]), t
+    torch.testing.assert_close(got, streams.flatten(1).float() @ fn.t(), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("norm", [None, "plain", "weighted"])

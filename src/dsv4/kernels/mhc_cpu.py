@@ -19,10 +19,14 @@ from pathlib import Path
 import torch
 
 from dsv4.kernels.c_library import compile_library
+from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool
 from dsv4.kernels.row_chunks import row_chunks
 
 # Streams the kernel is validated for (every released config has hc = 4); larger hc uses the reference.
 MAX_HC = 16
+# Tokens whose mix GEMM runs in C (`MhcFusedKernel._few_token_mix`): a decode step's rows
+# (`gemv_cpu.MAX_F32_DECODE_ROWS`); more (a prefill's) take torch's GEMM on all of torch's threads.
+MAX_MIX_ROWS = MAX_F32_DECODE_ROWS
 
 SOURCE = Path(__file__).with_name("mhc_cpu.c")
 
@@ -37,6 +41,8 @@ def build_library() -> ctypes.CDLL:
     lib.mhc_pre.argtypes = [P, Int, P, P, P, L, Int, Int, L, Int, F, F, P, F, P, P]
     lib.mhc_post.restype = Int
     lib.mhc_post.argtypes = [P, Int, P, P, L, Int, Int, L, P]
+    lib.mhc_mix.restype = Int
+    lib.mhc_mix.argtypes = [P, Int, L, L, P, L, P, P, P, Int]
     return lib
 
 
@@ -101,9 +107,13 @@ class MhcFusedKernel:
 
     `supports` takes `pre`'s arguments; `post` then serves the same streams."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, pool: WorkerPool | None = None):
+        """pool: the few-row kernels' worker pool, which the mix GEMM of a few tokens spreads its rows over
+        (None: the caller's thread)."""
         self._pre = lib.mhc_pre
         self._post = lib.mhc_post
+        self._mix = lib.mhc_mix
+        self._pool = pool
 
     @staticmethod
     def supports(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int,
@@ -120,7 +130,7 @@ class MhcFusedKernel:
         [mix, D]), fn [mix, hc_in * D] -> (coef [T, mix] fp32 = pre | post | comb, block input [T, D] in
         streams' dtype)."""
         T, hc_in, D = streams.shape
-        raw = mix_gemm(streams, fn).contiguous()
+        raw = self._few_token_mix(streams, fn) if T <= MAX_MIX_ROWS else mix_gemm(streams, fn).contiguous()
         coef = torch.empty_like(raw)
         y = streams.new_empty(T, D)
         status = self._pre(streams.data_ptr(), _is_bf16(streams), raw.data_ptr(), base.data_ptr(), scale.data_ptr(),
@@ -129,6 +139,20 @@ class MhcFusedKernel:
                            coef.data_ptr(), y.data_ptr())
         check_status(status, "mhc_pre", T)
         return coef, y
+
+    def _few_token_mix(self, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+        """`mix_gemm` of a few tokens in C (`mhc_mix`: a dot product per output, rows over the pool's threads),
+        where torch's GEMM on one thread (decode steps keep torch there: `KernelRegistry.threads_for_rows`) ran
+        2-4x slower on the small config's [16, 2048] x [2048, 24]."""
+        T, hc_in, D = streams.shape
+        fn = fn.float().contiguous()
+        raw = torch.empty(T, fn.shape[0], dtype=torch.float32)
+        pool = self._pool
+        threads = (pool.handle, pool.runner, pool.threads()) if pool is not None and pool.handle else (None, None, 1)
+        status = self._mix(streams.data_ptr(), _is_bf16(streams), T, hc_in * D, fn.data_ptr(), fn.shape[0],
+                           raw.data_ptr(), *threads)
+        check_status(status, "mhc_mix", T)
+        return raw
 
     def post(
         self, streams: torch.Tensor, out: torch.Tensor, coef: torch.Tensor, hc: int, in_place: bool = False

@@ -84,7 +84,7 @@ def _build_mhc_cpu():
 def _build_mhc_fused():
     from dsv4.kernels.mhc_cpu import MhcFusedKernel, build_library
 
-    return MhcFusedKernel(build_library())
+    return MhcFusedKernel(build_library(), _few_row_pool())
 
 
 def _build_norm_rope():
@@ -93,15 +93,21 @@ def _build_norm_rope():
     return NormRopeKernel(build_library())
 
 
-def _build_decode_attention():
-    from dsv4.kernels.decode_attention_cpu import DecodeAttentionKernel, build_library
+def _few_row_pool():
+    """The few-row kernels' worker pool, which other C kernels spread their rows over (one set of threads for
+    every kernel), or None where their library does not build (those kernels then run on the caller's thread)."""
     from dsv4.kernels.gemv_cpu import shared_kernels
 
     try:
-        pool = shared_kernels()[0].pool  # the few-row kernels' threads spread the rows
+        return shared_kernels()[0].pool
     except (RuntimeError, OSError, MemoryError):
-        pool = None  # their library failed to build: the rows run on the caller's thread
-    return DecodeAttentionKernel(build_library(), pool)
+        return None
+
+
+def _build_decode_attention():
+    from dsv4.kernels.decode_attention_cpu import DecodeAttentionKernel, build_library
+
+    return DecodeAttentionKernel(build_library(), _few_row_pool())
 
 
 def _build_grouped_experts():
