@@ -823,3 +823,43 @@ def test_grouped_product_declines_what_it_cannot_run():
     assert not bound.supports_grouped(torch.randn(2, 3 * 32), 3, decode_rows=True)  # groups must divide outputs
     assert not bound.supports_grouped(torch.randn(2, 32 * 32), 32, decode_rows=True)  # more than one dispatch takes
     assert not bound.supports_grouped(torch.randn(MAX_F32_DECODE_ROWS + 1, 4 * 32), 4, decode_rows=True)
+
+
+@pytest.mark.parametrize("cols", [1, 5, 16, 17, 100, 16384])
+def test_greedy_argmax_is_torch_max_indices(cols):
+    """Every row's first largest value, as torch.max(dim=-1) picks it: random rows, ties at the front, the back
+    and in between (the lowest index wins), infinities, all-equal rows, and rows holding NaN (the first NaN)."""
+    from dsv4.kernels.registry import GREEDY_ARGMAX
+
+    g = torch.Generator().manual_seed(cols)
+    rows = torch.randn(24, cols, generator=g)
+    rows[1] = 0.5  # all equal
+    rows[2, -1] = rows[2].max() + 1  # the last column
+    if cols > 2:
+        top = rows[3].max() + 1
+        rows[3, [1, cols - 1]] = top  # a tie: the first wins
+        rows[4, cols // 2] = float("inf")
+        rows[4, cols - 1] = float("inf")
+        rows[5, cols // 3] = float("nan")
+        rows[5, cols - 1] = float("nan")
+        rows[6] = -float("inf")
+        rows[7, 0] = float("nan")
+        rows[8, :] = -3.0
+        rows[8, cols - 2] = -2.0
+    kernel = KernelRegistry().kernel(GREEDY_ARGMAX, rows)
+    assert kernel is not None
+    want = rows.max(dim=-1).indices
+    assert torch.equal(kernel(rows), want)
+    with kernel.pool.pinned_threads(4):  # rows over several chunks
+        assert torch.equal(kernel(rows), want)
+    assert torch.equal(kernel(rows[:1].contiguous()), want[:1])
+
+
+def test_greedy_argmax_declines_what_it_cannot_run():
+    from dsv4.kernels.registry import GREEDY_ARGMAX
+
+    registry = KernelRegistry()
+    assert registry.kernel(GREEDY_ARGMAX, torch.zeros(2, 8)) is not None
+    assert registry.kernel(GREEDY_ARGMAX, torch.zeros(2, 8, dtype=torch.bfloat16)) is None
+    assert registry.kernel(GREEDY_ARGMAX, torch.zeros(8, 2).t()) is None  # not contiguous
+    assert registry.kernel(GREEDY_ARGMAX, torch.zeros(8)) is None

@@ -134,7 +134,7 @@ class Engine:
         self.runner = ModelRunner(model, limits, compile_decode)  # reserves every cache slot (pages taken as written)
         self.scheduler = Scheduler(limits)
         self.sampling = SamplingBatch(limits.max_num_seqs, self.runner.device)  # a row per cache slot
-        self.sampler = Sampler(default_seed=seed)
+        self.sampler = Sampler(default_seed=seed, kernels=self.runner.model.kernels)
         self.proposer = proposer
         self.speculation_max_batch = speculation_max_batch
         self.speculation = SpeculationMetrics()  # totals over every verify chunk this engine judged

@@ -63,7 +63,7 @@ class MTPProposer:
         self.cache = drafter.allocate_cache(limits.max_num_seqs, limits.max_model_len)
         self.decode_span = self.cache.rollback_limit()  # chunks that fit its rings run as decode rows
         self.sampling = SamplingBatch(limits.max_num_seqs, self.device)
-        self.sampler = Sampler(default_seed=seed, stream=DRAFT_STREAM)
+        self.sampler = Sampler(default_seed=seed, stream=DRAFT_STREAM, kernels=drafter.mtp[0].kernels)
         self._commits: list[tuple[Sequence, int, torch.Tensor]] = []  # this step's, run at `end_step`
         # slot -> (R [hc, D], logits [V]) of the last final position, whose token is the last known one.
         self._heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -132,7 +132,7 @@ class MTPProposer:
         depth = 0
         while True:
             if greedy:
-                drafted = greedy_tokens(logits).tolist()
+                drafted = greedy_tokens(logits, self.sampler.kernels).tolist()
             else:
                 out = self.sampler.sample_rows(logits, self.sampling.rows([slots[j] for j in active]),
                                                [generated[j] + depth for j in active], return_probs=True)

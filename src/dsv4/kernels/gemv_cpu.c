@@ -1485,3 +1485,69 @@ done:
     free(half);
     return status;
 }
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* Greedy sampling: each row's argmax.                                                                  */
+/* ---------------------------------------------------------------------------------------------------- */
+
+/* Floats one step of the argmax's passes compares: an AVX-512 vector. */
+#define ARGMAX_LANES 16
+
+/* The index torch.max(dim=-1) returns for one row of n > 0 floats: the first of its largest value, or the first
+   NaN where the row holds one. One pass finds the maximum (and whether a NaN is there), a second the first
+   position holding it: with AVX-512 sixteen floats a step (a running index does not vectorise). */
+static long row_argmax(const float *restrict x, long n) {
+    long i = 0;
+    float best = x[0];
+    int nan = x[0] != x[0];
+#if defined(__AVX512F__)
+    if (n >= ARGMAX_LANES) {
+        __m512 most = _mm512_loadu_ps(x);
+        __mmask16 unordered = _mm512_cmp_ps_mask(most, most, _CMP_UNORD_Q);
+        for (i = ARGMAX_LANES; i + ARGMAX_LANES <= n; i += ARGMAX_LANES) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            most = _mm512_max_ps(most, v); /* NaN-free rows only are read from it */
+        }
+        best = _mm512_reduce_max_ps(most);
+        nan = unordered != 0;
+    }
+#endif
+    for (; i < n; ++i) {
+        best = x[i] > best ? x[i] : best;
+        nan |= x[i] != x[i];
+    }
+    long k = 0;
+#if defined(__AVX512F__)
+    const __m512 wanted = _mm512_set1_ps(best);
+    for (; k + ARGMAX_LANES <= n; k += ARGMAX_LANES) {
+        const __m512 v = _mm512_loadu_ps(x + k);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, wanted, _CMP_EQ_OQ);
+        if (hit) return k + __builtin_ctz(hit);
+    }
+#endif
+    for (; k < n; ++k)
+        if (nan ? x[k] != x[k] : x[k] == best) return k;
+    return 0; /* not reached: the maximum (or a NaN) is one of the row's values */
+}
+
+typedef struct {
+    const float *x;
+    long rows, cols, rows_per_chunk;
+    int64_t *out;
+} argmax_job;
+
+static void argmax_chunk(const void *arg, long c) {
+    const argmax_job *j = arg;
+    const long r0 = c * j->rows_per_chunk, r1 = r0 + j->rows_per_chunk < j->rows ? r0 + j->rows_per_chunk : j->rows;
+    for (long r = r0; r < r1; ++r) j->out[r] = row_argmax(j->x + r * j->cols, j->cols);
+}
+
+/* out[r] = the argmax of row r of x [rows, cols] fp32 (`row_argmax`), rows over the pool's threads. */
+int argmax_rows(pool *p, const float *x, long rows, long cols, int64_t *out, int nthreads) {
+    if (rows <= 0 || cols <= 0) return ERR_ARGS;
+    const long chunks = nthreads > 1 ? (rows < 2L * nthreads ? rows : 2L * nthreads) : 1;
+    argmax_job job = {x, rows, cols, (rows + chunks - 1) / chunks, out};
+    pool_run(p, (rows + job.rows_per_chunk - 1) / job.rows_per_chunk, argmax_chunk, &job, nthreads);
+    return OK;
+}

@@ -171,6 +171,8 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.dense_xw.argtypes = [P, P, Int, L, L, P, Int, L, P, Int]
     lib.dense_xw_shared.restype = Int
     lib.dense_xw_shared.argtypes = [P, P, Int, L, L, L, P, P, P, P, Int]
+    lib.argmax_rows.restype = Int
+    lib.argmax_rows.argtypes = [P, P, L, L, P, Int]
     lib.dense_xw_grouped.restype = Int
     lib.dense_xw_grouped.argtypes = [P, P, L, L, L, P, Int, L, P, Int]
     lib.quant_xw.restype = Int
@@ -390,6 +392,26 @@ class BoundGemv:
                                   y.data_ptr(), self._pool.threads())
         _check(status, "dense_xw_grouped")
         return y
+
+
+class RowArgmax(_PoolKernel):
+    """Greedy sampling's argmax: [B, V] fp32 logits -> [B] int64, each row's first largest value (its first NaN
+    where it holds one: torch.max(dim=-1)'s indices), rows over the pool. torch's max with indices runs ~9x
+    its own amax on CPU (one thread, [16, 16384]: 134 against 14.5 us), a tenth of a decode step at b=64."""
+
+    _entry = "argmax_rows"
+
+    @staticmethod
+    def supports(logits: torch.Tensor) -> bool:
+        return (not torch.compiler.is_compiling() and logits.dtype == torch.float32 and logits.dim() == 2
+                and logits.is_cpu and logits.is_contiguous() and logits.shape[0] > 0 and logits.shape[1] > 0)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        rows, cols = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        _check(self._fn(self._pool.handle, logits.data_ptr(), rows, cols, out.data_ptr(), self._pool.threads()),
+               "argmax_rows")
+        return out
 
 
 class SharedInputGemv(_PoolKernel):
@@ -711,8 +733,8 @@ def usable_cpus() -> int:
 
 
 def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts,
-                                                      FusedMoeLayer, SharedInputGemv]:
-    """All six kernels over one build of the library and one worker pool.
+                                                      FusedMoeLayer, SharedInputGemv, RowArgmax]:
+    """All seven kernels over one build of the library and one worker pool.
 
     Args:
         threads: threads every call uses (the pool gets threads - 1 workers); None: the pool gets a worker
@@ -725,12 +747,12 @@ def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, Fus
     lib = build_library()
     pool = WorkerPool(lib, (threads or usable_cpus()) - 1, fixed=threads is not None)
     return (DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool),
-            FusedMoeLayer(lib, pool), SharedInputGemv(lib, pool))
+            FusedMoeLayer(lib, pool), SharedInputGemv(lib, pool), RowArgmax(lib, pool))
 
 
 @functools.cache
 def shared_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts, FusedMoeLayer,
-                              SharedInputGemv]:
+                              SharedInputGemv, RowArgmax]:
     """The process's one set of kernels (`build_kernels()`): every kernel registry hands these out, so a
     process runs one worker pool however many models it builds, as torch runs one intra-op pool."""
     return build_kernels()

@@ -44,6 +44,7 @@ FEW_ROW_EXPERTS = "few_row_experts"
 QUANT_EXPERTS = "quant_experts"
 MOE_LAYER = "moe_layer"
 DECODE_ATTENTION = "decode_attention"
+GREEDY_ARGMAX = "greedy_argmax"
 
 # Ops whose fast backends run inside a graph torch.compile captures (torch code: fixed-shape expert strategies).
 # Every other op's fast path is a C kernel called through ctypes, which a graph cannot trace: there `kernel`
@@ -171,6 +172,11 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
         Backend("cpu_c", _build_decode_attention,
                 "single-token decode rows of a layer's attention (compressor rings and entries, window ring, "
                 "indexer top-k, attention with the sink) in C, fp32: three calls instead of ~100 torch ops"),
+    ),
+    GREEDY_ARGMAX: (
+        Backend("cpu_c", functools.partial(_build_few_row, 6),
+                "greedy sampling's argmax of fp32 logits rows, the first largest id (gemv_cpu.c argmax_rows), "
+                "rows over the few-row kernels' pool"),
     ),
     MOE_EXPERTS: (
         Backend("grouped_mm", _build_grouped_experts,
