@@ -6,6 +6,9 @@
    bf16 (`bf16`): widened on load, rounded once on store, and rounded to bf16 where the torch path rounds (the
    pooled entry, each q.k product, each probability). */
 #include <stdatomic.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "rows.h"
 
@@ -123,6 +126,83 @@ static void top_k(const float *score, long n, long k, long *heap, char *chosen) 
     for (long i = 0; i < size; ++i) chosen[heap[i]] = 1;
 }
 
+/* logits[h * ld + i] = dot(q_h, key_i) (dot.h's dot product, bit for bit) for every head h < H of q [H, hd] and
+   key i < N of keys [N, hd]. With AVX-512 and hd a multiple of 16, sixteen keys at a time per head: each key's
+   sixteen lane sums in a register of its own (the dot product's partial sums), then the sixteen registers
+   folded into one vector of the sixteen keys' sums in the dot product's pairwise order (lanes l + 8, l + 4,
+   l + 2, l + 1), where a dot product per (head, key) paid a horizontal sum each: on the small config ~6x the
+   arithmetic of the logits. */
+static void head_logits(const float *restrict q, const float *restrict keys, long N, long H, long hd, long ld,
+                        float *restrict logits) {
+#if defined(__AVX512F__)
+    if (hd % ACC == 0 && ACC == 16) {
+        /* where the fold leaves key k: lane 4 * (k % 4) + k / 4 */
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        for (long h = 0; h < H; ++h) {
+            const float *qh = q + h * hd;
+            for (long i0 = 0; i0 < N; i0 += 16) {
+                const long n = N - i0 < 16 ? N - i0 : 16;
+                __m512 s[16];
+                for (int j = 0; j < 16; ++j) s[j] = _mm512_setzero_ps();
+                for (long c = 0; c < hd; c += 16) {
+                    const __m512 qc = _mm512_loadu_ps(qh + c);
+                    for (int j = 0; j < 16; ++j)
+                        if (j < n) s[j] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys + (i0 + j) * hd + c), s[j]);
+                }
+                __m512 u[8], v[4];
+                for (int k = 0; k < 8; ++k) /* [key 2k | key 2k+1], each its lanes l + l+8 */
+                    u[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0x44),
+                                         _mm512_shuffle_f32x4(s[2 * k], s[2 * k + 1], 0xEE));
+                for (int m = 0; m < 4; ++m) /* keys 4m .. 4m+3 a 128-bit lane each, lanes l + l+4 */
+                    v[m] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * m], u[2 * m + 1], 0x88),
+                                         _mm512_shuffle_f32x4(u[2 * m], u[2 * m + 1], 0xDD));
+                const __m512 w0 = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+                const __m512 w1 = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+                const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                                  _mm512_shuffle_ps(w0, w1, _MM_SHUFFLE(3, 2, 3, 2)));
+                _mm512_mask_storeu_ps(logits + h * ld + i0, (__mmask16)((1u << n) - 1),
+                                      _mm512_permutexvar_ps(order, sums));
+            }
+        }
+        return;
+    }
+#endif
+    for (long h = 0; h < H; ++h)
+        for (long i = 0; i < N; ++i) logits[h * ld + i] = dot(q + h * hd, keys + i * hd, hd);
+}
+
+/* o[c] = sum_i w[i] keys[i, c] over keys [N, hd], summed in key order from zero (a fused multiply-add per key
+   where the CPU has them). With AVX-512, up to 64 columns' sums stay in four registers over every key; summed into
+   o key by key, they were a load and a store per key (~40% of the small config's attention). */
+static void weighted_keys(float *restrict o, const float *restrict keys, const float *restrict w, long N, long hd) {
+    long c0 = 0;
+#if defined(__AVX512F__)
+    for (; c0 + 64 <= hd; c0 += 64) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+        for (long i = 0; i < N; ++i) {
+            const __m512 wi = _mm512_set1_ps(w[i]);
+            const float *k = keys + i * hd + c0;
+            a0 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(k), a0);
+            a1 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(k + 16), a1);
+            a2 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(k + 32), a2);
+            a3 = _mm512_fmadd_ps(wi, _mm512_loadu_ps(k + 48), a3);
+        }
+        _mm512_storeu_ps(o + c0, a0), _mm512_storeu_ps(o + c0 + 16, a1);
+        _mm512_storeu_ps(o + c0 + 32, a2), _mm512_storeu_ps(o + c0 + 48, a3);
+    }
+    for (; c0 + 16 <= hd; c0 += 16) {
+        __m512 a = _mm512_setzero_ps();
+        for (long i = 0; i < N; ++i) a = _mm512_fmadd_ps(_mm512_set1_ps(w[i]), _mm512_loadu_ps(keys + i * hd + c0), a);
+        _mm512_storeu_ps(o + c0, a);
+    }
+#endif
+    if (c0 < hd) {
+        memset(o + c0, 0, (size_t)(hd - c0) * sizeof(float));
+        for (long i = 0; i < N; ++i)
+            for (long c = c0; c < hd; ++c) o[c] += w[i] * keys[i * hd + c];
+    }
+}
+
 /* The attention of a call's rows: its arguments (`attend_decode`'s), and whether a row range's scratch could not be
    allocated. */
 typedef struct {
@@ -149,8 +229,10 @@ static int attend_rows(attend_job *j, long b0, long b1) {
         if (n > most_entries) most_entries = n < max_entries ? n : max_entries;
     }
     const long keys_max = W + most_entries;
-    /* logits [keys_max] | scores [most_entries] | keys [keys_max, hd] (fp32 copies) | q, out, index q rows */
-    const size_t floats = (size_t)keys_max + most_entries + (size_t)keys_max * hd + 2 * hd + (size_t)nI * dI + dI + nI;
+    /* logits [H, keys_max] | scores [most_entries] | keys [keys_max, hd] (fp32 copies) | q [H, hd], out | index
+       q rows, index keys [most_entries, dI] (bf16 widened), their dot products [nI, most_entries], head weights */
+    const size_t floats = (size_t)H * keys_max + most_entries + (size_t)keys_max * hd + (size_t)(H + 1) * hd +
+                          (size_t)nI * dI + (size_t)most_entries * dI + (size_t)nI * most_entries + nI;
     float *logits = malloc(floats * sizeof(float));
     long *heap = malloc((size_t)(j->topk > 0 ? j->topk : 1) * sizeof(long));
     char *chosen = malloc((size_t)(most_entries > 0 ? most_entries : 1));
@@ -158,8 +240,8 @@ static int attend_rows(attend_job *j, long b0, long b1) {
         free(logits), free(heap), free(chosen);
         return 1;
     }
-    float *score = logits + keys_max, *keys = score + most_entries, *qh = keys + keys_max * hd, *o = qh + hd;
-    float *iq = o + hd, *ik = iq + nI * dI, *iw = ik + dI;
+    float *score = logits + H * keys_max, *keys = score + most_entries, *qs = keys + keys_max * hd, *o = qs + H * hd;
+    float *iq = o + hd, *ik = iq + nI * dI, *index_dots = ik + most_entries * dI, *iw = index_dots + nI * most_entries;
     const float scale = 1.0f / sqrtf((float)hd);
     for (long b = b0; b < b1; ++b) {
         const long p = pos[b], slot = slots[b];
@@ -175,11 +257,13 @@ static int attend_rows(attend_job *j, long b0, long b1) {
             const float head_scale = 1.0f / sqrtf((float)nI), dim_scale = 1.0f / sqrtf((float)dI);
             load_into(iq, index_q, bf16, b * nI * dI, nI * dI);
             load_into(iw, j->index_w, bf16, b * nI, nI);
+            /* the slot's first n index entries [n, dI], widened where bf16 */
+            const float *index_keys = load_row(j->index_entries, bf16, slot * max_entries * dI, n * dI, ik);
+            head_logits(iq, index_keys, n, nI, dI, most_entries, index_dots);
             for (long s = 0; s < n; ++s) {
-                const float *key = load_row(j->index_entries, bf16, (slot * max_entries + s) * dI, dI, ik);
                 float total = 0.0f;
                 for (long h = 0; h < nI; ++h) {
-                    const float relu = fmaxf(dot(iq + h * dI, key, dI), 0.0f);
+                    const float relu = fmaxf(index_dots[h * most_entries + s], 0.0f);
                     total += (relu * dim_scale) * (iw[h] * head_scale);
                 }
                 score[s] = total;
@@ -191,24 +275,22 @@ static int attend_rows(attend_job *j, long b0, long b1) {
             float *row = keys + N++ * hd;
             load_into(row, entries, bf16, slot_entries + s * hd, hd);
         }
+        load_into(qs, j->q, bf16, b * H * hd, H * hd);
+        head_logits(qs, keys, N, H, hd, keys_max, logits);
         for (long h = 0; h < H; ++h) {
-            load_into(qh, j->q, bf16, (b * H + h) * hd, hd);
+            float *lh = logits + h * keys_max;
             float most = j->sink[h];
             for (long i = 0; i < N; ++i) {
-                logits[i] = rounded(dot(qh, keys + i * hd, hd), bf16) * scale;
-                if (logits[i] > most) most = logits[i];
+                lh[i] = rounded(lh[i], bf16) * scale;
+                if (lh[i] > most) most = lh[i];
             }
             float total = expf(j->sink[h] - most);
             for (long i = 0; i < N; ++i) {
-                logits[i] = expf(logits[i] - most);
-                total += logits[i];
+                lh[i] = expf(lh[i] - most);
+                total += lh[i];
             }
-            memset(o, 0, hd * sizeof(float));
-            for (long i = 0; i < N; ++i) {
-                const float weight = rounded(logits[i] / total, bf16);
-                const float *k = keys + i * hd;
-                for (long c = 0; c < hd; ++c) o[c] += weight * k[c];
-            }
+            for (long i = 0; i < N; ++i) lh[i] = rounded(lh[i] / total, bf16); /* the probabilities */
+            weighted_keys(o, keys, lh, N, hd);
             store_row(j->out, bf16, (b * H + h) * hd, o, hd);
         }
     }
