@@ -393,3 +393,37 @@ def test_decode_kernel_rows_spread_over_the_pool_equal_one_thread(cfg, layer_typ
     assert torch.equal(got.view(torch.uint8 if dtype == torch.float32 else torch.int16),
                        want.view(torch.uint8 if dtype == torch.float32 else torch.int16))
     assert torch.equal(got_window, window)
+
+
+@pytest.mark.parametrize("layer_type", [CSA, HCA, SLIDING])
+def test_decode_kernel_without_avx512_equals_the_vector_build(cfg, layer_type):
+    """A build for a CPU without AVX-512 (the logits' dot products and the weighted keys in plain C)
+    gives what this CPU's build gives, to fp32 rounding (its sums round each product where the vector build
+    fuses them)."""
+    import platform
+
+    from dsv4.kernels.decode_attention_cpu import DecodeAttentionKernel, build_library
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("-march names a CPU without AVX-512 on x86-64 only")
+    attn = _random_attention(cfg, layer_type, seed=9)
+    kernels = {"native": DecodeAttentionKernel(build_library(), None),
+               "plain": DecodeAttentionKernel(build_library(march="x86-64-v2"), None)}
+    rows = 6
+    g = torch.Generator().manual_seed(29)
+    cache = allocate_layer_cache(cfg, layer_type, rows, MAX_LEN, torch.float32, "cpu")
+    for t in cache_tensors([cache]):
+        t.copy_(torch.randn(t.shape, generator=g))
+    slots, positions = torch.randperm(rows, generator=g), torch.randint(0, MAX_LEN - 1, (rows,), generator=g)
+    q, kv = torch.randn(rows, attn.n_heads, attn.head_dim, generator=g), torch.randn(rows, attn.head_dim, generator=g)
+    entries = rate = index = None
+    if attn.compressor is not None:
+        entries, rate = cache.compressor.entries, attn.compressor.rate
+    if attn.indexer is not None:
+        index = (torch.randn(rows, attn.indexer.n_heads, attn.indexer.head_dim, generator=g) * 0.1,
+                 torch.randn(rows, attn.indexer.n_heads, generator=g), cache.indexer.entries, attn.indexer.topk)
+    out = {}
+    for name, kernel in kernels.items():
+        window = cache.window.clone()
+        out[name] = kernel.attend(q, kv, window, slots, positions, entries, rate, index, attn.attn_sink)
+    torch.testing.assert_close(out["plain"], out["native"], **TOL)

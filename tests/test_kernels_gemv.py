@@ -863,3 +863,18 @@ def test_greedy_argmax_declines_what_it_cannot_run():
     assert registry.kernel(GREEDY_ARGMAX, torch.zeros(2, 8, dtype=torch.bfloat16)) is None
     assert registry.kernel(GREEDY_ARGMAX, torch.zeros(8, 2).t()) is None  # not contiguous
     assert registry.kernel(GREEDY_ARGMAX, torch.zeros(8)) is None
+
+
+def test_greedy_argmax_without_avx512_is_torch_max_indices():
+    """The plain-C passes of a build for a CPU without AVX-512 pick what torch.max picks too."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("-march names a CPU without AVX-512 on x86-64 only")
+    from dsv4.kernels.gemv_cpu import RowArgmax
+
+    lib = build_library(march="x86-64-v2")
+    kernel = RowArgmax(lib, WorkerPool(lib, 0))
+    rows = torch.randn(6, 37, generator=torch.Generator().manual_seed(3))
+    rows[1, [3, 30]] = 9.0
+    rows[2, 20] = float("nan")
+    rows[3] = -float("inf")
+    assert torch.equal(kernel(rows), rows.max(dim=-1).indices)
