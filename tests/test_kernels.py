@@ -287,6 +287,22 @@ def test_few_token_mix_on_the_pool_equals_one_thread_and_each_token_alone(dtype)
     torch.testing.assert_close(got, streams.flatten(1).float() @ fn.t(), rtol=1e-4, atol=1e-4)
 
 
+def test_few_token_mix_without_avx512_equals_the_vector_build():
+    """A build for a CPU without AVX-512 (one dot product at a time, plain C) gives what this CPU's build gives,
+    to fp32 rounding (it rounds each product where the vector build fuses them)."""
+    import platform
+
+    from dsv4.kernels.mhc_cpu import MhcFusedKernel
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("-march names a CPU without AVX-512 on x86-64 only")
+    g = torch.Generator().manual_seed(31)
+    streams, fn = torch.randn(5, HC, 96, generator=g), torch.randn(MIX, HC * 96, generator=g)
+    plain = MhcFusedKernel(build_library(march="x86-64-v2"), None)._few_token_mix(streams, fn)
+    native = MhcFusedKernel(build_library(), None)._few_token_mix(streams, fn)
+    torch.testing.assert_close(plain, native, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("norm", [None, "plain", "weighted"])
 def test_norm_rope_kernel_odd_head_dim_matches_reference(fused_kernels, norm):
     """A head dim that is not a multiple of the kernel's 16 partial sums (their tail) and G > 1 heads."""

@@ -1,5 +1,8 @@
 /* mHC on CPU: the coefficients + Sinkhorn, and the fused pre/post steps (kernels/mhc_cpu.py). */
 #include <stdatomic.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "rows.h"
 
@@ -209,14 +212,37 @@ typedef struct {
     atomic_int failed;
 } mix_job;
 
+/* Outputs of one row `mix_dots` sums at once: independent chains of fused multiply-adds, one register each. */
+#define MIX_OUTPUTS 8
+
+/* out[m] = dot(x, fn[m]) for m < mix (dot.h's dot product, bit for bit). With AVX-512 and K a multiple of 16,
+   MIX_OUTPUTS outputs at a time share each load of x: one dot product at a time is a single chain of dependent
+   adds (on the small config's 2048 inputs ~4x the time of its arithmetic). */
+static void mix_dots(const float *restrict x, const float *restrict fn, long K, long mix, float *restrict out) {
+    long m = 0;
+#if defined(__AVX512F__)
+    if (K % 16 == 0 && ACC == 16) {
+        for (; m + MIX_OUTPUTS <= mix; m += MIX_OUTPUTS) {
+            __m512 acc[MIX_OUTPUTS];
+            for (int k = 0; k < MIX_OUTPUTS; ++k) acc[k] = _mm512_setzero_ps();
+            for (long c = 0; c < K; c += 16) {
+                const __m512 xc = _mm512_loadu_ps(x + c);
+                for (int k = 0; k < MIX_OUTPUTS; ++k)
+                    acc[k] = _mm512_fmadd_ps(xc, _mm512_loadu_ps(fn + (m + k) * K + c), acc[k]);
+            }
+            for (int k = 0; k < MIX_OUTPUTS; ++k) out[m + k] = _mm512_reduce_add_ps(acc[k]); /* dot's pairwise tree */
+        }
+    }
+#endif
+    for (; m < mix; ++m) out[m] = dot(x, fn + m * K, K);
+}
+
 /* Rows [t0, t1) of `mhc_mix`; 1 when a bf16 row's buffer cannot be allocated. */
 static int mix_rows(const mix_job *j, long t0, long t1) {
     float *buf = j->bf16 ? malloc((size_t)j->K * sizeof(float)) : NULL;
     if (j->bf16 && !buf) return 1;
-    for (long t = t0; t < t1; ++t) {
-        const float *x = load_row(j->streams, j->bf16, t * j->K, j->K, buf);
-        for (long m = 0; m < j->mix; ++m) j->out[t * j->mix + m] = dot(x, j->fn + m * j->K, j->K);
-    }
+    for (long t = t0; t < t1; ++t)
+        mix_dots(load_row(j->streams, j->bf16, t * j->K, j->K, buf), j->fn, j->K, j->mix, j->out + t * j->mix);
     free(buf);
     return 0;
 }

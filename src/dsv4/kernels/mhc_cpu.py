@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4.kernels.c_library import compile_library
+from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
 from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool
 from dsv4.kernels.row_chunks import row_chunks
 
@@ -31,9 +31,14 @@ MAX_MIX_ROWS = MAX_F32_DECODE_ROWS
 SOURCE = Path(__file__).with_name("mhc_cpu.c")
 
 
-def build_library() -> ctypes.CDLL:
-    """Compile (once per source version) and load the kernel library; raises OSError/RuntimeError."""
-    lib = compile_library(SOURCE)
+def build_library(march: str = NATIVE) -> ctypes.CDLL:
+    """Compile (once per source version, flags and CPU) and load the kernel library; raises OSError/RuntimeError.
+
+    Args:
+        march: the compiler's -march target ("native": this CPU, whose vector units the mix GEMM's dot products
+            use; the tests build an older one for the plain-C path).
+    """
+    lib = compile_library(SOURCE, (f"-march={march}",), cpu_features())
     P, L, Int, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     lib.mhc_coefficients_f32.restype = None
     lib.mhc_coefficients_f32.argtypes = [P] * 3 + [L, Int, Int, F, P]
