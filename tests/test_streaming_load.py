@@ -231,13 +231,21 @@ def test_tensors_read_straight_into_their_destination_equal_safetensors_own_read
     assert len(direct) < len(want)
 
 
-def test_a_file_cut_short_after_its_header_was_read_names_the_file_and_tensor(tiny_release_dir, tmp_path):
+@pytest.mark.parametrize("split", [False, True], ids=["one_read", "split_reads"])
+def test_a_file_cut_short_after_its_header_was_read_names_the_file_and_tensor(tiny_release_dir, tmp_path, split,
+                                                                              monkeypatch):
     """A read straight into a destination that finds the file shorter than its header promised (cut while the
-    load ran) fails with a CheckpointError naming the file and the tensor, where a mapped view would fault."""
+    load ran) fails with a CheckpointError naming the file and the tensor, where a mapped view would fault: in
+    one read of a run of tensors, and in a run split into several reads at once (`weights/work_split.py`)."""
     import shutil
 
     from dsv4.errors import CheckpointError
+    from dsv4.weights import work_split
     from dsv4.weights.checkpoint import TORCH_DTYPES, CheckpointDir
+
+    if split:  # three parts of every run, however small
+        monkeypatch.setattr(work_split, "usable_cpus", lambda: 3)
+        monkeypatch.setattr(work_split, "MIN_PART_BYTES", 1)
 
     shutil.copytree(tiny_release_dir, tmp_path / "ckpt")
     checkpoint = CheckpointDir(tmp_path / "ckpt")

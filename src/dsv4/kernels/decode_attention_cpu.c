@@ -5,17 +5,11 @@
    are tested against (tests/test_kernels_attention.py). The arithmetic is fp32; rows and caches are fp32 or
    bf16 (`bf16`): widened on load, rounded once on store, and rounded to bf16 where the torch path rounds (the
    pooled entry, each q.k product, each probability). */
-#include <stdatomic.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #include "rows.h"
-
-/* Another library's thread pool (the gemv library's `pool_for`): run fn(job, c) for c in [0, n_chunks) on up
-   to nthreads threads, the caller's included, returning when all have run. */
-typedef void (*chunk_fn)(const void *job, long chunk);
-typedef void (*pool_for_fn)(void *pool, long n_chunks, chunk_fn fn, const void *job, int nthreads);
 
 /* Element i of an fp32 or bf16 tensor, as fp32. */
 static inline float element(const void *base, int bf16, long i) {
@@ -203,8 +197,7 @@ static void weighted_keys(float *restrict o, const float *restrict keys, const f
     }
 }
 
-/* The attention of a call's rows: its arguments (`attend_decode`'s), and whether a row range's scratch could not be
-   allocated. */
+/* The attention of a call's rows: its arguments (`attend_decode`'s). */
 typedef struct {
     long B, H, hd, W, max_entries, rate, nI, dI, topk;
     int bf16;
@@ -212,13 +205,12 @@ typedef struct {
     const void *q, *kv, *entries, *index_q, *index_w, *index_entries;
     void *window, *out;
     const float *sink;
-    long rows_per_chunk;
-    atomic_int failed;
 } attend_job;
 
 /* Rows [b0, b1) of `attend_decode`; 1 when the scratch cannot be allocated. Rows touch only their own slots'
    window rows and outputs, so row ranges run in parallel. */
-static int attend_rows(attend_job *j, long b0, long b1) {
+static int attend_rows(const void *job, long b0, long b1) {
+    const attend_job *j = job;
     const long W = j->W, hd = j->hd, H = j->H, nI = j->nI, dI = j->dI, rate = j->rate, max_entries = j->max_entries;
     const int bf16 = j->bf16;
     const long *slots = j->slots, *pos = j->pos;
@@ -298,16 +290,6 @@ static int attend_rows(attend_job *j, long b0, long b1) {
     return 0;
 }
 
-/* Chunk c of a job's rows (a pool's chunk function). */
-static void attend_chunk(const void *job, long c) {
-    attend_job *j = (attend_job *)job;
-    const long b0 = c * j->rows_per_chunk, b1 = b0 + j->rows_per_chunk < j->B ? b0 + j->rows_per_chunk : j->B;
-    if (attend_rows(j, b0, b1)) atomic_store(&j->failed, 1);
-}
-
-/* Chunks of rows per thread: rows cost alike up to their context lengths, and a few chunks each even those out. */
-#define ATTEND_CHUNKS_PER_THREAD 2
-
 /* Per row b: kv [B, hd] goes to window ring row pos % W of window [S, W, hd]; then each head of q [B, H, hd]
    attends, with scale hd^-0.5 and a sink logit sink[h] (no value), to the ring rows holding positions
    (pos - W, pos] and to the n = (pos + 1) / rate complete entries of entries [S, E_max, hd] (NULL: a
@@ -324,12 +306,5 @@ int attend_decode(long B, int bf16, long H, long hd, const long *slots, const lo
                       .topk = topk, .bf16 = bf16, .slots = slots, .pos = pos, .q = q, .kv = kv, .entries = entries,
                       .index_q = index_q, .index_w = index_w, .index_entries = index_entries, .window = window,
                       .out = out, .sink = sink};
-    atomic_init(&job.failed, 0);
-    const long chunks = run && nthreads > 1 ? (B < nthreads * ATTEND_CHUNKS_PER_THREAD ? B
-                                                                                      : nthreads * ATTEND_CHUNKS_PER_THREAD)
-                                            : 1;
-    if (chunks <= 1) return attend_rows(&job, 0, B);
-    job.rows_per_chunk = (B + chunks - 1) / chunks;
-    run(pool, (B + job.rows_per_chunk - 1) / job.rows_per_chunk, attend_chunk, &job, nthreads);
-    return atomic_load(&job.failed);
+    return run_rows(attend_rows, &job, B, pool, run, nthreads);
 }

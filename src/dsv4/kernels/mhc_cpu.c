@@ -1,15 +1,9 @@
 /* mHC on CPU: the coefficients + Sinkhorn, and the fused pre/post steps (kernels/mhc_cpu.py). */
-#include <stdatomic.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #include "rows.h"
-
-/* Another library's thread pool (the gemv library's `pool_for`): run fn(job, c) for c in [0, n_chunks) on up
-   to nthreads threads, the caller's included, returning when all have run. */
-typedef void (*chunk_fn)(const void *job, long chunk);
-typedef void (*pool_for_fn)(void *pool, long n_chunks, chunk_fn fn, const void *job, int nthreads);
 
 static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -202,14 +196,13 @@ int mhc_post(const void *streams, int bf16, const void *o, const float *restrict
     return 0;
 }
 
-/* The mix GEMM of a few tokens (`mhc_mix`): its arguments, the rows of a chunk, whether a chunk failed. */
+/* The mix GEMM of a few tokens (`mhc_mix`): its arguments. */
 typedef struct {
     const void *streams;
     int bf16;
-    long T, K, mix, rows_per_chunk;
+    long T, K, mix;
     const float *fn;
     float *out;
-    atomic_int failed;
 } mix_job;
 
 /* Outputs of one row `mix_dots` sums at once: independent chains of fused multiply-adds, one register each. */
@@ -238,7 +231,8 @@ static void mix_dots(const float *restrict x, const float *restrict fn, long K, 
 }
 
 /* Rows [t0, t1) of `mhc_mix`; 1 when a bf16 row's buffer cannot be allocated. */
-static int mix_rows(const mix_job *j, long t0, long t1) {
+static int mix_rows(const void *job, long t0, long t1) {
+    const mix_job *j = job;
     float *buf = j->bf16 ? malloc((size_t)j->K * sizeof(float)) : NULL;
     if (j->bf16 && !buf) return 1;
     for (long t = t0; t < t1; ++t)
@@ -247,15 +241,6 @@ static int mix_rows(const mix_job *j, long t0, long t1) {
     return 0;
 }
 
-static void mix_chunk(const void *job, long c) {
-    mix_job *j = (mix_job *)job;
-    const long t0 = c * j->rows_per_chunk, t1 = t0 + j->rows_per_chunk < j->T ? t0 + j->rows_per_chunk : j->T;
-    if (mix_rows(j, t0, t1)) atomic_store(&j->failed, 1);
-}
-
-/* Chunks of rows per thread: a few each, so that a thread that started late still takes its share. */
-#define MIX_CHUNKS_PER_THREAD 2
-
 /* out[T, mix] fp32 = flatten(streams) [T, K] (fp32 or bf16) @ fn^T, fn [mix, K] fp32 row-major: the mix GEMM of
    `mhc_pre`'s `raw` for a few tokens (a decode step's), each output one dot product (dot.h's order, so a token's
    logits do not depend on the other tokens or the threads), the rows spread over `nthreads` threads of `pool`
@@ -263,12 +248,5 @@ static void mix_chunk(const void *job, long c) {
 int mhc_mix(const void *streams, int bf16, long T, long K, const float *fn, long mix, float *out, void *pool,
             pool_for_fn run, int nthreads) {
     mix_job job = {.streams = streams, .bf16 = bf16, .T = T, .K = K, .mix = mix, .fn = fn, .out = out};
-    atomic_init(&job.failed, 0);
-    const long chunks = run && nthreads > 1 ? (T < nthreads * MIX_CHUNKS_PER_THREAD ? T
-                                                                                   : nthreads * MIX_CHUNKS_PER_THREAD)
-                                            : 1;
-    if (chunks <= 1) return mix_rows(&job, 0, T);
-    job.rows_per_chunk = (T + chunks - 1) / chunks;
-    run(pool, (T + job.rows_per_chunk - 1) / job.rows_per_chunk, mix_chunk, &job, nthreads);
-    return atomic_load(&job.failed);
+    return run_rows(mix_rows, &job, T, pool, run, nthreads);
 }

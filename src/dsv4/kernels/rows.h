@@ -11,6 +11,42 @@
 
 #include "dot.h"
 
+/* Another library's thread pool (the gemv library's `pool_for`): run fn(job, c) for c in [0, n_chunks) on up
+   to nthreads threads, the caller's included, returning when all have run. */
+typedef void (*chunk_fn)(const void *job, long chunk);
+typedef void (*pool_for_fn)(void *pool, long n_chunks, chunk_fn fn, const void *job, int nthreads);
+
+/* Work on rows [r0, r1) of a call (`job`: its arguments); nonzero when a scratch could not be allocated. */
+typedef int (*rows_fn)(const void *job, long r0, long r1);
+
+/* Chunks of rows per thread: a few each, so that a thread that started late still takes its share. */
+#define ROW_CHUNKS_PER_THREAD 2
+
+/* A call's rows cut into chunks for the pool (`run_rows`). */
+typedef struct {
+    rows_fn fn;
+    const void *job;
+    long rows, per_chunk;
+    int failed; /* written by whichever chunk fails; read once the pool has run every chunk */
+} row_split;
+
+static inline void row_split_chunk(const void *arg, long c) {
+    row_split *split = (row_split *)arg;
+    const long r0 = c * split->per_chunk, r1 = r0 + split->per_chunk < split->rows ? r0 + split->per_chunk : split->rows;
+    if (split->fn(split->job, r0, r1)) __atomic_store_n(&split->failed, 1, __ATOMIC_RELAXED);
+}
+
+/* fn(job, r0, r1) over rows [0, rows) of independent work: in chunks on nthreads threads of `pool` by `run`, or
+   on the caller's thread alone (no pool, one thread, one row). Returns nonzero when a chunk failed. */
+static inline int run_rows(rows_fn fn, const void *job, long rows, void *pool, pool_for_fn run, int nthreads) {
+    const long most = (long)nthreads * ROW_CHUNKS_PER_THREAD;
+    const long chunks = run && nthreads > 1 ? (rows < most ? rows : most) : 1;
+    if (chunks <= 1) return fn(job, 0, rows);
+    row_split split = {fn, job, rows, (rows + chunks - 1) / chunks, 0};
+    run(pool, (rows + split.per_chunk - 1) / split.per_chunk, row_split_chunk, &split, nthreads);
+    return __atomic_load_n(&split.failed, __ATOMIC_RELAXED);
+}
+
 static float sum_squares(const float *restrict x, long n) { return dot(x, x, n); }
 
 /* Stream tensors (streams, block input y, block output o, new streams) are fp32 or bf16 (`bf16` flag);
