@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
-from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool
+from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool, pool_call_args
 from dsv4.kernels.mhc_cpu import check_status, eager_cpu
 from dsv4.kernels.norm_rope_cpu import MAX_ROTARY_PAIRS
 
@@ -122,17 +122,9 @@ class DecodeAttentionKernel:
             0 if entries is None else entries.shape[1], rate or 1,
             None if index_q is None else index_q.data_ptr(), None if index_w is None else index_w.data_ptr(),
             None if index_entries is None else index_entries.data_ptr(), nI, dI, topk, sink.data_ptr(),
-            out.data_ptr(), *self._threads())
+            out.data_ptr(), *pool_call_args(self._pool))
         check_status(status, "attend_decode", B)
         return out
-
-
-    def _threads(self) -> tuple[int | None, int | None, int]:
-        """(pool handle, its `pool_for`, threads a call may use now) for `attend_decode`; no pool: one thread."""
-        pool = self._pool
-        if pool is None or not pool.handle:
-            return None, None, 1
-        return pool.handle, pool.runner, pool.threads()
 
 
 def attend_args(attn, q: torch.Tensor, kv: torch.Tensor, meta, cache, side) -> tuple:

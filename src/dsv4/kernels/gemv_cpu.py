@@ -732,6 +732,15 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def pool_call_args(pool: WorkerPool | None) -> tuple[int | None, int | None, int]:
+    """(pool handle, its `pool_for`, threads a call may use now): the last three arguments of another kernel
+    library's call that spreads its rows over `pool` (None, or a closed pool: (None, None, 1), the caller's
+    thread alone)."""
+    if pool is None or not pool.handle:
+        return None, None, 1
+    return pool.handle, pool.runner, pool.threads()
+
+
 def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts,
                                                       FusedMoeLayer, SharedInputGemv, RowArgmax]:
     """All seven kernels over one build of the library and one worker pool.

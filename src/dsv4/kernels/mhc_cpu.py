@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
-from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool
+from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool, pool_call_args
 from dsv4.kernels.row_chunks import row_chunks
 
 # Streams the kernel is validated for (every released config has hc = 4); larger hc uses the reference.
@@ -152,10 +152,8 @@ class MhcFusedKernel:
         T, hc_in, D = streams.shape
         fn = fn.float().contiguous()
         raw = torch.empty(T, fn.shape[0], dtype=torch.float32)
-        pool = self._pool
-        threads = (pool.handle, pool.runner, pool.threads()) if pool is not None and pool.handle else (None, None, 1)
         status = self._mix(streams.data_ptr(), _is_bf16(streams), T, hc_in * D, fn.data_ptr(), fn.shape[0],
-                           raw.data_ptr(), *threads)
+                           raw.data_ptr(), *pool_call_args(self._pool))
         check_status(status, "mhc_mix", T)
         return raw
 
