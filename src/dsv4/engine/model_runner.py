@@ -2,11 +2,12 @@
 
 It owns the per-sequence caches (`ModelCache`, one slot per running sequence) and, for a step, turns the
 scheduled chunks into one `ForwardBatch` (the step's metadata, built once and handed to every layer),
-runs the compiled decode step (`StaticDecode`, pure-decode steps when `compile_decode`) or the eager
-forward, and returns the streams of every row, the streams of the inner layers a proposer reads
-(`capture_layers`, the model's own `forward(capture_layers=...)`), and the logits of the rows the engine
-asked for: the last row of each sequence that samples, or every row of a verify chunk. The compiled step
-returns no layer captures, so a step that captures runs the eager forward.
+runs the compiled decode step (`StaticDecode`, pure-decode steps when `compile_decode`), a replay of a
+recorded one-row decode step (`DecodeReplay`, the other one-row decode steps) or the eager forward, and
+returns the streams of every row, the streams of the inner layers a proposer reads (`capture_layers`, the
+model's own `forward(capture_layers=...)`), and the logits of the rows the engine asked for: the last row of
+each sequence that samples, or every row of a verify chunk. The compiled step and the replay return no layer
+captures, so a step that captures runs the eager forward.
 
 Verify chunks (k + 1 tokens) and other chunks that fit the cache's smallest ring run through the decode
 path, one row per token (`ForwardBatch.build`'s decode_span), not the padded prefill path.
@@ -25,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from dsv4.engine.decode_replay import DecodeReplay
 from dsv4.engine.limits import EngineLimits
 from dsv4.engine.static_decode import StaticDecode
 from dsv4.engine.step_memory import keep_step_memory
@@ -59,15 +61,18 @@ class ModelRunner:
         model: the target model (READY or not: forward checks).
         limits: slots and sequence length of the caches.
         compile_decode: run pure-decode steps through `StaticDecode` compiled with torch.compile.
+        replay_decode: replay one-row decode steps (`DecodeReplay`; the `replay` attribute, None when off).
 
     Raises:
         ValueError: compile_decode for a model the static step cannot run (e.g. activation_dtype != dtype).
     """
 
-    def __init__(self, model: DeepseekV4, limits: EngineLimits, compile_decode: bool = False):
+    def __init__(self, model: DeepseekV4, limits: EngineLimits, compile_decode: bool = False,
+                 replay_decode: bool = True):
         self.model = model
         self.static_decode = StaticDecode(model, compile=True) if compile_decode else None
         self.cache = model.allocate_cache(limits.max_num_seqs, limits.max_model_len)
+        self.replay = DecodeReplay(model, self.cache) if replay_decode else None
         # Chunks that fit the smallest ring (verify chunks always do) run as decode rows of their slot:
         # a verify chunk then costs the decode path's ops, not the padded prefill path's.
         self.decode_span = self.cache.rollback_limit()
@@ -104,6 +109,11 @@ class ModelRunner:
         if verify:
             self._snapshot = self.cache.snapshot(
                 [(chunks[i].slot, chunks[i].start, len(chunks[i].token_ids)) for i in verify])
+        if not verify and self._replay_serves(chunks, capture_layers):
+            chunk = chunks[0]
+            with self.step_threads(chunks, capture_layers):
+                streams = self.replay(chunk.slot, chunk.token_ids[0], chunk.start)
+                return StepResult(streams, self.logits(streams, decode_rows=True) if logit_rows else None)
         batch = ForwardBatch.build(list(chunks), device=self.device, decode_span=self.decode_span)
         if self._compiled_serves(chunks, capture_layers):
             streams, logits = self.static_decode(batch, self.cache)
@@ -125,6 +135,11 @@ class ModelRunner:
         rows = sum(len(chunk.token_ids) for chunk in chunks)
         single_tokens = bool(chunks) and rows == len(chunks)  # a decode step (`StepPlan.single_tokens`)
         return self.model.kernels.threads_for_rows(rows, single_tokens, (self.model.activation_dtype, self.model.dtype))
+
+    def _replay_serves(self, chunks: Sequence[Chunk], capture_layers: tuple[int, ...]) -> bool:
+        """Whether a replayed one-row decode step runs these chunks (not where the compiled step does)."""
+        return (self.replay is not None and not self._compiled_serves(chunks, capture_layers)
+                and self.replay.serves(chunks, capture_layers))
 
     def _compiled_serves(self, chunks: Sequence[Chunk], capture_layers: tuple[int, ...]) -> bool:
         """Whether the compiled decode step runs these chunks: every one a single token, no layer captured."""

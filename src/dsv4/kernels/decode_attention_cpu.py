@@ -19,6 +19,7 @@ import torch
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
 from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool, pool_call_args
 from dsv4.kernels.mhc_cpu import check_status, eager_cpu
+from dsv4.kernels.native_calls import native_call
 from dsv4.kernels.norm_rope_cpu import MAX_ROTARY_PAIRS
 
 SOURCE = Path(__file__).with_name("decode_attention_cpu.c")
@@ -85,12 +86,12 @@ class DecodeAttentionKernel:
             raise ValueError("compress: contiguous CPU rows and caches of one dtype (fp32 or bf16) and fp32 "
                              "parameters expected (`supports` gates the call)")
         B, width = kv.shape
-        status = self._compress(B, int(kv.dtype == torch.bfloat16), slots.data_ptr(), positions.data_ptr(),
-                                kv.data_ptr(), gate.data_ptr(), ring_kv.data_ptr(), ring_gate.data_ptr(),
-                                ring_kv.shape[1], width, ape.data_ptr(), rate, int(overlap), norm_weight.data_ptr(),
-                                eps, inv_freq.data_ptr(), inv_freq.numel(), entries.data_ptr(), entries.shape[1],
-                                entries.shape[2])
-        check_status(status, "compress_decode", B)
+        native_call(self._compress, (B, int(kv.dtype == torch.bfloat16), slots.data_ptr(), positions.data_ptr(),
+                                     kv.data_ptr(), gate.data_ptr(), ring_kv.data_ptr(), ring_gate.data_ptr(),
+                                     ring_kv.shape[1], width, ape.data_ptr(), rate, int(overlap),
+                                     norm_weight.data_ptr(), eps, inv_freq.data_ptr(), inv_freq.numel(),
+                                     entries.data_ptr(), entries.shape[1], entries.shape[2]),
+                    check_status, "compress_decode", B)
 
     def serve_layer(self, attn, meta, cache, side, args: tuple) -> torch.Tensor:
         """An attention layer's single-token decode rows (`model.attention.Attention._decode`, the reference):
@@ -116,14 +117,13 @@ class DecodeAttentionKernel:
         if indexer is not None:
             index_q, index_w, index_entries, topk = indexer
             nI, dI = index_q.shape[1], index_q.shape[2]
-        status = self._attend(
+        native_call(self._attend, (
             B, int(q.dtype == torch.bfloat16), H, hd, slots.data_ptr(), positions.data_ptr(), q.data_ptr(),
             kv.data_ptr(), window.data_ptr(), window.shape[1], None if entries is None else entries.data_ptr(),
             0 if entries is None else entries.shape[1], rate or 1,
             None if index_q is None else index_q.data_ptr(), None if index_w is None else index_w.data_ptr(),
             None if index_entries is None else index_entries.data_ptr(), nI, dI, topk, sink.data_ptr(),
-            out.data_ptr(), *pool_call_args(self._pool))
-        check_status(status, "attend_decode", B)
+            out.data_ptr(), *pool_call_args(self._pool)), check_status, "attend_decode", B)
         return out
 
 

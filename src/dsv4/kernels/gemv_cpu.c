@@ -1404,7 +1404,8 @@ static void router_top_k(const float *scores, const float *bias, long E, long k,
 /* x [D] (act: fp32 or bf16) -> out [D] (act) = routed + shared, the MoE layer of one token (`topk` routed
    experts of E):
      router    logits = x Wr^T in fp32 (Wr [E, D] resident input-major, fp32 or bf16), scored by `scoring`; the
-               experts: a hash row (hash_table[token], int32 [V, topk]) when hash_table is given, else the
+               experts: a hash row (hash_table[*token], int32 [V, topk]; `token` points at the token's int64
+               id, read at the call, so a replayed call reads the step's token) when hash_table is given, else the
                top-k of scores + bias; their weights = scores / (sum + norm_eps) * scaling
      routed    moe_experts over the stacks w1/w3/w2 (fmt, scales, b0/b1), SwiGLU clamped at `limit`
      shared    W2s (silu(min(W1s x, L)) * clamp(W3s x, -L, L)), W1s/W3s [Is, D], W2s [D, Is] input-major
@@ -1413,7 +1414,7 @@ static void router_top_k(const float *scores, const float *bias, long E, long k,
    and the shared SwiGLU's fp32 roundings can differ from the torch reference's. bf16 rows round where the
    reference's bf16 tensors do: each product's output, silu's, the SwiGLU product and the final sum. */
 int moe_layer(pool *p, const void *x, int act, long D, long E, long topk, const void *router_w, int router_fmt,
-              int scoring, const float *bias, const int32_t *hash_table, long vocab, long token, float scaling,
+              int scoring, const float *bias, const int32_t *hash_table, long vocab, const int64_t *token, float scaling,
               float norm_eps, long I, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
               const void *w2, const void *s2, long b0, long b1, float limit, long Is, int shared_fmt,
               const void *sw1, const void *sw3, const void *sw2, void *out, int nthreads) {
@@ -1421,7 +1422,7 @@ int moe_layer(pool *p, const void *x, int act, long D, long E, long topk, const 
         (shared_fmt != FMT_F32 && shared_fmt != FMT_BF16) || scoring < SCORE_SOFTMAX || scoring > SCORE_SQRTSOFTPLUS ||
         (act != ACT_F32 && act != ACT_BF16))
         return ERR_ARGS;
-    if (hash_table ? token < 0 || token >= vocab : !bias) return ERR_ARGS;
+    if (hash_table ? !token || *token < 0 || *token >= vocab : !bias) return ERR_ARGS;
     const int bf16 = act == ACT_BF16;
     float *scores = malloc(sizeof(float) * (size_t)E), *weights = malloc(sizeof(float) * (size_t)topk);
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)topk);
@@ -1441,7 +1442,7 @@ int moe_layer(pool *p, const void *x, int act, long D, long E, long topk, const 
     dense_range(x32, 1, D, D, router_w, router_fmt, E, 0, E, scores, E);
     router_scores(scoring, scores, E);
     if (hash_table)
-        for (long j = 0; j < topk; ++j) ids[j] = hash_table[token * topk + j];
+        for (long j = 0; j < topk; ++j) ids[j] = hash_table[*token * topk + j];
     else
         router_top_k(scores, bias, E, topk, ids);
     float total = 0.0f;

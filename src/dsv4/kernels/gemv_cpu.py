@@ -55,6 +55,7 @@ import torch
 
 from dsv4.kernels.bf16_products import BF16_MATRIX_UNITS
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
+from dsv4.kernels.native_calls import native_call
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
 _FLAGS = ("-pthread",)  # beyond c_library.BASE_FLAGS
@@ -180,7 +181,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.moe_experts.restype = Int
     lib.moe_experts.argtypes = [P, P, Int, L, L, L, L, P, P, L, Int, P, P, P, P, P, P, L, L, F, P, Int]
     lib.moe_layer.restype = Int
-    lib.moe_layer.argtypes = [P, P, Int, L, L, L, P, Int, Int, P, P, L, L, F, F, L, Int, P, P, P, P, P, P, L, L, F,
+    lib.moe_layer.argtypes = [P, P, Int, L, L, L, P, Int, Int, P, P, L, P, F, F, L, Int, P, P, P, P, P, P, L, L, F,
                               L, Int, P, P, P, P, Int]
     return lib
 
@@ -367,9 +368,8 @@ class BoundGemv:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         R = x.shape[0]
         y = x.new_empty(R, self.out_features)
-        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, self.in_features, *self._weight_args,
-                          y.data_ptr(), self._pool.threads())
-        _check(status, "dense_xw")
+        native_call(self._fn, (self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, self.in_features, *self._weight_args,
+                               y.data_ptr(), self._pool.threads()), _check, "dense_xw")
         return y
 
     def supports_grouped(self, x: torch.Tensor, groups: int, decode_rows: bool = False) -> bool:
@@ -388,9 +388,8 @@ class BoundGemv:
         R, N = x.shape[0], self.out_features // groups
         y = x.new_empty(R, self.out_features)
         pointer, fmt, _ = self._weight_args
-        status = self._grouped_fn(self._pool.handle, x.data_ptr(), R, groups, self.in_features, pointer, fmt, N,
-                                  y.data_ptr(), self._pool.threads())
-        _check(status, "dense_xw_grouped")
+        native_call(self._grouped_fn, (self._pool.handle, x.data_ptr(), R, groups, self.in_features, pointer, fmt, N,
+                                       y.data_ptr(), self._pool.threads()), _check, "dense_xw_grouped")
         return y
 
 
@@ -409,8 +408,8 @@ class RowArgmax(_PoolKernel):
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         rows, cols = logits.shape
         out = torch.empty(rows, dtype=torch.int64)
-        _check(self._fn(self._pool.handle, logits.data_ptr(), rows, cols, out.data_ptr(), self._pool.threads()),
-               "argmax_rows")
+        native_call(self._fn, (self._pool.handle, logits.data_ptr(), rows, cols, out.data_ptr(), self._pool.threads()),
+                    _check, "argmax_rows")
         return out
 
 
@@ -465,9 +464,9 @@ class BoundSharedGemv:
         R = x.shape[0]
         ys = [x.new_empty(R, n) for n in self._out_features]
         outputs = (ctypes.c_void_p * len(ys))(*(y.data_ptr() for y in ys))
-        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, self.in_features, len(ys),
-                          self._weights, self._formats, self._widths, outputs, self._pool.threads())
-        _check(status, "dense_xw_shared")
+        native_call(self._fn, (self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, self.in_features, len(ys),
+                               self._weights, self._formats, self._widths, outputs, self._pool.threads()),
+                    _check, "dense_xw_shared")
         return ys
 
 
@@ -485,10 +484,9 @@ class QuantGemv(_PoolKernel):
     ) -> torch.Tensor:
         (R, K), N = x.shape, weight.shape[0]
         y = x.new_empty(R, N)
-        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, K, _quant_format(weight),
-                          weight.data_ptr(), scale.data_ptr(), block[0], block[1], N, y.data_ptr(),
-                          self._pool.threads())
-        _check(status, "quant_xw")
+        native_call(self._fn, (self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, K, _quant_format(weight),
+                               weight.data_ptr(), scale.data_ptr(), block[0], block[1], N, y.data_ptr(),
+                               self._pool.threads()), _check, "quant_xw")
         return y
 
 
@@ -513,9 +511,8 @@ def _run_experts(fn, pool, x, ids, weights, inter: int, stacks: tuple) -> torch.
     step = max(1, MAX_EXPERT_SCRATCH_BYTES // per_token)
     for t0 in range(0, T, step):
         rows = min(step, T - t0)
-        status = fn(pool.handle, x[t0].data_ptr(), _ACT[x.dtype], rows, D, inter, k, ids[t0].data_ptr(),
-                    weights[t0].data_ptr(), *stacks, out[t0].data_ptr(), pool.threads())
-        _check(status, "moe_experts")
+        native_call(fn, (pool.handle, x[t0].data_ptr(), _ACT[x.dtype], rows, D, inter, k, ids[t0].data_ptr(),
+                         weights[t0].data_ptr(), *stacks, out[t0].data_ptr(), pool.threads()), _check, "moe_experts")
     return out
 
 
@@ -713,14 +710,14 @@ class BoundMoeLayer:
         return (x.dtype in self._acts and x.dim() == 2 and x.shape[0] <= MAX_MOE_LAYER_ROWS
                 and x.shape[1] == self.in_features and x.is_cpu and x.is_contiguous() and x.numel() > 0
                 and not x.requires_grad
-                and (not self._hashed or (token_ids.numel() == 1 and token_ids.dtype == torch.int64)))
+                and (not self._hashed
+                     or (token_ids.numel() == 1 and token_ids.dtype == torch.int64 and token_ids.is_cpu)))
 
     def __call__(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        token = int(token_ids[0]) if self._hashed else 0
-        status = self._fn(self._pool.handle, x.data_ptr(), _ACT[x.dtype], *self._routing_args, token,
-                          *self._expert_args, out.data_ptr(), self._pool.threads())
-        _check(status, "moe_layer")
+        token = token_ids.data_ptr() if self._hashed else None  # read by the kernel: a replay reads the step's
+        native_call(self._fn, (self._pool.handle, x.data_ptr(), _ACT[x.dtype], *self._routing_args, token,
+                               *self._expert_args, out.data_ptr(), self._pool.threads()), _check, "moe_layer")
         return out
 
 

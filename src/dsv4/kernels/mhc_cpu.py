@@ -20,6 +20,7 @@ import torch
 
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
 from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool, pool_call_args
+from dsv4.kernels.native_calls import native_call
 from dsv4.kernels.row_chunks import row_chunks
 
 # Streams the kernel is validated for (every released config has hc = 4); larger hc uses the reference.
@@ -80,7 +81,8 @@ class MhcCpuKernel:
         scale = scale.float().contiguous()
         T = logits.shape[0]
         out = torch.empty_like(logits)  # [T, mix]
-        self._fn(logits.data_ptr(), base.data_ptr(), scale.data_ptr(), T, hc, sinkhorn_iters, hc_eps, out.data_ptr())
+        native_call(self._fn, (logits.data_ptr(), base.data_ptr(), scale.data_ptr(), T, hc, sinkhorn_iters, hc_eps,
+                               out.data_ptr()), check_status, "mhc_coefficients", T)
         pre, post, comb = out.split([hc, hc, hc * hc], dim=-1)
         return pre, post, comb.unflatten(-1, (hc, hc))
 
@@ -138,11 +140,10 @@ class MhcFusedKernel:
         raw = self._few_token_mix(streams, fn) if T <= MAX_MIX_ROWS else mix_gemm(streams, fn).contiguous()
         coef = torch.empty_like(raw)
         y = streams.new_empty(T, D)
-        status = self._pre(streams.data_ptr(), _is_bf16(streams), raw.data_ptr(), base.data_ptr(), scale.data_ptr(),
-                           T, hc, hc_in, D, sinkhorn_iters, rms_eps, hc_eps,
-                           None if norm_weight is None else norm_weight.data_ptr(), norm_eps,
-                           coef.data_ptr(), y.data_ptr())
-        check_status(status, "mhc_pre", T)
+        native_call(self._pre, (streams.data_ptr(), _is_bf16(streams), raw.data_ptr(), base.data_ptr(),
+                                scale.data_ptr(), T, hc, hc_in, D, sinkhorn_iters, rms_eps, hc_eps,
+                                None if norm_weight is None else norm_weight.data_ptr(), norm_eps,
+                                coef.data_ptr(), y.data_ptr()), check_status, "mhc_pre", T)
         return coef, y
 
     def _few_token_mix(self, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
@@ -152,9 +153,8 @@ class MhcFusedKernel:
         T, hc_in, D = streams.shape
         fn = fn.float().contiguous()
         raw = torch.empty(T, fn.shape[0], dtype=torch.float32)
-        status = self._mix(streams.data_ptr(), _is_bf16(streams), T, hc_in * D, fn.data_ptr(), fn.shape[0],
-                           raw.data_ptr(), *pool_call_args(self._pool))
-        check_status(status, "mhc_mix", T)
+        native_call(self._mix, (streams.data_ptr(), _is_bf16(streams), T, hc_in * D, fn.data_ptr(), fn.shape[0],
+                                raw.data_ptr(), *pool_call_args(self._pool)), check_status, "mhc_mix", T)
         return raw
 
     def post(
@@ -167,9 +167,8 @@ class MhcFusedKernel:
         if in_place and hc_in != hc:
             raise ValueError(f"in-place mHC post needs [T, {hc}, D] streams, got {tuple(streams.shape)}")
         result = streams if in_place else streams.new_empty(T, hc, D)
-        status = self._post(streams.data_ptr(), _is_bf16(streams), out.data_ptr(), coef.data_ptr(), T, hc, hc_in, D,
-                            result.data_ptr())
-        check_status(status, "mhc_post", T)
+        native_call(self._post, (streams.data_ptr(), _is_bf16(streams), out.data_ptr(), coef.data_ptr(), T, hc, hc_in,
+                                 D, result.data_ptr()), check_status, "mhc_post", T)
         return result
 
 

@@ -15,6 +15,7 @@ import torch
 
 from dsv4.kernels.c_library import compile_library
 from dsv4.kernels.mhc_cpu import check_status, eager_cpu
+from dsv4.kernels.native_calls import native_call
 
 SOURCE = Path(__file__).with_name("norm_rope_cpu.c")
 
@@ -64,9 +65,9 @@ class NormRopeKernel:
             positions = positions.long()
         if weight is not None and weight.dtype != torch.float32:
             weight = weight.float()  # the model keeps norm weights fp32; the kernel reads float*
-        status = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), T, G, hd, -1.0 if eps is None else eps,
-                          None if weight is None else weight.data_ptr(),
-                          None if positions is None else positions.contiguous().data_ptr(),
-                          None if inv_freq is None else inv_freq.data_ptr(), rh, int(inverse))
-        check_status(status, "norm_rope", T)
+        native_call(self._fn, (x.data_ptr(), int(x.dtype == torch.bfloat16), T, G, hd, -1.0 if eps is None else eps,
+                               None if weight is None else weight.data_ptr(),
+                               None if positions is None else positions.contiguous().data_ptr(),
+                               None if inv_freq is None else inv_freq.data_ptr(), rh, int(inverse)),
+                    check_status, "norm_rope", T)
         return x

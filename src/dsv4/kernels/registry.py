@@ -264,6 +264,11 @@ class KernelRegistry:
             return contextlib.nullcontext()
         return _torch_threads_pinned(impl.pool, threads)
 
+    def few_row_threads(self) -> int | None:
+        """Threads a call of the few-row kernels' pool uses now (None: those kernels are not built)."""
+        impl = self.choose(LINEAR).impl
+        return None if impl is None else impl.pool.threads()
+
     def describe(self) -> list[str]:
         width = max(map(len, _BACKENDS))
         return [f"{op:{width}s} {c.backend:10s} {c.reason}" for op in _BACKENDS for c in (self.choose(op),)]

@@ -110,7 +110,13 @@ class DeepseekV4(TopLevelModel):
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """`forward` after its checks: the embedding and the blocks over the layers' caches (the code a
         compiled decode step captures)."""
-        embeds = self.embed_tokens(batch.token_ids)  # [T, D]
+        return self.forward_embedded(self.embed_tokens(batch.token_ids), batch, cache, capture_layers)
+
+    def forward_embedded(
+        self, embeds: torch.Tensor, batch: ForwardBatch, cache: list[LayerCache], capture_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`forward_layers` from the step's embeddings [T, D] (`embed_tokens`): the blocks alone, what a replayed
+        decode step records (engine/decode_replay.py)."""
         streams = self.layers[0].forward_broadcast(embeds, self.get_buffer(FIRST_LAYER_BROADCAST), batch, cache[0])
         captured = {0: streams} if 0 in capture_layers else {}
         for i in range(1, len(self.layers)):

@@ -31,6 +31,9 @@ class TopLevelModel(nn.Module):
         super().__init__()
         self._ready = False
         self._derived: list[DerivedTensor] = []
+        # Finalizes so far: whatever holds what a finalize rebinds (a replayed decode step's kernel arguments)
+        # is valid for one generation.
+        self.weights_generation = 0
 
     def register_derived(self, name: str, compute: Callable[[], torch.Tensor], shape: tuple[int, ...]) -> None:
         """Register a derived tensor: its buffer is allocated here, once, and from then on only written in place."""
@@ -73,6 +76,7 @@ class TopLevelModel(nn.Module):
         for module in self.modules():
             if hasattr(module, "bind_kernels"):
                 module.bind_kernels()
+        self.weights_generation += 1
         self._ready = True
 
     def require_ready(self) -> None:

@@ -1,0 +1,146 @@
+"""The replayed one-row decode step (`engine/decode_replay.py`, `kernels/native_calls.py`): bit for bit the eager
+step (logits, streams and every cache tensor) in every expert format, slots changing between steps and every
+compressor window completing; a refit reaches it; a forward that runs torch ops is never recorded."""
+
+import pytest
+import torch
+
+import reference as ref
+from dsv4 import LLM, SamplingParams
+from dsv4.engine.model_runner import Chunk, ModelRunner
+from dsv4.kernels.gemv_cpu import shared_kernels
+from dsv4.kernels.native_calls import Replay, native_call, recording
+from dsv4.kernels.norm_rope_cpu import NormRopeKernel, build_library
+from dsv4.model.cache import cache_tensors
+from dsv4.model.linear import input_major
+
+SEED, NEW_SEED = 5, 6
+# Every layer kind and both routers: CSA (m=4, with the indexer), HCA (m=16), sliding; hash and learned MoE.
+CONFIG = ref.tiny_config(num_hidden_layers=5, layer_types=["sliding_attention", "compressed_sparse_attention",
+                         "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                         mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"])
+FORMATS = ("dense", "fp8", "fp4")
+LIMITS = {"dtype": "float32", "max_num_seqs": 4, "max_model_len": 96}
+# Decode steps per sequence: from the prompts' ends past two HCA windows (16 positions each).
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """expert format -> (old weights, new weights) native checkpoints."""
+    root = tmp_path_factory.mktemp("decode_replay")
+    dirs = {}
+    for fmt in FORMATS:
+        for name, seed in (("old", SEED), ("new", NEW_SEED)):
+            state = ref.native_state_dict(ref.build_reference_model(CONFIG, seed))
+            if fmt == "dense":
+                ref.write_native_checkpoint(root / fmt / name, CONFIG, state)
+            else:
+                ref.write_native_checkpoint(root / fmt / name, CONFIG, state, dense="fp8", expert_dtype=fmt)
+        dirs[fmt] = (str(root / fmt / "old"), str(root / fmt / "new"))
+    return dirs
+
+
+def _decode(runner: ModelRunner, prompts: dict[int, list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each slot's prompt prefilled, then STEPS greedy one-row steps visiting the slots in turn (the slot changes
+    every step): each step's (streams, logits)."""
+    tokens, positions = {}, {}
+    for slot, prompt in prompts.items():
+        result = runner.execute([Chunk(slot, prompt, 0)], logit_rows=[len(prompt) - 1])
+        tokens[slot], positions[slot] = int(result.logits[0].argmax()), len(prompt)
+    steps = []
+    for step in range(STEPS):
+        slot = list(prompts)[step % len(prompts)]
+        with runner.step_threads([Chunk(slot, [tokens[slot]], positions[slot])]):
+            result = runner.execute([Chunk(slot, [tokens[slot]], positions[slot])], logit_rows=[0])
+        steps.append((result.streams, result.logits))
+        tokens[slot], positions[slot] = int(result.logits[0].argmax()), positions[slot] + 1
+    return steps
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_replayed_steps_equal_eager_steps_bit_for_bit(checkpoints, fmt):
+    """Two runners on one model, one replaying: every step's streams and logits and, after, every cache tensor
+    are identical; the replay was used (a record of the model's kernel calls, not refused)."""
+    llm = LLM(checkpoints[fmt][0], **LIMITS)
+    model = llm.loaded.target
+    limits = llm.engine.limits
+    replaying, eager = ModelRunner(model, limits), ModelRunner(model, limits, replay_decode=False)
+    g = torch.Generator().manual_seed(SEED)
+    prompts = {slot: torch.randint(2, 512, (n,), generator=g).tolist() for slot, n in ((2, 9), (0, 3))}
+    got, want = _decode(replaying, prompts), _decode(eager, prompts)
+    assert replaying.replay.refused is None and replaying.replay.recorded_calls > 0
+    for (streams, logits), (streams_ref, logits_ref) in zip(got, want, strict=True):
+        assert torch.equal(streams, streams_ref) and torch.equal(logits, logits_ref)
+    for mine, theirs in zip(cache_tensors(replaying.cache.layers), cache_tensors(eager.cache.layers), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+
+
+def test_a_refit_reaches_the_replayed_step(checkpoints):
+    """After a refit the engine's one-row steps generate what a fresh load of the new weights generates (the
+    record is made again for the new weights generation)."""
+    old_dir, new_dir = checkpoints["fp4"]
+    prompt = [[5, 9, 14, 3]]
+    llm = LLM(old_dir, **LIMITS)
+    before = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    replay = llm.engine.runner.replay
+    assert replay.recorded_calls > 0
+    fresh = LLM(new_dir, **LIMITS)
+    llm.update_weights(fresh.iter_weights())
+    after = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert after != before
+    assert after == fresh.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert replay.recorded_calls > 0 and replay.refused is None
+
+
+def test_a_forward_that_runs_torch_ops_is_not_recorded(checkpoints):
+    """With one MoE layer's fused kernel unbound, the one-row forward runs the router in torch: the record is refused
+    (naming the ops), the steps stay eager and equal a runner that never replays, and no step records again."""
+    llm = LLM(checkpoints["dense"][0], **LIMITS)
+    model = llm.loaded.target
+    model.layers[2].ffn.layer_kernel = None
+    replaying = ModelRunner(model, llm.engine.limits)
+    eager = ModelRunner(model, llm.engine.limits, replay_decode=False)
+    got, want = _decode(replaying, {1: [7, 8, 9]}), _decode(eager, {1: [7, 8, 9]})
+    assert replaying.replay.recorded_calls == 0 and "torch ops" in replaying.replay.refused
+    assert not replaying.replay.serves([Chunk(1, [3], 50)], ())
+    for (streams, logits), (streams_ref, logits_ref) in zip(got, want, strict=True):
+        assert torch.equal(streams, streams_ref) and torch.equal(logits, logits_ref)
+
+
+def test_a_slot_outside_the_cache_is_refused(checkpoints):
+    llm = LLM(checkpoints["dense"][0], **LIMITS)
+    with pytest.raises(ValueError, match="cache slot 4 outside the cache's 4 slots"):
+        llm.engine.runner.replay(4, 7, 0)
+
+
+def test_a_replay_repeats_the_recorded_calls_and_their_status_checks():
+    """Recorded calls made again act on the same memory as the first time (the rows rotated twice), and a call whose
+    status was an error raises that error again when replayed."""
+    kernel = NormRopeKernel(build_library())
+    x = torch.randn(2, 3, 8)
+    positions = torch.tensor([3, 7])
+    inv_freq = torch.rand(4)
+    expected = x.clone()
+    with recording() as calls:
+        kernel(x, None, None, positions, inv_freq)
+    kernel(expected, None, None, positions, inv_freq)
+    kernel(expected, None, None, positions, inv_freq)
+    Replay(calls).run()
+    assert len(calls) == 1 and torch.equal(x, expected)
+
+    weight = input_major(8, 16, torch.float32)
+    weight.copy_(torch.randn(8, 16))
+    product = shared_kernels()[0].bind(weight)
+    rows = torch.randn(1, 16)
+    with recording() as product_calls:
+        y = product(rows)
+    fn, args = product_calls[0].fn, product_calls[0].args
+    with recording() as failed, pytest.raises(ValueError, match="dense_xw: arguments outside"):
+        native_call(fn, (*args[:6], 99, *args[7:]), product_calls[0].check, "dense_xw")  # 99: no weight format
+    with pytest.raises(ValueError, match="dense_xw: arguments outside"):
+        Replay(failed).run()
+    assert torch.equal(y, product(rows))
