@@ -111,10 +111,21 @@ def test_a_forward_that_runs_torch_ops_is_not_recorded(checkpoints):
         assert torch.equal(streams, streams_ref) and torch.equal(logits, logits_ref)
 
 
-def test_a_slot_outside_the_cache_is_refused(checkpoints):
+@pytest.mark.parametrize("replay_decode", [True, False], ids=["replayed", "eager"])
+def test_a_step_outside_the_cache_is_refused_before_any_kernel_runs(checkpoints, replay_decode):
+    """A slot past the cache's, a negative slot or position: a clear error, and the cache is untouched (the kernels
+    would index it out of bounds)."""
     llm = LLM(checkpoints["dense"][0], **LIMITS)
-    with pytest.raises(ValueError, match="cache slot 4 outside the cache's 4 slots"):
-        llm.engine.runner.replay(4, 7, 0)
+    runner = ModelRunner(llm.loaded.target, llm.engine.limits, replay_decode=replay_decode)
+    runner.execute([Chunk(0, [5, 6], 0)], logit_rows=[1])
+    before = [t.clone() for t in cache_tensors(runner.cache.layers)]
+    for chunk, message in ((Chunk(4, [7], 0), "cache slot 4 outside the cache's 4 slots"),
+                           (Chunk(-1, [7], 0), "cache slot -1 outside"),
+                           (Chunk(0, [7], -1), "cannot start at negative position -1")):
+        with pytest.raises(ValueError, match=message):
+            runner.execute([chunk], logit_rows=[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, cache_tensors(runner.cache.layers), strict=True))
+    assert runner.cache.lengths[0] == 2
 
 
 def test_a_replay_repeats_the_recorded_calls_and_their_status_checks():

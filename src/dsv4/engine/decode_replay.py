@@ -111,15 +111,15 @@ class DecodeReplay:
         extends the slot as the eager forward does."""
         model = self.model
         model.require_ready()
-        if not 0 <= slot < len(self.cache.lengths):  # the kernels index the caches by it
-            raise ValueError(f"cache slot {slot} outside the cache's {len(self.cache.lengths)} slots")
         record = self._record
         if record is None or record.generation != model.weights_generation or record.threads != self._threads():
             return self._record_step(slot, token, position)
         self.cache.begin_step((Segment(slot=slot, start=position, begin=0, end=1),))
         token_view, position_view, slot_view = record.step_values
         token_view[0], position_view[0], slot_view[0] = token, position, slot
-        record.embeds.copy_(model.embed_tokens(record.token_ids))
+        # The recorded buffers are inference tensors when the step was recorded in inference mode (the engine's).
+        with torch.inference_mode(record.embeds.is_inference()):
+            record.embeds.copy_(model.embed_tokens(record.token_ids))
         record.replay.run()
         return record.streams.clone()
 

@@ -99,6 +99,11 @@ class ModelCache:
         """Check that every chunk continues (or rewrites) what its slot holds, then record the new lengths.
         Starting before the held length is allowed: it overwrites, e.g. after rejected draft tokens."""
         for seg in segments:
+            # The kernels index the caches by slot and position: neither may point outside them.
+            if not 0 <= seg.slot < len(self.lengths):
+                raise ValueError(f"cache slot {seg.slot} outside the cache's {len(self.lengths)} slots")
+            if seg.start < 0:
+                raise ValueError(f"cache slot {seg.slot}: a chunk cannot start at negative position {seg.start}")
             held = self.lengths[seg.slot]
             if seg.start > held:
                 raise ValueError(
