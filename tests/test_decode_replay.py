@@ -1,6 +1,7 @@
-"""The replayed one-row decode step (`engine/decode_replay.py`, `kernels/native_calls.py`): bit for bit the eager
-step (logits, streams and every cache tensor) in every expert format, slots changing between steps and every
-compressor window completing; a refit reaches it; a forward that runs torch ops is never recorded."""
+"""The replayed decode step (`engine/decode_replay.py`, `kernels/native_calls.py`): bit for bit the eager step
+(logits, streams and every cache tensor) in every expert format, with 1 to 3 rows in scattered slots that change
+between steps and every compressor window completing; a refit reaches it; a forward that runs torch ops is never
+recorded; a step outside the cache is refused before any kernel runs."""
 
 import pytest
 import torch
@@ -41,35 +42,43 @@ def checkpoints(tmp_path_factory):
     return dirs
 
 
+# The slots each decode step runs, in order: one, two or three rows in scattered slots; each row count gets its own
+# record, and its later steps put other slots (and positions) in its rows than the step that recorded it.
+SCHEDULE = ([2], [3, 0, 2], [0, 3], [3], [0, 2, 3], [2, 0])
+
+
 def _decode(runner: ModelRunner, prompts: dict[int, list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each slot's prompt prefilled, then STEPS greedy one-row steps visiting the slots in turn (the slot changes
-    every step): each step's (streams, logits)."""
+    """Each slot's prompt prefilled, then STEPS greedy decode steps over the slots of SCHEDULE in turn: each step's
+    (streams, logits)."""
     tokens, positions = {}, {}
     for slot, prompt in prompts.items():
         result = runner.execute([Chunk(slot, prompt, 0)], logit_rows=[len(prompt) - 1])
         tokens[slot], positions[slot] = int(result.logits[0].argmax()), len(prompt)
     steps = []
     for step in range(STEPS):
-        slot = list(prompts)[step % len(prompts)]
-        with runner.step_threads([Chunk(slot, [tokens[slot]], positions[slot])]):
-            result = runner.execute([Chunk(slot, [tokens[slot]], positions[slot])], logit_rows=[0])
+        slots = SCHEDULE[step % len(SCHEDULE)]
+        chunks = [Chunk(slot, [tokens[slot]], positions[slot]) for slot in slots]
+        with runner.step_threads(chunks):
+            result = runner.execute(chunks, logit_rows=list(range(len(chunks))))
         steps.append((result.streams, result.logits))
-        tokens[slot], positions[slot] = int(result.logits[0].argmax()), positions[slot] + 1
+        for slot, row in zip(slots, result.logits.argmax(-1).tolist(), strict=True):
+            tokens[slot], positions[slot] = row, positions[slot] + 1
     return steps
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_replayed_steps_equal_eager_steps_bit_for_bit(checkpoints, fmt):
     """Two runners on one model, one replaying: every step's streams and logits and, after, every cache tensor
-    are identical; the replay was used (a record of the model's kernel calls, not refused)."""
+    are identical; the replay was used (a record of the model's kernel calls per row count, none refused)."""
     llm = LLM(checkpoints[fmt][0], **LIMITS)
     model = llm.loaded.target
     limits = llm.engine.limits
     replaying, eager = ModelRunner(model, limits), ModelRunner(model, limits, replay_decode=False)
     g = torch.Generator().manual_seed(SEED)
-    prompts = {slot: torch.randint(2, 512, (n,), generator=g).tolist() for slot, n in ((2, 9), (0, 3))}
+    prompts = {slot: torch.randint(2, 512, (n,), generator=g).tolist() for slot, n in ((2, 9), (0, 3), (3, 14))}
     got, want = _decode(replaying, prompts), _decode(eager, prompts)
-    assert replaying.replay.refused is None and replaying.replay.recorded_calls > 0
+    assert replaying.replay.refused is None
+    assert all(replaying.replay.recorded_calls(rows) > 0 for rows in (1, 2, 3))
     for (streams, logits), (streams_ref, logits_ref) in zip(got, want, strict=True):
         assert torch.equal(streams, streams_ref) and torch.equal(logits, logits_ref)
     for mine, theirs in zip(cache_tensors(replaying.cache.layers), cache_tensors(eager.cache.layers), strict=True):
@@ -80,32 +89,34 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
 
 
 def test_a_refit_reaches_the_replayed_step(checkpoints):
-    """After a refit the engine's one-row steps generate what a fresh load of the new weights generates (the
-    record is made again for the new weights generation)."""
+    """After a refit the engine's decode steps generate what a fresh load of the new weights generates (the record
+    is made again for the new weights generation)."""
     old_dir, new_dir = checkpoints["fp4"]
     prompt = [[5, 9, 14, 3]]
     llm = LLM(old_dir, **LIMITS)
     before = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     replay = llm.engine.runner.replay
-    assert replay.recorded_calls > 0
+    assert replay.recorded_calls() > 0
     fresh = LLM(new_dir, **LIMITS)
     llm.update_weights(fresh.iter_weights())
     after = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert after != before
     assert after == fresh.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    assert replay.recorded_calls > 0 and replay.refused is None
+    assert replay.recorded_calls() > 0 and replay.refused is None
 
 
 def test_a_forward_that_runs_torch_ops_is_not_recorded(checkpoints):
-    """With one MoE layer's fused kernel unbound, the one-row forward runs the router in torch: the record is refused
+    """With one MoE layer's fused kernel unbound, the decode forward runs the router in torch: the records are refused
     (naming the ops), the steps stay eager and equal a runner that never replays, and no step records again."""
     llm = LLM(checkpoints["dense"][0], **LIMITS)
     model = llm.loaded.target
     model.layers[2].ffn.layer_kernel = None
     replaying = ModelRunner(model, llm.engine.limits)
     eager = ModelRunner(model, llm.engine.limits, replay_decode=False)
-    got, want = _decode(replaying, {1: [7, 8, 9]}), _decode(eager, {1: [7, 8, 9]})
-    assert replaying.replay.recorded_calls == 0 and "torch ops" in replaying.replay.refused
+    prompts = {slot: [7, 8, 9 + slot] for slot in (0, 2, 3)}
+    got, want = _decode(replaying, prompts), _decode(eager, prompts)
+    assert all(replaying.replay.recorded_calls(rows) == 0 for rows in (1, 2, 3))
+    assert "torch ops" in replaying.replay.refused
     assert not replaying.replay.serves([Chunk(1, [3], 50)], ())
     for (streams, logits), (streams_ref, logits_ref) in zip(got, want, strict=True):
         assert torch.equal(streams, streams_ref) and torch.equal(logits, logits_ref)

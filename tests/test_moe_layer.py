@@ -1,8 +1,8 @@
-"""The one-call MoE layer of a decode token (gemv_cpu.FusedMoeLayer, the registry's MOE_LAYER) against the
+"""The one-call MoE layer of a decode step's rows (gemv_cpu.FusedMoeLayer, the registry's MOE_LAYER) against the
 layer's torch reference (the same MoE module built with a reference-only registry: torch router, the reference
-expert loop over dequantized or dense experts, torch shared expert), for every expert format and router kind;
-and the calls it must decline (more rows, bf16 rows on wider weights, a graph being compiled, tensor
-parallelism)."""
+expert loop over dequantized or dense experts, torch shared expert), for every expert format and router kind, one
+token and a 16-row decode step; and the calls it must decline (several rows of a prompt, more decode rows than
+MAX_MOE_LAYER_ROWS, bf16 rows on wider weights, a graph being compiled, tensor parallelism)."""
 
 import dataclasses
 
@@ -11,6 +11,7 @@ import torch
 
 from dsv4.config import DENSE, FP4, FP8, HASH_MOE, MOE, ModelConfig
 from dsv4.embedded import EMBEDDED_MODELS
+from dsv4.kernels.gemv_cpu import MAX_MOE_LAYER_ROWS
 from dsv4.kernels.registry import MOE_LAYER, KernelRegistry
 from dsv4.model import moe as moe_module
 from dsv4.model.moe import MoE
@@ -80,6 +81,20 @@ def test_one_token_layer_matches_reference(fmt, mlp_type, scoring):
 
 @pytest.mark.parametrize("mlp_type", [MOE, HASH_MOE])
 @pytest.mark.parametrize("fmt", [DENSE, FP8, FP4])
+def test_decode_rows_match_reference(fmt, mlp_type):
+    """16 decode rows in one call (each its own token and routing): the reference's output row for row."""
+    fast, reference = _pair(fmt, mlp_type, "sqrtsoftplus")
+    g = torch.Generator().manual_seed(SEED + 4)
+    x = torch.randn(16, fast.gate.weight.shape[1], generator=g)
+    token_ids = torch.randint(0, fast.gate.tid2eid.shape[0] if fast.gate.hashed else 16, (16,), generator=g)
+    assert fast.layer_kernel.supports(x, token_ids, decode_rows=True)
+    assert not fast.layer_kernel.supports(x, token_ids)  # a prompt's rows: the separate calls
+    torch.testing.assert_close(fast(x, token_ids, decode_rows=True), reference(x, token_ids, decode_rows=True),
+                               **FP32_TOL)
+
+
+@pytest.mark.parametrize("mlp_type", [MOE, HASH_MOE])
+@pytest.mark.parametrize("fmt", [DENSE, FP8, FP4])
 def test_one_bf16_token_on_bf16_weights_matches_reference(fmt, mlp_type):
     """bf16 rows (a bf16 engine's decode token) on bf16 weights at rest: the kernel rounds where the reference's
     bf16 tensors do (each product's output, silu, the SwiGLU product, the final sum), so the two agree to a few
@@ -119,7 +134,11 @@ def test_declines_calls_it_does_not_run(monkeypatch):
     kernel = fast.layer_kernel
     one = torch.randn(1, D)
     assert kernel.supports(one, torch.tensor([5]))
-    assert not kernel.supports(torch.randn(2, D), torch.tensor([5, 6]))  # two tokens
+    assert not kernel.supports(torch.randn(2, D), torch.tensor([5, 6]))  # two tokens of a prompt
+    assert kernel.supports(torch.randn(2, D), torch.tensor([5, 6]), decode_rows=True)  # a decode step's two rows
+    many = MAX_MOE_LAYER_ROWS + 1
+    assert not kernel.supports(torch.randn(many, D), torch.arange(many), decode_rows=True)
+    assert not kernel.supports(torch.randn(2, D), torch.tensor([5]), decode_rows=True)  # a token id per row
     assert not kernel.supports(one.bfloat16(), torch.tensor([5]))  # bf16 rows on fp32 weights
     assert not kernel.supports(one, torch.tensor([5], dtype=torch.int32))  # a hash row's id must be int64
     # tensor parallel: each rank holds part of every expert and of the shared expert, so the layer is a partial

@@ -1,23 +1,25 @@
-"""A one-row decode step recorded once as its C kernel calls, then replayed: the host-side twin of a CUDA graph.
+"""A decode step recorded once as its C kernel calls, then replayed: the host-side twin of a CUDA graph.
 
-At batch 1 on CPU every op of the eager forward runs in a C kernel (the few-row products, the fused mHC steps,
-norm + RoPE, the decode attention, the fused MoE layer), yet the Python around those ~150 calls (module calls,
-`supports` checks, argument packing, output allocation, ctypes' argument conversion) took ~1.5-2 ms of a ~4 ms
-small-config step, more than the weights take to stream. A replay makes the same calls with the same arguments
-(kernels/native_calls.py) for a small fraction of that.
+On CPU every op of an eager decode step of up to 64 rows runs in a C kernel (the few-row products, the fused mHC
+steps, norm + RoPE, the decode attention, the fused MoE layer), yet the Python around those ~150 calls (module
+calls, `supports` checks, argument packing, output allocation, ctypes' argument conversion) took ~1.5-2 ms of a
+~4 ms small-config step at batch 1, more than the weights take to stream, and ~5 ms of a ~14 ms step at 16 rows.
+A replay makes the same calls with the same arguments (kernels/native_calls.py) for a small fraction of that.
+Each row count gets its own record.
 
 Why it computes exactly what the eager step computes:
 - the record is the eager forward itself (`DeepseekV4.forward_embedded`) over the engine's cache, every kernel
   call kept with its arguments, and that step's result is the eager one;
-- a step's values reach the calls only through tensors whose addresses they hold: the token id, its position
-  and cache slot (written into the recorded step's tensors before each replay) and the embedding row
+- a step's values reach the calls only through tensors whose addresses they hold: the token ids, their positions
+  and cache slots (written into the recorded step's tensors before each replay) and the embedding rows
   (recomputed into the recorded buffer);
 - the record is refused, and the steps stay eager, when the forward ran any torch op other than an allocation
   or a view (`_AllocationsOnly`): a kernel that declined the call, a weight widened per call, anything a replay
   would not redo;
-- what the host decides in the eager forward does not differ between one-row decode steps (the plan's shape is
-  fixed; which compressor windows complete, how many entries a row reads and the indexer's picks are decided in
-  C from the position), which tests/test_decode_replay.py checks across every compress rate's windows.
+- what the host decides in the eager forward does not differ between decode steps of one row count (the plan's
+  shape is fixed; which compressor windows complete, how many entries a row reads and the indexer's picks are
+  decided in C from the positions), which tests/test_decode_replay.py checks across every compress rate's
+  windows, with rows in scattered slots.
 
 The record holds pointers into the weights and the cache. Weights keep their addresses through every load and
 refit (written in place), and each finalize (`process_weights_after_loading`) starts a new weights generation
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS
 from dsv4.kernels.native_calls import Replay, recording
 from dsv4.model.batch import ForwardBatch, Segment
 from dsv4.model.cache import ModelCache
@@ -69,6 +72,11 @@ class _AllocationsOnly(TorchDispatchMode):
         return out
 
 
+# Rows a replayed step may have: a decode step's rows that the few-row kernels (products, attention, mHC, the MoE
+# layer) take; a step of more rows runs eager, where torch's GEMMs take them.
+MAX_REPLAY_ROWS = MAX_F32_DECODE_ROWS
+
+
 @dataclass(frozen=True)
 class _Record:
     """One recorded step: the replay, the step tensors its calls read, its output streams, and what it is valid for."""
@@ -76,47 +84,51 @@ class _Record:
     replay: Replay
     generation: int  # the model's weights generation when recorded
     threads: int | None  # the few-row pool's threads when recorded
-    token_ids: torch.Tensor  # [1] int64
-    embeds: torch.Tensor  # [1, D]: the embedding row the first block reads
-    streams: torch.Tensor  # [1, hc, D]: what the last call writes
-    step_values: tuple[np.ndarray, np.ndarray, np.ndarray]  # token id, position, slot: views of the step tensors
+    token_ids: torch.Tensor  # [B] int64
+    embeds: torch.Tensor  # [B, D]: the embedding rows the first block reads
+    streams: torch.Tensor  # [B, hc, D]: what the last call writes
+    step_values: tuple[np.ndarray, np.ndarray, np.ndarray]  # token ids, positions, slots: views of the step tensors
     held: tuple  # every tensor the calls address that nobody else keeps
 
 
 class DecodeReplay:
-    """Serves the one-row decode steps of `model` over `cache` by replaying one recorded step (module docstring)."""
+    """Serves the pure-decode steps of `model` over `cache` (every sequence one token, at most MAX_REPLAY_ROWS of
+    them) by replaying one recorded step per row count (module docstring)."""
 
     def __init__(self, model: DeepseekV4, cache: ModelCache):
         self.model = model
         self.cache = cache
-        self._record: _Record | None = None
-        self.refused: str | None = None  # why the last recording was refused (its generation: `_refused_generation`)
-        self._refused_generation: int | None = None
+        self._records: dict[int, _Record] = {}  # by row count
+        self._refused: dict[int, int] = {}  # row count -> the weights generation whose recording was refused
+        self.refused: str | None = None  # why the last refused recording was refused
 
     def serves(self, chunks, capture_layers: tuple[int, ...]) -> bool:
-        """Whether a step of these chunks replays: one sequence, one token, no layer captured, on one CPU rank,
-        and no refused recording for the current weights."""
+        """Whether a step of these chunks replays: every chunk one token, at most MAX_REPLAY_ROWS of them, no layer
+        captured, on one CPU rank, and no refused recording of this row count for the current weights."""
         model = self.model
-        return (len(chunks) == 1 and len(chunks[0].token_ids) == 1 and not capture_layers
-                and not model.parallel.is_parallel and model.embed.weight.is_cpu
-                and self._refused_generation != model.weights_generation)
+        return (0 < len(chunks) <= MAX_REPLAY_ROWS and all(len(chunk.token_ids) == 1 for chunk in chunks)
+                and not capture_layers and not model.parallel.is_parallel and model.embed.weight.is_cpu
+                and self._refused.get(len(chunks)) != model.weights_generation)
 
-    @property
-    def recorded_calls(self) -> int:
-        """Kernel calls of the current record (0: none)."""
-        return 0 if self._record is None else len(self._record.replay)
+    def recorded_calls(self, rows: int = 1) -> int:
+        """Kernel calls of the record of `rows`-row steps (0: none)."""
+        record = self._records.get(rows)
+        return 0 if record is None else len(record.replay)
 
-    def __call__(self, slot: int, token: int, position: int) -> torch.Tensor:
-        """One decode step of `token` at `position` in cache slot `slot` -> its streams [1, hc, D] (a fresh tensor);
-        extends the slot as the eager forward does."""
+    def __call__(self, chunks) -> torch.Tensor:
+        """One decode step of `chunks` (each an engine `Chunk` of one token: its slot, token and position) -> their
+        streams [B, hc, D] (a fresh tensor); extends each slot as the eager forward does."""
         model = self.model
         model.require_ready()
-        record = self._record
+        record = self._records.get(len(chunks))
         if record is None or record.generation != model.weights_generation or record.threads != self._threads():
-            return self._record_step(slot, token, position)
-        self.cache.begin_step((Segment(slot=slot, start=position, begin=0, end=1),))
+            return self._record_step(chunks)
+        self.cache.begin_step(tuple(Segment(slot=chunk.slot, start=chunk.start, begin=i, end=i + 1)
+                                    for i, chunk in enumerate(chunks)))
         token_view, position_view, slot_view = record.step_values
-        token_view[0], position_view[0], slot_view[0] = token, position, slot
+        token_view[:] = [chunk.token_ids[0] for chunk in chunks]
+        position_view[:] = [chunk.start for chunk in chunks]
+        slot_view[:] = [chunk.slot for chunk in chunks]
         # The recorded buffers are inference tensors when the step was recorded in inference mode (the engine's).
         with torch.inference_mode(record.embeds.is_inference()):
             record.embeds.copy_(model.embed_tokens(record.token_ids))
@@ -126,27 +138,28 @@ class DecodeReplay:
     def _threads(self) -> int | None:
         return self.model.kernels.few_row_threads()
 
-    def _record_step(self, slot: int, token: int, position: int) -> torch.Tensor:
+    def _record_step(self, chunks) -> torch.Tensor:
         """The eager step, recorded; the record kept unless the forward ran ops a replay would not."""
-        model, generation = self.model, self.model.weights_generation
-        self._record = None
-        batch = ForwardBatch.build([(slot, [token], position)], device="cpu")
+        model, generation, rows = self.model, self.model.weights_generation, len(chunks)
+        self._records.pop(rows, None)
+        batch = ForwardBatch.build([(chunk.slot, list(chunk.token_ids), chunk.start) for chunk in chunks], device="cpu")
         decode = batch.plan.decode
         self.cache.begin_step(batch.segments)
         embeds = model.embed_tokens(batch.token_ids)
         guard = _AllocationsOnly()
         with recording() as calls, guard:
             streams, _ = model.forward_embedded(embeds, batch, self.cache.layers)
-        self.refused = None
+        reason = None
         if guard.foreign:
-            self.refused = f"the one-row forward ran torch ops besides its kernels: {sorted(set(guard.foreign))}"
+            reason = f"the {rows}-row forward ran torch ops besides its kernels: {sorted(set(guard.foreign))}"
         elif decode is None or not decode.pure or decode.pos is not batch.positions:
-            self.refused = "the one-row step's plan reads positions from another tensor than the batch's"
-        if self.refused is not None:
-            self._refused_generation = generation
+            reason = f"the {rows}-row step's plan reads positions from another tensor than the batch's"
+        if reason is not None:
+            self.refused = reason
+            self._refused[rows] = generation
             return streams
         step_tensors = (batch.token_ids, batch.positions, decode.slots)
-        self._record = _Record(
+        self._records[rows] = _Record(
             replay=Replay(calls), generation=generation, threads=self._threads(), token_ids=batch.token_ids,
             embeds=embeds, streams=streams, step_values=tuple(t.numpy() for t in step_tensors),
             held=(*step_tensors, *guard.allocated, calls))

@@ -3,7 +3,7 @@
 It owns the per-sequence caches (`ModelCache`, one slot per running sequence) and, for a step, turns the
 scheduled chunks into one `ForwardBatch` (the step's metadata, built once and handed to every layer),
 runs the compiled decode step (`StaticDecode`, pure-decode steps when `compile_decode`), a replay of a
-recorded one-row decode step (`DecodeReplay`, the other one-row decode steps) or the eager forward, and
+recorded decode step (`DecodeReplay`, the other pure-decode steps) or the eager forward, and
 returns the streams of every row, the streams of the inner layers a proposer reads (`capture_layers`, the
 model's own `forward(capture_layers=...)`), and the logits of the rows the engine asked for: the last row of
 each sequence that samples, or every row of a verify chunk. The compiled step and the replay return no layer
@@ -61,7 +61,7 @@ class ModelRunner:
         model: the target model (READY or not: forward checks).
         limits: slots and sequence length of the caches.
         compile_decode: run pure-decode steps through `StaticDecode` compiled with torch.compile.
-        replay_decode: replay one-row decode steps (`DecodeReplay`; the `replay` attribute, None when off).
+        replay_decode: replay pure-decode steps (`DecodeReplay`; the `replay` attribute, None when off).
 
     Raises:
         ValueError: compile_decode for a model the static step cannot run (e.g. activation_dtype != dtype).
@@ -110,17 +110,16 @@ class ModelRunner:
             self._snapshot = self.cache.snapshot(
                 [(chunks[i].slot, chunks[i].start, len(chunks[i].token_ids)) for i in verify])
         if not verify and self._replay_serves(chunks, capture_layers):
-            chunk = chunks[0]
             with self.step_threads(chunks, capture_layers):
-                streams = self.replay(chunk.slot, chunk.token_ids[0], chunk.start)
-                return StepResult(streams, self.logits(streams, decode_rows=True) if logit_rows else None)
+                streams = self.replay(chunks)
+                return self._result(len(chunks), True, streams, None, {}, logit_rows)
         batch = ForwardBatch.build(list(chunks), device=self.device, decode_span=self.decode_span)
         if self._compiled_serves(chunks, capture_layers):
             streams, logits = self.static_decode(batch, self.cache)
-            return self._result(batch, streams, logits, {}, logit_rows)
+            return self._result(batch.num_tokens, batch.decode_rows, streams, logits, {}, logit_rows)
         with self.step_threads(chunks, capture_layers):
             streams, captured = self.model(batch, self.cache, capture_layers)
-            return self._result(batch, streams, None, captured, logit_rows)
+            return self._result(batch.num_tokens, batch.decode_rows, streams, None, captured, logit_rows)
 
     def step_threads(self, chunks: Sequence[Chunk], capture_layers: tuple[int, ...] = ()):
         """The threads a step over `chunks` runs on, as a context for its forward (`execute`) and the caller's
@@ -137,7 +136,7 @@ class ModelRunner:
         return self.model.kernels.threads_for_rows(rows, single_tokens, (self.model.activation_dtype, self.model.dtype))
 
     def _replay_serves(self, chunks: Sequence[Chunk], capture_layers: tuple[int, ...]) -> bool:
-        """Whether a replayed one-row decode step runs these chunks (not where the compiled step does)."""
+        """Whether a replayed decode step runs these chunks (not where the compiled step does)."""
         return (self.replay is not None and not self._compiled_serves(chunks, capture_layers)
                 and self.replay.serves(chunks, capture_layers))
 
@@ -145,14 +144,14 @@ class ModelRunner:
         """Whether the compiled decode step runs these chunks: every one a single token, no layer captured."""
         return self.static_decode is not None and not capture_layers and self.static_decode.serves(chunks)
 
-    def _result(self, batch: ForwardBatch, streams: torch.Tensor, logits: torch.Tensor | None,
+    def _result(self, rows: int, decode_rows: bool, streams: torch.Tensor, logits: torch.Tensor | None,
                 captured: dict[int, torch.Tensor], logit_rows: Sequence[int]) -> StepResult:
-        """The step's result with the logits of `logit_rows`; `logits`: every row's, when the forward
-        already computed them (the compiled step), else None."""
+        """The result of a step of `rows` rows (`decode_rows`: a decode step's) with the logits of `logit_rows`;
+        `logits`: every row's, when the forward already computed them (the compiled step), else None."""
         if not logit_rows:
             return StepResult(streams, None, captured)
-        if len(logit_rows) == batch.num_tokens:  # every row, in order (a pure decode step): no gather
-            return StepResult(streams, self.logits(streams, batch.decode_rows) if logits is None else logits, captured)
+        if len(logit_rows) == rows:  # every row, in order (a pure decode step): no gather
+            return StepResult(streams, self.logits(streams, decode_rows) if logits is None else logits, captured)
         picked = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         if logits is not None:
             return StepResult(streams, logits.index_select(0, picked), captured)

@@ -1361,7 +1361,7 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
-/* One MoE layer of one token: router, routed experts and the shared expert in one call.                */
+/* One MoE layer of a few tokens: router, routed experts and the shared expert in one call.           */
 /* ---------------------------------------------------------------------------------------------------- */
 
 enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1, SCORE_SQRTSOFTPLUS = 2 };
@@ -1401,82 +1401,96 @@ static void router_top_k(const float *scores, const float *bias, long E, long k,
     }
 }
 
-/* x [D] (act: fp32 or bf16) -> out [D] (act) = routed + shared, the MoE layer of one token (`topk` routed
-   experts of E):
-     router    logits = x Wr^T in fp32 (Wr [E, D] resident input-major, fp32 or bf16), scored by `scoring`; the
-               experts: a hash row (hash_table[*token], int32 [V, topk]; `token` points at the token's int64
-               id, read at the call, so a replayed call reads the step's token) when hash_table is given, else the
-               top-k of scores + bias; their weights = scores / (sum + norm_eps) * scaling
+/* x [T, D] (act: fp32 or bf16) -> out [T, D] (act) = routed + shared, the MoE layer of T tokens (`topk` routed
+   experts of E each):
+     router    logits = x Wr^T in fp32 (Wr [E, D] resident input-major, fp32 or bf16), scored by `scoring`; a
+               token's experts: a hash row (hash_table[token_ids[t]], int32 [V, topk]; the ids are read at the
+               call, so a replayed call reads the step's tokens) when hash_table is given, else the top-k of
+               scores + bias; their weights = scores / (sum + norm_eps) * scaling
      routed    moe_experts over the stacks w1/w3/w2 (fmt, scales, b0/b1), SwiGLU clamped at `limit`
      shared    W2s (silu(min(W1s x, L)) * clamp(W3s x, -L, L)), W1s/W3s [Is, D], W2s [D, Is] input-major
                (shared_fmt: fp32 or bf16)
-   Each product is the kernel the layer's separate calls run (dense_xw, moe_experts), so only the router's
-   and the shared SwiGLU's fp32 roundings can differ from the torch reference's. bf16 rows round where the
-   reference's bf16 tensors do: each product's output, silu's, the SwiGLU product and the final sum. */
-int moe_layer(pool *p, const void *x, int act, long D, long E, long topk, const void *router_w, int router_fmt,
-              int scoring, const float *bias, const int32_t *hash_table, long vocab, const int64_t *token, float scaling,
-              float norm_eps, long I, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
-              const void *w2, const void *s2, long b0, long b1, float limit, long Is, int shared_fmt,
-              const void *sw1, const void *sw3, const void *sw2, void *out, int nthreads) {
-    if (D <= 0 || E <= 0 || topk <= 0 || topk > E || Is <= 0 || (router_fmt != FMT_F32 && router_fmt != FMT_BF16) ||
-        (shared_fmt != FMT_F32 && shared_fmt != FMT_BF16) || scoring < SCORE_SOFTMAX || scoring > SCORE_SQRTSOFTPLUS ||
-        (act != ACT_F32 && act != ACT_BF16))
+   Each product is the kernel the layer's separate calls run on the same rows (dense_xw, moe_experts), so only
+   the router's and the shared SwiGLU's fp32 roundings can differ from the torch reference's. bf16 rows round
+   where the reference's bf16 tensors do: each product's output, silu's, the SwiGLU product and the final sum. */
+int moe_layer(pool *p, const void *x, int act, long T, long D, long E, long topk, const void *router_w,
+              int router_fmt, int scoring, const float *bias, const int32_t *hash_table, long vocab,
+              const int64_t *token_ids, float scaling, float norm_eps, long I, int fmt, const void *w1, const void *s1,
+              const void *w3, const void *s3, const void *w2, const void *s2, long b0, long b1, float limit, long Is,
+              int shared_fmt, const void *sw1, const void *sw3, const void *sw2, void *out, int nthreads) {
+    if (T <= 0 || D <= 0 || E <= 0 || topk <= 0 || topk > E || Is <= 0 ||
+        (router_fmt != FMT_F32 && router_fmt != FMT_BF16) || (shared_fmt != FMT_F32 && shared_fmt != FMT_BF16) ||
+        scoring < SCORE_SOFTMAX || scoring > SCORE_SQRTSOFTPLUS || (act != ACT_F32 && act != ACT_BF16))
         return ERR_ARGS;
-    if (hash_table ? !token || *token < 0 || *token >= vocab : !bias) return ERR_ARGS;
+    if (hash_table) {
+        if (!token_ids) return ERR_ARGS;
+        for (long t = 0; t < T; ++t)
+            if (token_ids[t] < 0 || token_ids[t] >= vocab) return ERR_ARGS;
+    } else if (!bias) {
+        return ERR_ARGS;
+    }
     const int bf16 = act == ACT_BF16;
-    float *scores = malloc(sizeof(float) * (size_t)E), *weights = malloc(sizeof(float) * (size_t)topk);
-    int64_t *ids = malloc(sizeof(int64_t) * (size_t)topk);
-    /* x as fp32 | gate | up | SwiGLU | shared output, each as fp32; bf16 rows also keep act-typed copies */
-    float *work = malloc(sizeof(float) * (size_t)(2 * D + 3 * Is));
-    uint16_t *half = bf16 ? malloc(sizeof(uint16_t) * (size_t)(3 * Is + D)) : NULL;
+    const size_t rows = (size_t)T;
+    float *scores = malloc(sizeof(float) * rows * (size_t)E), *weights = malloc(sizeof(float) * rows * (size_t)topk);
+    int64_t *ids = malloc(sizeof(int64_t) * rows * (size_t)topk);
+    /* x as fp32 [T, D] | gate | up | SwiGLU [T, Is] each | shared output [T, D], as fp32; bf16 rows also keep
+       act-typed copies of gate | up | SwiGLU | shared */
+    float *work = malloc(sizeof(float) * rows * (size_t)(2 * D + 3 * Is));
+    uint16_t *half = bf16 ? malloc(sizeof(uint16_t) * rows * (size_t)(3 * Is + D)) : NULL;
     int status = OK;
     if (!scores || !weights || !ids || !work || (bf16 && !half)) {
         status = ERR_ALLOC;
         goto done;
     }
-    float *xf = work, *gate = work + D, *up = gate + Is, *h = up + Is, *shared = h + Is;
+    const long hidden = T * Is;
+    float *xf = work, *gate = work + T * D, *up = gate + hidden, *h = up + hidden, *shared = h + hidden;
     /* act-typed buffers the products read and write: fp32 rows use the fp32 ones themselves */
-    void *gate_act = bf16 ? (void *)half : (void *)gate, *up_act = bf16 ? (void *)(half + Is) : (void *)up;
-    void *h_act = bf16 ? (void *)(half + 2 * Is) : (void *)h, *shared_act = bf16 ? (void *)(half + 3 * Is) : shared;
-    const float *x32 = rows_f32(x, act, D, xf);
-    dense_range(x32, 1, D, D, router_w, router_fmt, E, 0, E, scores, E);
-    router_scores(scoring, scores, E);
-    if (hash_table)
-        for (long j = 0; j < topk; ++j) ids[j] = hash_table[*token * topk + j];
-    else
-        router_top_k(scores, bias, E, topk, ids);
-    float total = 0.0f;
-    for (long j = 0; j < topk; ++j) {
-        if (ids[j] < 0 || ids[j] >= E) {
-            status = ERR_ARGS;
-            goto done;
+    void *gate_act = bf16 ? (void *)half : (void *)gate, *up_act = bf16 ? (void *)(half + hidden) : (void *)up;
+    void *h_act = bf16 ? (void *)(half + 2 * hidden) : (void *)h;
+    void *shared_act = bf16 ? (void *)(half + 3 * hidden) : shared;
+    const float *x32 = rows_f32(x, act, T * D, xf);
+    dense_range(x32, T, D, D, router_w, router_fmt, E, 0, E, scores, E);
+    for (long t = 0; t < T; ++t) {
+        float *token_scores = scores + t * E, *token_weights = weights + t * topk;
+        int64_t *token_experts = ids + t * topk;
+        router_scores(scoring, token_scores, E);
+        if (hash_table)
+            for (long j = 0; j < topk; ++j) token_experts[j] = hash_table[token_ids[t] * topk + j];
+        else
+            router_top_k(token_scores, bias, E, topk, token_experts);
+        float total = 0.0f;
+        for (long j = 0; j < topk; ++j) {
+            if (token_experts[j] < 0 || token_experts[j] >= E) {
+                status = ERR_ARGS;
+                goto done;
+            }
+            total += token_weights[j] = token_scores[token_experts[j]];
         }
-        total += weights[j] = scores[ids[j]];
+        for (long j = 0; j < topk; ++j) token_weights[j] = token_weights[j] / (total + norm_eps) * scaling;
     }
-    for (long j = 0; j < topk; ++j) weights[j] = weights[j] / (total + norm_eps) * scaling;
-    status = moe_experts(p, x, act, 1, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit, out,
+    status = moe_experts(p, x, act, T, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit, out,
                          nthreads);
-    if (status == OK) status = dense_xw(p, x, act, 1, D, sw1, shared_fmt, Is, gate_act, nthreads);
-    if (status == OK) status = dense_xw(p, x, act, 1, D, sw3, shared_fmt, Is, up_act, nthreads);
+    if (status == OK) status = dense_xw(p, x, act, T, D, sw1, shared_fmt, Is, gate_act, nthreads);
+    if (status == OK) status = dense_xw(p, x, act, T, D, sw3, shared_fmt, Is, up_act, nthreads);
     if (status != OK) goto done;
     const float lim = bf16 ? bf16_to_f32(f32_to_bf16(limit)) : limit; /* the clamp bound in the rows' dtype */
-    for (long i = 0; i < Is; ++i) {
-        const float g = bf16 ? bf16_to_f32(half[i]) : gate[i], u = bf16 ? bf16_to_f32(half[Is + i]) : up[i];
+    for (long i = 0; i < hidden; ++i) {
+        const float g = bf16 ? bf16_to_f32(half[i]) : gate[i], u = bf16 ? bf16_to_f32(half[hidden + i]) : up[i];
         const float gc = g < lim ? g : lim;
         const float uc = u < -lim ? -lim : (u > lim ? lim : u);
         if (bf16)
-            half[2 * Is + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu(gc))) * uc);
+            half[2 * hidden + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu(gc))) * uc);
         else
             h[i] = silu(gc) * uc;
     }
-    status = dense_xw(p, h_act, act, 1, Is, sw2, shared_fmt, D, shared_act, nthreads);
+    status = dense_xw(p, h_act, act, T, Is, sw2, shared_fmt, D, shared_act, nthreads);
     if (status != OK) goto done;
     if (bf16) {
         uint16_t *o = out;
-        for (long d = 0; d < D; ++d) o[d] = f32_to_bf16(bf16_to_f32(o[d]) + bf16_to_f32(half[3 * Is + d]));
+        for (long d = 0; d < T * D; ++d) o[d] = f32_to_bf16(bf16_to_f32(o[d]) + bf16_to_f32(half[3 * hidden + d]));
     } else {
         float *o = out;
-        for (long d = 0; d < D; ++d) o[d] += shared[d];
+        for (long d = 0; d < T * D; ++d) o[d] += shared[d];
     }
 done:
     free(scores);

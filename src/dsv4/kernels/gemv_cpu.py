@@ -181,7 +181,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.moe_experts.restype = Int
     lib.moe_experts.argtypes = [P, P, Int, L, L, L, L, P, P, L, Int, P, P, P, P, P, P, L, L, F, P, Int]
     lib.moe_layer.restype = Int
-    lib.moe_layer.argtypes = [P, P, Int, L, L, L, P, Int, Int, P, P, L, P, F, F, L, Int, P, P, P, P, P, P, L, L, F,
+    lib.moe_layer.argtypes = [P, P, Int, L, L, L, L, P, Int, Int, P, P, L, P, F, F, L, Int, P, P, P, P, P, P, L, L, F,
                               L, Int, P, P, P, P, Int]
     return lib
 
@@ -626,17 +626,20 @@ class FusedQuantExperts(_PoolKernel):
 
 # Router scoring functions (ModelConfig.scoring_func) and their codes in gemv_cpu.c's moe_layer.
 _SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
-# Tokens FusedMoeLayer takes: the one-row decode step, whose every other product already runs in these kernels
-# (MAX_F32_ROWS); at more rows the router and shared expert stay with torch.
-MAX_MOE_LAYER_ROWS = 1
+# Tokens FusedMoeLayer takes: a decode step's rows, as many as the shared expert's own product takes
+# (`DenseGemv.rows_taken`: 64 fp32 rows), and one row of any other call (a prompt's rows stay on the separate
+# calls, as its shared expert's product does: a prompt then rounds alike in any chunking). A decode step's every
+# other op already runs in these kernels, so its forward is kernel calls only (what engine/decode_replay.py
+# replays); at 16 rows the router and shared expert in torch were ~20 ops per layer.
+MAX_MOE_LAYER_ROWS = MAX_F32_DECODE_ROWS
 
 
 class FusedMoeLayer(_PoolKernel):
-    """One token's whole MoE layer in one call: the router (scores, top-k with correction bias or a hash row,
+    """A decode step's whole MoE layer in one call: the router (scores, top-k with correction bias or a hash row,
     normalised scaled weights), its routed experts (dense or FP8 / FP4 stacks, as FusedExperts /
-    FusedQuantExperts run them) and the shared expert, fp32 rows. A decode step's MoE layer is otherwise ~30
-    torch ops and four kernel calls for ~0.3 MB of weights. A layer binds it to its weights once (`bind`, at
-    finalize): the bound kernel's calls take x [1, D] and token_ids [1] and return routed + shared [1, D]."""
+    FusedQuantExperts run them) and the shared expert, fp32 or bf16 rows. A decode step's MoE layer is otherwise
+    ~30 torch ops and four kernel calls. A layer binds it to its weights once (`bind`, at finalize): the bound
+    kernel's calls take x [T, D] and token_ids [T] and return routed + shared [T, D] (`MAX_MOE_LAYER_ROWS`)."""
 
     _entry = "moe_layer"
 
@@ -691,33 +694,43 @@ class FusedMoeLayer(_PoolKernel):
         if all(w.dtype == torch.bfloat16 for w in (sw1, sw3, sw2)) and (scales[0] is not None
                                                                          or w1.dtype == torch.bfloat16):
             acts.add(torch.bfloat16)
-        return BoundMoeLayer(self._fn, self._pool, held, routing_args, expert_args, hash_table is not None, acts)
+        # Decode rows per activation dtype: those the shared expert's own product takes, and for dense stacks
+        # few enough picks per expert (MAX_PICKS_PER_EXPERT) for the fused expert kernel to win.
+        decode_rows = {}
+        for act in acts:
+            most = min(MAX_MOE_LAYER_ROWS, DenseGemv.rows_taken(act, sw1.dtype, decode_rows=True))
+            if scales[0] is None:
+                most = min(most, MAX_PICKS_PER_EXPERT.get(w1.dtype, 0) * E // top_k)
+            decode_rows[act] = max(1, most)
+        return BoundMoeLayer(self._fn, self._pool, held, routing_args, expert_args, hash_table is not None,
+                             decode_rows)
 
 
 class BoundMoeLayer:
-    """FusedMoeLayer on one layer's weights (`FusedMoeLayer.bind`): `supports(x, token_ids)` checks the token,
-    `__call__` runs the layer. Holds the weights, so the addresses it calls with name live storage."""
+    """FusedMoeLayer on one layer's weights (`FusedMoeLayer.bind`): `supports(x, token_ids, decode_rows)` checks the
+    tokens, `__call__` runs the layer. Holds the weights, so the addresses it calls with name live storage."""
 
     def __init__(self, fn, pool: WorkerPool, held: tuple, routing_args: tuple, expert_args: tuple, hashed: bool,
-                 acts: set[torch.dtype]):
-        self._fn, self._pool, self._held, self._acts = fn, pool, held, acts
+                 decode_rows: dict[torch.dtype, int]):
+        """decode_rows: by activation dtype it runs, the most rows of a decode step a call takes (others: one)."""
+        self._fn, self._pool, self._held, self._decode_rows = fn, pool, held, decode_rows
         self._routing_args, self._expert_args, self._hashed = routing_args, expert_args, hashed
         self.in_features = routing_args[0]
 
-    def supports(self, x: torch.Tensor, token_ids: torch.Tensor) -> bool:
-        """One eager CPU token (MAX_MOE_LAYER_ROWS) of the layer's width, fp32 or (on bf16 or quantized weights)
-        bf16; a hashed layer's token id int64."""
-        return (x.dtype in self._acts and x.dim() == 2 and x.shape[0] <= MAX_MOE_LAYER_ROWS
-                and x.shape[1] == self.in_features and x.is_cpu and x.is_contiguous() and x.numel() > 0
-                and not x.requires_grad
-                and (not self._hashed
-                     or (token_ids.numel() == 1 and token_ids.dtype == torch.int64 and token_ids.is_cpu)))
+    def supports(self, x: torch.Tensor, token_ids: torch.Tensor, decode_rows: bool = False) -> bool:
+        """Eager CPU tokens of the layer's width, fp32 or (on bf16 or quantized weights) bf16: one, or up to
+        `MAX_MOE_LAYER_ROWS` of a decode step's rows (`decode_rows`); a hashed layer's token ids int64."""
+        most = self._decode_rows.get(x.dtype, 0) if decode_rows else int(x.dtype in self._decode_rows)
+        return (x.dim() == 2 and 0 < x.shape[0] <= most and x.shape[1] == self.in_features and x.is_cpu
+                and x.is_contiguous() and not x.requires_grad
+                and (not self._hashed or (token_ids.shape == x.shape[:1] and token_ids.dtype == torch.int64
+                                          and token_ids.is_cpu and token_ids.is_contiguous())))
 
     def __call__(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        token = token_ids.data_ptr() if self._hashed else None  # read by the kernel: a replay reads the step's
-        native_call(self._fn, (self._pool.handle, x.data_ptr(), _ACT[x.dtype], *self._routing_args, token,
-                               *self._expert_args, out.data_ptr(), self._pool.threads()), _check, "moe_layer")
+        tokens = token_ids.data_ptr() if self._hashed else None  # read by the kernel: a replay reads the step's
+        native_call(self._fn, (self._pool.handle, x.data_ptr(), _ACT[x.dtype], x.shape[0], *self._routing_args,
+                               tokens, *self._expert_args, out.data_ptr(), self._pool.threads()), _check, "moe_layer")
         return out
 
 

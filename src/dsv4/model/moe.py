@@ -213,8 +213,8 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """The router is replicated (every rank routes every token); routed and shared experts give partial
     sums under tensor / expert parallelism, combined by one all-reduce. On one rank, a call the registry's
-    MOE_LAYER kernel (bound to the weights at finalize) supports (one token) runs router, routed and shared
-    experts in that one call."""
+    MOE_LAYER kernel (bound to the weights at finalize) supports (one token, or a decode step's rows) runs router,
+    routed and shared experts in that one call."""
 
     def __init__(self, cfg: ModelConfig, mlp_type: str, expert_format: str, dtype: torch.dtype,
                  kernels: KernelRegistry | None = None, parallel: ParallelState = SINGLE):
@@ -237,7 +237,7 @@ class MoE(nn.Module):
         step's (`Linear.forward`)."""
         if not torch.compiler.is_compiling():  # a captured graph runs torch (and guards nothing of the kernel)
             fused = self.layer_kernel
-            if fused is not None and fused.supports(x, token_ids):
+            if fused is not None and fused.supports(x, token_ids, decode_rows):
                 return fused(x, token_ids)
         ids, weights = self.gate(x, token_ids)
         return all_reduce(self.experts(x, ids, weights) + self.shared_experts(x, decode_rows), self.parallel)
