@@ -3,15 +3,16 @@
 Switches (each kernel's reference is what the model runs without it):
   shared-input      a layer's projections of one input in one C call (`SharedInputLinears`, gemv_cpu.c
                     dense_xw_shared) against one few-row kernel call per projection
-  moe-layer         one token's whole MoE layer in one C call (`MoE.layer_kernel`, gemv_cpu.c moe_layer) against
+  moe-layer         a decode step's whole MoE layer in one C call (`MoE.layer_kernel`, gemv_cpu.c moe_layer) against
                     the router, routed-expert kernel and shared expert as separate modules (torch ops around kernels)
   decode-attention  single-token decode rows' attention in C (DECODE_ATTENTION, decode_attention_cpu.c) against the
                     torch decode path: each attention layer gets a view of its registry that declines the op
 
-One engine, one process (`kernel_ab.py`): the kernel's bindings (or its registry) are swapped out and back in
-turn; ratio = off seconds / on seconds of the decode step (> 1: the kernel is faster). The model is a
-bench_generate config with a seeded random checkpoint (--model small | tiny, --experts its routed-expert
-format) or an embedded model by name (e.g. dsv4-sort, the demo's model, in its own formats), at --dtype.
+One engine, one process (`kernel_ab.py`), its decode steps eager (not replayed): the kernel's bindings (or its
+registry) are swapped out and back in turn; ratio = off seconds / on seconds of the decode step (> 1: the kernel
+is faster). The model is a bench_generate config with a seeded random checkpoint (--model small | tiny, --experts
+its routed-expert format) or an embedded model by name (e.g. dsv4-sort, the demo's model, in its own formats), at
+--dtype.
 
 Writes <out>/bench_kernel_switch_<switch>_<model>[_<experts>]_<dtype>_t<threads>.json and .png.
 Usage: python benchmarks/bench_kernel_switch.py --switch shared-input [--model small] [--experts dense]
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompt_len + args.steps + 1 > max_len:
             parser.error(f"--prompt-len + --steps must stay under the model's {max_len} positions")
         llm = LLM(path, dtype=args.dtype, max_model_len=max_len, **limits, **extra)
+        # Eager steps on both sides: a replayed decode step (engine/decode_replay.py) would keep the kernels its
+        # recording called whichever way the switch stands.
+        llm.engine.runner.replay = None
         results["decode_step"] = decode_step_ab(llm, KernelSwitch(llm, args.switch).use, args.batch, args.prompt_len,
                                                 args.steps, args.repeats, config["vocab_size"], SIDES)
     write_report(args.out / f"bench_kernel_switch_{args.switch}_{name}_{args.dtype}_t{args.threads}", results, plot)

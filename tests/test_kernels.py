@@ -266,6 +266,29 @@ def test_fused_mhc_pre_post_match_reference(fused_kernels, broadcast, T, hc, D):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 19, 70])  # 70: past MAX_MIX_ROWS, torch's GEMM takes the mix
+@pytest.mark.parametrize("hc, D", [(HC, 48), (3, 37)])
+def test_mhc_head_kernel_matches_reference(dtype, T, hc, D):
+    """The final pre-only collapse (MHC_HEAD) against `mhc.head_collapse`: fp32 to rounding, bf16 streams to a bf16
+    rounding of the result; it declines fp32 streams with bf16 coefficients' parameters."""
+    from dsv4.kernels.mhc_cpu import MhcHeadKernel
+
+    kernel = MhcHeadKernel(build_library())
+    g = torch.Generator().manual_seed(13 + T + D)
+    rms_eps, hc_eps = 1e-6, 1e-3
+    streams = torch.randn(T, hc, D, generator=g).to(dtype)
+    fn = torch.randn(hc, hc * D, generator=g) * 0.1
+    base, scale = torch.randn(hc, generator=g), torch.rand(1, generator=g) * 2
+    assert kernel.supports(streams, fn, base, scale, rms_eps, hc_eps)
+    assert not kernel.supports(streams, fn, base.bfloat16(), scale, rms_eps, hc_eps)
+    got = kernel(streams, fn, base, scale, rms_eps, hc_eps)
+    want = mhc.head_collapse(streams, fn, base, scale, rms_eps, hc_eps)
+    assert got.dtype == want.dtype == dtype
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_token_mix_on_the_pool_equals_one_thread_and_each_token_alone(dtype):
     """The mix GEMM of a decode step's tokens (MAX_MIX_ROWS of them) spread over the few-row kernels' pool: bit for
     bit what the caller's thread alone gives, and each token's logits what that token alone gives (a dot product

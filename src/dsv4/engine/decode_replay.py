@@ -8,8 +8,9 @@ A replay makes the same calls with the same arguments (kernels/native_calls.py) 
 Each row count gets its own record.
 
 Why it computes exactly what the eager step computes:
-- the record is the eager forward itself (`DeepseekV4.forward_embedded`) over the engine's cache, every kernel
-  call kept with its arguments, and that step's result is the eager one;
+- the record is the eager forward itself over the engine's cache, the blocks and the head
+  (`DeepseekV4.forward_embedded`, `head_output`), every kernel call kept with its arguments, and that step's
+  result is the eager one;
 - a step's values reach the calls only through tensors whose addresses they hold: the token ids, their positions
   and cache slots (written into the recorded step's tensors before each replay) and the embedding rows
   (recomputed into the recorded buffer);
@@ -86,7 +87,8 @@ class _Record:
     threads: int | None  # the few-row pool's threads when recorded
     token_ids: torch.Tensor  # [B] int64
     embeds: torch.Tensor  # [B, D]: the embedding rows the first block reads
-    streams: torch.Tensor  # [B, hc, D]: what the last call writes
+    streams: torch.Tensor  # [B, hc, D]: what the last layer's calls write
+    logits: torch.Tensor  # [B, V] in the activation dtype: what the head's call writes
     step_values: tuple[np.ndarray, np.ndarray, np.ndarray]  # token ids, positions, slots: views of the step tensors
     held: tuple  # every tensor the calls address that nobody else keeps
 
@@ -115,9 +117,9 @@ class DecodeReplay:
         record = self._records.get(rows)
         return 0 if record is None else len(record.replay)
 
-    def __call__(self, chunks) -> torch.Tensor:
+    def __call__(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of `chunks` (each an engine `Chunk` of one token: its slot, token and position) -> their
-        streams [B, hc, D] (a fresh tensor); extends each slot as the eager forward does."""
+        streams [B, hc, D] and fp32 logits [B, V] (fresh tensors); extends each slot as the eager forward does."""
         model = self.model
         model.require_ready()
         record = self._records.get(len(chunks))
@@ -133,12 +135,12 @@ class DecodeReplay:
         with torch.inference_mode(record.embeds.is_inference()):
             record.embeds.copy_(model.embed_tokens(record.token_ids))
         record.replay.run()
-        return record.streams.clone()
+        return record.streams.clone(), record.logits.to(torch.float32, copy=True)
 
     def _threads(self) -> int | None:
         return self.model.kernels.few_row_threads()
 
-    def _record_step(self, chunks) -> torch.Tensor:
+    def _record_step(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
         """The eager step, recorded; the record kept unless the forward ran ops a replay would not."""
         model, generation, rows = self.model, self.model.weights_generation, len(chunks)
         self._records.pop(rows, None)
@@ -149,6 +151,7 @@ class DecodeReplay:
         guard = _AllocationsOnly()
         with recording() as calls, guard:
             streams, _ = model.forward_embedded(embeds, batch, self.cache.layers)
+            logits = model.head_output(streams, decode_rows=True)
         reason = None
         if guard.foreign:
             reason = f"the {rows}-row forward ran torch ops besides its kernels: {sorted(set(guard.foreign))}"
@@ -157,10 +160,10 @@ class DecodeReplay:
         if reason is not None:
             self.refused = reason
             self._refused[rows] = generation
-            return streams
+            return streams, logits.float()
         step_tensors = (batch.token_ids, batch.positions, decode.slots)
         self._records[rows] = _Record(
             replay=Replay(calls), generation=generation, threads=self._threads(), token_ids=batch.token_ids,
-            embeds=embeds, streams=streams, step_values=tuple(t.numpy() for t in step_tensors),
+            embeds=embeds, streams=streams, logits=logits, step_values=tuple(t.numpy() for t in step_tensors),
             held=(*step_tensors, *guard.allocated, calls))
-        return streams.clone()
+        return streams.clone(), logits.to(torch.float32, copy=True)

@@ -109,10 +109,10 @@ class ModelRunner:
         if verify:
             self._snapshot = self.cache.snapshot(
                 [(chunks[i].slot, chunks[i].start, len(chunks[i].token_ids)) for i in verify])
-        if not verify and self._replay_serves(chunks, capture_layers):
+        if not verify and logit_rows and self._replay_serves(chunks, capture_layers):
             with self.step_threads(chunks, capture_layers):
-                streams = self.replay(chunks)
-                return self._result(len(chunks), True, streams, None, {}, logit_rows)
+                streams, logits = self.replay(chunks)
+                return self._result(len(chunks), True, streams, logits, {}, logit_rows)
         batch = ForwardBatch.build(list(chunks), device=self.device, decode_span=self.decode_span)
         if self._compiled_serves(chunks, capture_layers):
             streams, logits = self.static_decode(batch, self.cache)

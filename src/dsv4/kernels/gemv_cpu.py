@@ -22,7 +22,7 @@ Kernels (each `supports(*args)` / `__call__(*args)` with one signature, as the r
   FusedQuantExperts (x, ids, weights, w1, w1_scale, w3, w3_scale, w2, w2_scale, block, limit): the same for
                     FP8 / FP4 stacks, format from w1's dtype (float8_e4m3fn: FP8 with `block`; int8: FP4 with
                     group block[1])
-  FusedMoeLayer     one token's whole MoE layer (router, routed and shared experts), fp32 or bf16
+  FusedMoeLayer     a decode step's whole MoE layer (router, routed and shared experts), fp32 or bf16
 A model module binds its kernel to its weights once, at finalize (`bind`, through `KernelRegistry.bind`:
 DenseGemv.bind(weight), FusedExperts / FusedQuantExperts.bind(experts), FusedMoeLayer.bind(router, experts,
 shared, eps)): the weights' layout, format and pointers are checked and read there, and the bound kernel's

@@ -162,6 +162,28 @@ int mhc_pre(const void *streams, int bf16, const float *restrict raw, const floa
     return 0;
 }
 
+/* The model's final pre-only collapse (hc_head) of T tokens: streams [T, hc, D] (fp32 or bf16), raw [T, hc] fp32 =
+   flatten(streams) @ fn^T; rho = rsqrt(mean(flatten(streams)^2) + rms_eps); pre_k = sigmoid(raw_k rho scale[0] +
+   base_k) + hc_eps; y [T, D] (streams' dtype) = sum_k pre_k R_k. Returns 0, or 1 when its scratch row cannot be
+   allocated. */
+int mhc_head(const void *streams, int bf16, const float *restrict raw, const float *base, const float *scale, long T, int hc,
+             long D, float rms_eps, float hc_eps, void *y) {
+    float *scratch = malloc((size_t)(hc * D + D) * sizeof(float)); /* bf16 rows: streams, then y */
+    if (!scratch) return 1;
+    for (long t = 0; t < T; ++t) {
+        const float *restrict x = load_row(streams, bf16, t * hc * D, hc * D, scratch);
+        const float rho = 1.0f / sqrtf(sum_squares(x, hc * D) / (float)(hc * D) + rms_eps);
+        float pre[16];
+        for (int k = 0; k < hc; ++k) pre[k] = sigmoidf_(raw[t * hc + k] * rho * scale[0] + base[k]) + hc_eps;
+        float *restrict yt = bf16 ? scratch + hc * D : (float *)y + t * D;
+        if (hc == COMMON_HC) weighted_sum(yt, x, pre, 1, COMMON_HC, D, 0.0f, NULL);
+        else weighted_sum(yt, x, pre, 1, hc, D, 0.0f, NULL);
+        if (bf16) store_row(y, 1, t * D, yt, D);
+    }
+    free(scratch);
+    return 0;
+}
+
 /* mHC post-step: out[t, j, :] = post_j o_t + sum_i comb[i, j] R_i (hc_in = 1: R_i = e for every i), with
    streams, o [T, D] and out in one dtype, coef [T, mix] as written by mhc_pre. Each token's new streams
    are built in a scratch row and stored after its old streams are read, so out may be streams itself

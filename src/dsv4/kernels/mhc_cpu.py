@@ -49,6 +49,8 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.mhc_post.argtypes = [P, Int, P, P, L, Int, Int, L, P]
     lib.mhc_mix.restype = Int
     lib.mhc_mix.argtypes = [P, Int, L, L, P, L, P, P, P, Int]
+    lib.mhc_head.restype = Int
+    lib.mhc_head.argtypes = [P, Int, P, P, P, L, Int, L, F, F, P]
     return lib
 
 
@@ -120,6 +122,7 @@ class MhcFusedKernel:
         self._pre = lib.mhc_pre
         self._post = lib.mhc_post
         self._mix = lib.mhc_mix
+        self._head = lib.mhc_head
         self._pool = pool
 
     @staticmethod
@@ -137,7 +140,7 @@ class MhcFusedKernel:
         [mix, D]), fn [mix, hc_in * D] -> (coef [T, mix] fp32 = pre | post | comb, block input [T, D] in
         streams' dtype)."""
         T, hc_in, D = streams.shape
-        raw = self._few_token_mix(streams, fn) if T <= MAX_MIX_ROWS else mix_gemm(streams, fn).contiguous()
+        raw = self._mix_raw(streams, fn)
         coef = torch.empty_like(raw)
         y = streams.new_empty(T, D)
         native_call(self._pre, (streams.data_ptr(), _is_bf16(streams), raw.data_ptr(), base.data_ptr(),
@@ -145,6 +148,13 @@ class MhcFusedKernel:
                                 None if norm_weight is None else norm_weight.data_ptr(), norm_eps,
                                 coef.data_ptr(), y.data_ptr()), check_status, "mhc_pre", T)
         return coef, y
+
+    def _mix_raw(self, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+        """flatten(streams) @ fn^T [T, mix] fp32, contiguous: a few tokens in C (`_few_token_mix`), more with
+        torch's GEMM (`mix_gemm`)."""
+        if streams.shape[0] <= MAX_MIX_ROWS:
+            return self._few_token_mix(streams, fn)
+        return mix_gemm(streams, fn).contiguous()
 
     def _few_token_mix(self, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
         """`mix_gemm` of a few tokens in C (`mhc_mix`: a dot product per output, rows over the pool's threads),
@@ -170,6 +180,31 @@ class MhcFusedKernel:
         native_call(self._post, (streams.data_ptr(), _is_bf16(streams), out.data_ptr(), coef.data_ptr(), T, hc, hc_in,
                                  D, result.data_ptr()), check_status, "mhc_post", T)
         return result
+
+
+class MhcHeadKernel(MhcFusedKernel):
+    """The model's final pre-only collapse (`mhc.head_collapse`, hc_head) on CPU: the mix as the fused pre-step's
+    (C for a decode step's tokens, torch's GEMM for more), then one C call (`mhc_head`: RMS, sigmoid
+    coefficients, collapse) instead of ~10 torch ops. `supports` / `__call__` take `head_collapse`'s arguments."""
+
+    @staticmethod
+    def supports(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rms_eps: float,
+                 hc_eps: float) -> bool:
+        """[T, hc, D] fp32 or bf16 streams, fp32 base and scale."""
+        return (eager_cpu(streams) and streams.dtype in MHC_STREAM_DTYPES and streams.is_contiguous()
+                and streams.dim() == 3 and streams.shape[1] <= MAX_HC and base.dtype == scale.dtype == torch.float32
+                and base.is_contiguous() and scale.is_contiguous())
+
+    def __call__(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                 rms_eps: float, hc_eps: float) -> torch.Tensor:
+        """streams [T, hc, D], fn [hc, hc * D] -> [T, D] in streams' dtype."""
+        T, hc, D = streams.shape
+        raw = self._mix_raw(streams, fn)
+        y = streams.new_empty(T, D)
+        native_call(self._head, (streams.data_ptr(), _is_bf16(streams), raw.data_ptr(), base.data_ptr(),
+                                 scale.data_ptr(), T, hc, D, rms_eps, hc_eps, y.data_ptr()),
+                    check_status, "mhc_head", T)
+        return y
 
 
 def _is_bf16(streams: torch.Tensor) -> int:

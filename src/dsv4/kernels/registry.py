@@ -37,6 +37,7 @@ REFERENCE = "reference"
 MHC_COEFFICIENTS = "mhc_coefficients"
 MOE_EXPERTS = "moe_experts"
 MHC_FUSED = "mhc_fused"
+MHC_HEAD = "mhc_head"
 NORM_ROPE = "norm_rope"
 LINEAR = "linear"
 SHARED_INPUT_LINEAR = "shared_input_linear"
@@ -86,6 +87,11 @@ def _build_mhc_fused():
     from dsv4.kernels.mhc_cpu import MhcFusedKernel, build_library
 
     return MhcFusedKernel(build_library(), _few_row_pool())
+
+
+def _build_mhc_head():
+    from dsv4.kernels.mhc_cpu import MhcHeadKernel, build_library
+    return MhcHeadKernel(build_library(), _few_row_pool())
 
 
 def _build_norm_rope():
@@ -139,6 +145,11 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
                 "mHC pre (RMS, coefficients, collapse, norm) and post as one C call each; "
                 "fp32 or bf16 streams, updated in place"),
     ),
+    MHC_HEAD: (
+        Backend("cpu_c", _build_mhc_head,
+                "the final pre-only mHC collapse (hc_head: RMS, sigmoid coefficients, collapse) as one C call after "
+                "the mix; fp32 or bf16 streams"),
+    ),
     NORM_ROPE: (
         Backend("cpu_c", _build_norm_rope,
                 "RMSNorm and/or interleaved RoPE in place, one C call (fp32 or bf16 CPU, fp32 arithmetic)"),
@@ -165,8 +176,8 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
     ),
     MOE_LAYER: (
         Backend("cpu_c", functools.partial(_build_few_row, 4),
-                "one token's MoE layer (router, routed and shared experts), fp32 or bf16, in one C call "
-                "(gemv_cpu.c FusedMoeLayer)"),
+                "a decode step's MoE layer (router, routed and shared experts of up to 64 rows), fp32 or bf16, "
+                "in one C call (gemv_cpu.c FusedMoeLayer)"),
     ),
     DECODE_ATTENTION: (
         Backend("cpu_c", _build_decode_attention,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dsv4.config import ModelConfig
-from dsv4.kernels.registry import KernelRegistry, default_registry
+from dsv4.kernels.registry import MHC_HEAD, KernelRegistry, default_registry
 from dsv4.model import mhc
 from dsv4.model.batch import ForwardBatch
 from dsv4.model.block import Block
@@ -46,10 +46,11 @@ def add_hyper_head(module: nn.Module, cfg: ModelConfig) -> None:
 
 
 def hyper_head(module: nn.Module, streams: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """[T, hc, D] -> [T, D] with `module`'s hc_head_* parameters."""
-    return mhc.head_collapse(
-        streams, module.hc_head_fn, module.hc_head_base, module.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps
-    )
+    """[T, hc, D] -> [T, D] with `module`'s hc_head_* parameters, through its registry's MHC_HEAD kernel when that
+    supports the call (else `mhc.head_collapse`, its reference)."""
+    args = (streams, module.hc_head_fn, module.hc_head_base, module.hc_head_scale, cfg.rms_norm_eps, cfg.hc_eps)
+    kernel = module.kernels.kernel(MHC_HEAD, *args)
+    return kernel(*args) if kernel is not None else mhc.head_collapse(*args)
 
 
 class DeepseekV4(TopLevelModel):
@@ -129,4 +130,9 @@ class DeepseekV4(TopLevelModel):
     @torch.no_grad()
     def logits(self, streams: torch.Tensor, decode_rows: bool = False) -> torch.Tensor:
         """S [T, hc, D] -> fp32 logits [T, V]; decode_rows: a decode step's rows (`Linear.forward`)."""
-        return self.head(self.norm(hyper_head(self, streams, self.cfg)), decode_rows).float()
+        return self.head_output(streams, decode_rows).float()
+
+    def head_output(self, streams: torch.Tensor, decode_rows: bool = False) -> torch.Tensor:
+        """`logits` in the activation dtype (what a replayed decode step records, engine/decode_replay.py)."""
+        # The collapse's output is a fresh tensor: the norm may overwrite it.
+        return self.head(self.norm(hyper_head(self, streams, self.cfg), inplace=True), decode_rows)
