@@ -1401,6 +1401,36 @@ static void router_top_k(const float *scores, const float *bias, long E, long k,
     }
 }
 
+/* Shared-expert SwiGLU elements one pool task computes (the exps dominate: a decode step of 64 rows has 64 x I). */
+#define SWIGLU_CHUNK 2048
+
+typedef struct {
+    const float *gate, *up; /* fp32 rows (unused for bf16: `half` holds gate | up | SwiGLU, act-typed) */
+    float *h;
+    uint16_t *half;
+    long n; /* elements of each of gate, up and SwiGLU */
+    int bf16;
+    float limit;
+} swiglu_job;
+
+/* Elements [c * SWIGLU_CHUNK, ...) of silu(min(gate, L)) * clamp(up, -L, L), rounded where the reference's bf16
+   tensors round (silu's output and the product). */
+static void swiglu_chunk(const void *arg, long c) {
+    const swiglu_job *j = arg;
+    const long i0 = c * SWIGLU_CHUNK, i1 = i0 + SWIGLU_CHUNK < j->n ? i0 + SWIGLU_CHUNK : j->n;
+    const float lim = j->limit;
+    for (long i = i0; i < i1; ++i) {
+        const float g = j->bf16 ? bf16_to_f32(j->half[i]) : j->gate[i];
+        const float u = j->bf16 ? bf16_to_f32(j->half[j->n + i]) : j->up[i];
+        const float gc = g < lim ? g : lim;
+        const float uc = u < -lim ? -lim : (u > lim ? lim : u);
+        if (j->bf16)
+            j->half[2 * j->n + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu(gc))) * uc);
+        else
+            j->h[i] = silu(gc) * uc;
+    }
+}
+
 /* x [T, D] (act: fp32 or bf16) -> out [T, D] (act) = routed + shared, the MoE layer of T tokens (`topk` routed
    experts of E each):
      router    logits = x Wr^T in fp32 (Wr [E, D] resident input-major, fp32 or bf16), scored by `scoring`; a
@@ -1470,19 +1500,18 @@ int moe_layer(pool *p, const void *x, int act, long T, long D, long E, long topk
     }
     status = moe_experts(p, x, act, T, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit, out,
                          nthreads);
-    if (status == OK) status = dense_xw(p, x, act, T, D, sw1, shared_fmt, Is, gate_act, nthreads);
-    if (status == OK) status = dense_xw(p, x, act, T, D, sw3, shared_fmt, Is, up_act, nthreads);
+    /* The shared expert's gate and up products in one dispatch: each weight's columns split over the pool
+       (one dense_xw each would leave a thread idle on a weight of a single chunk), bit for bit the same. */
+    const void *shared_w[2] = {sw1, sw3};
+    const int shared_fmts[2] = {shared_fmt, shared_fmt};
+    const long shared_n[2] = {Is, Is};
+    void *shared_y[2] = {gate_act, up_act};
+    if (status == OK)
+        status = dense_xw_shared(p, x, act, T, D, 2, shared_w, shared_fmts, shared_n, shared_y, nthreads);
     if (status != OK) goto done;
-    const float lim = bf16 ? bf16_to_f32(f32_to_bf16(limit)) : limit; /* the clamp bound in the rows' dtype */
-    for (long i = 0; i < hidden; ++i) {
-        const float g = bf16 ? bf16_to_f32(half[i]) : gate[i], u = bf16 ? bf16_to_f32(half[hidden + i]) : up[i];
-        const float gc = g < lim ? g : lim;
-        const float uc = u < -lim ? -lim : (u > lim ? lim : u);
-        if (bf16)
-            half[2 * hidden + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu(gc))) * uc);
-        else
-            h[i] = silu(gc) * uc;
-    }
+    swiglu_job job = {.gate = gate, .up = up, .h = h, .half = half, .n = hidden, .bf16 = bf16,
+                      .limit = bf16 ? bf16_to_f32(f32_to_bf16(limit)) : limit}; /* the bound in the rows' dtype */
+    pool_run(p, (hidden + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK, swiglu_chunk, &job, nthreads);
     status = dense_xw(p, h_act, act, T, Is, sw2, shared_fmt, D, shared_act, nthreads);
     if (status != OK) goto done;
     if (bf16) {
