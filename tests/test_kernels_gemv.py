@@ -789,16 +789,17 @@ def _stored_input_major(weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 53])
-@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_grouped_product_is_each_groups_own_product(rows, wdtype):
+@pytest.mark.parametrize("wdtype, xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16)])
+def test_grouped_product_is_each_groups_own_product(rows, wdtype, xdtype):
     """A grouped product (the attention's grouped low-rank output: group g's inputs through its own block of the
     weight's rows) gives, group by group, exactly what the group's block as a weight of its own gives its inputs
-    (every pass: one row, the tile pass's several rows, the register-blocked pass from 48 rows), and the
-    torch product to fp32 summation order."""
+    (every pass: one row, the tile pass's several rows, the register-blocked pass from 48 rows; bf16 rows rounded
+    once, as that product rounds them), and the torch product to fp32 summation order (and a bf16 rounding)."""
     groups, k, n = 4, 96, 48
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(groups * n, k, generator=g).to(wdtype)
-    x = torch.randn(rows, groups * k, generator=g)
+    x = torch.randn(rows, groups * k, generator=g).to(xdtype)
     bound = DenseGemv(gemv_cpu.build_library(), gemv_cpu.WorkerPool(gemv_cpu.build_library(), 1)).bind(
         _stored_input_major(weight))
     # The rows it takes are the rows the weight's own product takes (fp32 rows on bf16 weights: a few).
@@ -809,8 +810,9 @@ def test_grouped_product_is_each_groups_own_product(rows, wdtype):
         block = DenseGemv(gemv_cpu.build_library(), bound._pool).bind(_stored_input_major(weight[i * n:(i + 1) * n]))
         own = block(x[:, i * k:(i + 1) * k].contiguous())
         assert torch.equal(y[:, i * n:(i + 1) * n], own), i
-        want = x[:, i * k:(i + 1) * k] @ weight[i * n:(i + 1) * n].float().t()
-        torch.testing.assert_close(y[:, i * n:(i + 1) * n], want, rtol=1e-5, atol=1e-5)
+        want = x[:, i * k:(i + 1) * k].float() @ weight[i * n:(i + 1) * n].float().t()
+        tol = 1e-5 if xdtype == torch.float32 else 2**-7
+        torch.testing.assert_close(y[:, i * n:(i + 1) * n].float(), want, rtol=tol, atol=tol * 10)
 
 
 def test_grouped_product_declines_what_it_cannot_run():
@@ -818,7 +820,8 @@ def test_grouped_product_declines_what_it_cannot_run():
     bound = DenseGemv(gemv_cpu.build_library(), gemv_cpu.WorkerPool(gemv_cpu.build_library(), 1)).bind(weight)
     x = torch.randn(2, 4 * 32)
     assert bound.supports_grouped(x, 4, decode_rows=True)
-    assert not bound.supports_grouped(x.to(torch.bfloat16), 4, decode_rows=True)  # fp32 rows only
+    assert not bound.supports_grouped(x.to(torch.bfloat16), 4, decode_rows=True)  # bf16 rows on fp32: not its own
+    assert not bound.supports_grouped(x.to(torch.float16), 4, decode_rows=True)
     assert not bound.supports_grouped(torch.randn(2, 3 * 32), 4, decode_rows=True)  # not groups x in_features
     assert not bound.supports_grouped(torch.randn(2, 3 * 32), 3, decode_rows=True)  # groups must divide outputs
     assert not bound.supports_grouped(torch.randn(2, 32 * 32), 32, decode_rows=True)  # more than one dispatch takes

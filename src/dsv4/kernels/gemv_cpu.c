@@ -1033,8 +1033,9 @@ static void shared_chunk(const void *arg, long c) {
     const long N = j->N[i], n0 = (c - j->first[i]) * j->chunk[i], n1 = n0 + j->chunk[i] < N ? n0 + j->chunk[i] : N;
     dense_range(j->x + i * j->x_step, j->R, j->K, j->ldx, j->w[i], j->wfmt[i], j->ldw[i], n0, n1, j->acc[i] + n0,
                 j->ldacc[i]);
-    if (j->act != ACT_F32)
-        for (long r = 0; r < j->R; ++r) store_row(j->y[i], j->act, r * N + n0, j->acc[i] + r * N + n0, n1 - n0);
+    if (j->act != ACT_F32) /* y[i]'s rows are ldacc[i] apart, as acc[i]'s */
+        for (long r = 0; r < j->R; ++r)
+            store_row(j->y[i], j->act, r * j->ldacc[i] + n0, j->acc[i] + r * j->ldacc[i] + n0, n1 - n0);
 }
 
 /* Each weight cut as its own call cuts it (a share of the chunks by bytes balanced worse at 4+ rows). */
@@ -1084,28 +1085,42 @@ int dense_xw(pool *p, const void *x, int act, long R, long K, const void *w, int
 
 /* y[R, G * N] with y[r, g * N + n] = sum_k x[r, g * K + k] W[g * N + n, k] for g < G: a grouped product (each
    group of K inputs through its own block of N outputs: the attention's grouped low-rank output projection) of
-   fp32 rows x [R, G * K] and one resident input-major W [G * N, K] (storage [K, G * N], fp32 or bf16). Each output
-   is summed as dense_xw sums it; the groups' column chunks share one dispatch to the pool. fp32 rows only,
-   G <= MAX_SHARED (else ERR_ARGS: the caller takes torch's path). */
-int dense_xw_grouped(pool *p, const float *x, long R, long G, long K, const void *w, int wfmt, long N, float *y,
-                     int nthreads) {
-    if (R <= 0 || K <= 0 || N <= 0 || G <= 0 || G > MAX_SHARED || (wfmt != FMT_F32 && wfmt != FMT_BF16))
+   rows x [R, G * K] (act: fp32, or bf16 widened once, y then rounded once as dense_xw rounds) and one resident
+   input-major W [G * N, K] (storage [K, G * N], fp32 or bf16). Each output is summed as dense_xw sums it; the
+   groups' column chunks share one dispatch to the pool. G <= MAX_SHARED (else ERR_ARGS: the caller takes torch's
+   path). */
+int dense_xw_grouped(pool *p, const void *x, int act, long R, long G, long K, const void *w, int wfmt, long N,
+                     void *y, int nthreads) {
+    if (R <= 0 || K <= 0 || N <= 0 || G <= 0 || G > MAX_SHARED || (wfmt != FMT_F32 && wfmt != FMT_BF16) ||
+        (act != ACT_F32 && act != ACT_BF16))
         return ERR_ARGS;
     const void *blocks[MAX_SHARED];
     int formats[MAX_SHARED];
     long widths[MAX_SHARED];
+    void *outputs[MAX_SHARED];
     const size_t element = wfmt == FMT_F32 ? sizeof(float) : sizeof(uint16_t);
-    shared_job job = {.x = x, .R = R, .K = K, .count = G, .ldx = G * K, .x_step = K, .act = ACT_F32, .w = blocks,
-                      .wfmt = formats, .N = widths, .y = NULL};
+    const size_t out_element = act == ACT_F32 ? sizeof(float) : sizeof(uint16_t);
+    /* bf16 rows: widened once, the sums in an fp32 scratch [R, G * N] stored rounded (shared_chunk) */
+    float *xf = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * G * K)) : NULL;
+    float *acc = act == ACT_BF16 ? malloc(sizeof(float) * (size_t)(R * G * N)) : (float *)y;
+    if (act == ACT_BF16 && (!xf || !acc)) {
+        free(xf), free(acc);
+        return ERR_ALLOC;
+    }
+    shared_job job = {.x = rows_f32(x, act, R * G * K, xf), .R = R, .K = K, .count = G, .ldx = G * K, .x_step = K,
+                      .act = act, .w = blocks, .wfmt = formats, .N = widths, .y = outputs};
     for (long g = 0; g < G; ++g) {
         blocks[g] = (const char *)w + (size_t)(g * N) * element; /* the group's columns of every storage row */
         formats[g] = wfmt;
         widths[g] = N;
-        job.acc[g] = y + g * N;
+        outputs[g] = (char *)y + (size_t)(g * N) * out_element;
+        job.acc[g] = acc + g * N;
         job.ldw[g] = job.ldacc[g] = G * N;
     }
     cut_weights(&job, nthreads);
     pool_run(p, job.first[G], shared_chunk, &job, nthreads);
+    free(xf);
+    if (act == ACT_BF16) free(acc);
     return OK;
 }
 

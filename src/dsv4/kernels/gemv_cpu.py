@@ -175,7 +175,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.argmax_rows.restype = Int
     lib.argmax_rows.argtypes = [P, P, L, L, P, Int]
     lib.dense_xw_grouped.restype = Int
-    lib.dense_xw_grouped.argtypes = [P, P, L, L, L, P, Int, L, P, Int]
+    lib.dense_xw_grouped.argtypes = [P, P, Int, L, L, L, P, Int, L, P, Int]
     lib.quant_xw.restype = Int
     lib.quant_xw.argtypes = [P, P, Int, L, L, Int, P, P, L, L, L, P, Int]
     lib.moe_experts.restype = Int
@@ -373,10 +373,10 @@ class BoundGemv:
         return y
 
     def supports_grouped(self, x: torch.Tensor, groups: int, decode_rows: bool = False) -> bool:
-        """Whether `grouped(x, groups)` runs here: fp32 rows of `groups` * in_features columns, the rows `supports`
-        takes, groups that divide the outputs, at most MAX_GROUPS of them."""
+        """Whether `grouped(x, groups)` runs here: rows of `groups` * in_features columns, as many as `supports`
+        takes of their dtype, groups that divide the outputs, at most MAX_GROUPS of them."""
         most = (self._decode_rows if decode_rows else self._rows).get(x.dtype, 0)
-        return (self._grouped_fn is not None and x.dtype == torch.float32 and 0 < groups <= MAX_GROUPS
+        return (self._grouped_fn is not None and 0 < groups <= MAX_GROUPS
                 and self.out_features % groups == 0 and x.dim() == 2 and 0 < x.shape[0] <= most
                 and x.shape[1] == groups * self.in_features and x.is_cpu and x.is_contiguous()
                 and not x.requires_grad and not self.weight.requires_grad)
@@ -388,8 +388,8 @@ class BoundGemv:
         R, N = x.shape[0], self.out_features // groups
         y = x.new_empty(R, self.out_features)
         pointer, fmt, _ = self._weight_args
-        native_call(self._grouped_fn, (self._pool.handle, x.data_ptr(), R, groups, self.in_features, pointer, fmt, N,
-                                       y.data_ptr(), self._pool.threads()), _check, "dense_xw_grouped")
+        native_call(self._grouped_fn, (self._pool.handle, x.data_ptr(), _ACT[x.dtype], R, groups, self.in_features,
+                                       pointer, fmt, N, y.data_ptr(), self._pool.threads()), _check, "dense_xw_grouped")
         return y
 
 
