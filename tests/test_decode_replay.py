@@ -47,8 +47,9 @@ def checkpoints(tmp_path_factory):
 SCHEDULE = ([2], [3, 0, 2], [0, 3], [3], [0, 2, 3], [2, 0])
 
 
-def _decode(runner: ModelRunner, prompts: dict[int, list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each slot's prompt prefilled, then STEPS greedy decode steps over the slots of SCHEDULE in turn: each step's
+def _decode(runner: ModelRunner, prompts: dict[int, list[int]],
+            schedule: tuple[list[int], ...] = SCHEDULE) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each slot's prompt prefilled, then STEPS greedy decode steps over the slots of `schedule` in turn: each step's
     (streams, logits)."""
     tokens, positions = {}, {}
     for slot, prompt in prompts.items():
@@ -56,7 +57,7 @@ def _decode(runner: ModelRunner, prompts: dict[int, list[int]]) -> list[tuple[to
         tokens[slot], positions[slot] = int(result.logits[0].argmax()), len(prompt)
     steps = []
     for step in range(STEPS):
-        slots = SCHEDULE[step % len(SCHEDULE)]
+        slots = schedule[step % len(schedule)]
         chunks = [Chunk(slot, [tokens[slot]], positions[slot]) for slot in slots]
         with runner.step_threads(chunks):
             result = runner.execute(chunks, logit_rows=list(range(len(chunks))))
@@ -64,6 +65,28 @@ def _decode(runner: ModelRunner, prompts: dict[int, list[int]]) -> list[tuple[to
         for slot, row in zip(slots, result.logits.argmax(-1).tolist(), strict=True):
             tokens[slot], positions[slot] = row, positions[slot] + 1
     return steps
+
+
+# Row counts 1, 1, 2, 2, 1, 1, 3, 1 (then again): with two records, the 3-row step drops the 2-row record (used
+# less recently than the 1-row one), and the next 2-row step records again.
+LRU_SCHEDULE = ([2], [2], [0, 3], [0, 3], [2], [2], [3, 0, 2], [2])
+
+
+def test_records_beyond_the_limit_drop_the_least_recently_used(checkpoints):
+    """Three row counts through a replay that keeps two records: each step equals the eager step, at most two records
+    are kept, the least recently used is the one dropped, and the steps whose record was kept are replayed."""
+    llm = LLM(checkpoints["fp4"][0], **LIMITS)
+    model, limits = llm.loaded.target, llm.engine.limits
+    replaying, eager = ModelRunner(model, limits), ModelRunner(model, limits, replay_decode=False)
+    replaying.replay.max_records = 2
+    prompts = {slot: [5 + slot, 9, 14, 3] for slot in (0, 2, 3)}
+    got, want = _decode(replaying, prompts, LRU_SCHEDULE), _decode(eager, prompts, LRU_SCHEDULE)
+    for (streams, logits), (streams_ref, logits_ref) in zip(got, want, strict=True):
+        assert torch.equal(streams, streams_ref) and torch.equal(logits, logits_ref)
+    assert replaying.replay.recorded_rows == (3, 1)  # after the 8th step: the 2-row record dropped, 1 used last
+    # Per 8 steps: the first cycle records 1, 2, 3 (and 2 again in every later cycle, then 3 again); the rest replay.
+    cycles, rest = divmod(STEPS, len(LRU_SCHEDULE))
+    assert replaying.replay.replayed_steps == STEPS - 3 - 2 * (cycles - 1) - (1 if rest >= 3 else 0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

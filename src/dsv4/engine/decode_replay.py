@@ -76,6 +76,11 @@ class _AllocationsOnly(TorchDispatchMode):
 # Rows a replayed step may have: a decode step's rows that the few-row kernels (products, attention, mHC, the MoE
 # layer) take; a step of more rows runs eager, where torch's GEMMs take them.
 MAX_REPLAY_ROWS = MAX_F32_DECODE_ROWS
+# Records kept (the least recently used goes first): each holds its step's intermediates (the small config at 64
+# rows: 14 MB, the logits [64, V] fp32 among them), and a batch whose size wanders through every count would
+# otherwise keep one per count. Recording is one eager step and ~10% (small config, 64 rows: 28.5 against 25.9 ms),
+# so a row count that comes back after its record was dropped costs little.
+MAX_RECORDS = 8
 
 
 @dataclass(frozen=True)
@@ -97,12 +102,14 @@ class DecodeReplay:
     """Serves the pure-decode steps of `model` over `cache` (every sequence one token, at most MAX_REPLAY_ROWS of
     them) by replaying one recorded step per row count (module docstring)."""
 
-    def __init__(self, model: DeepseekV4, cache: ModelCache):
+    def __init__(self, model: DeepseekV4, cache: ModelCache, max_records: int = MAX_RECORDS):
         self.model = model
         self.cache = cache
-        self._records: dict[int, _Record] = {}  # by row count
+        self.max_records = max_records
+        self._records: dict[int, _Record] = {}  # by row count, least recently used first
         self._refused: dict[int, int] = {}  # row count -> the weights generation whose recording was refused
         self.refused: str | None = None  # why the last refused recording was refused
+        self.replayed_steps = 0  # steps served by a replay (not recorded)
 
     def serves(self, chunks, capture_layers: tuple[int, ...]) -> bool:
         """Whether a step of these chunks replays: every chunk one token, at most MAX_REPLAY_ROWS of them, no layer
@@ -111,6 +118,11 @@ class DecodeReplay:
         return (0 < len(chunks) <= MAX_REPLAY_ROWS and all(len(chunk.token_ids) == 1 for chunk in chunks)
                 and not capture_layers and not model.parallel.is_parallel and model.embed.weight.is_cpu
                 and self._refused.get(len(chunks)) != model.weights_generation)
+
+    @property
+    def recorded_rows(self) -> tuple[int, ...]:
+        """The row counts with a record, least recently used first."""
+        return tuple(self._records)
 
     def recorded_calls(self, rows: int = 1) -> int:
         """Kernel calls of the record of `rows`-row steps (0: none)."""
@@ -122,9 +134,11 @@ class DecodeReplay:
         streams [B, hc, D] and fp32 logits [B, V] (fresh tensors); extends each slot as the eager forward does."""
         model = self.model
         model.require_ready()
-        record = self._records.get(len(chunks))
+        record = self._records.pop(len(chunks), None)
         if record is None or record.generation != model.weights_generation or record.threads != self._threads():
             return self._record_step(chunks)
+        self._records[len(chunks)] = record  # now the most recently used
+        self.replayed_steps += 1
         self.cache.begin_step(tuple(Segment(slot=chunk.slot, start=chunk.start, begin=i, end=i + 1)
                                     for i, chunk in enumerate(chunks)))
         token_view, position_view, slot_view = record.step_values
@@ -162,6 +176,8 @@ class DecodeReplay:
             self._refused[rows] = generation
             return streams, logits.float()
         step_tensors = (batch.token_ids, batch.positions, decode.slots)
+        while len(self._records) >= self.max_records:
+            self._records.pop(next(iter(self._records)))  # the least recently used
         self._records[rows] = _Record(
             replay=Replay(calls), generation=generation, threads=self._threads(), token_ids=batch.token_ids,
             embeds=embeds, streams=streams, logits=logits, step_values=tuple(t.numpy() for t in step_tensors),
