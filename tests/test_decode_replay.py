@@ -89,11 +89,11 @@ def test_records_beyond_the_limit_drop_the_least_recently_used(checkpoints):
     assert replaying.replay.replayed_steps == STEPS - 3 - 2 * (cycles - 1) - (1 if rest >= 3 else 0)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_replayed_steps_equal_eager_steps_bit_for_bit(checkpoints, fmt):
+@pytest.mark.parametrize("fmt, dtype", [(fmt, "float32") for fmt in FORMATS] + [("dense", "bfloat16")])
+def test_replayed_steps_equal_eager_steps_bit_for_bit(checkpoints, fmt, dtype):
     """Two runners on one model, one replaying: every step's streams and logits and, after, every cache tensor
     are identical; the replay was used (a record of the model's kernel calls per row count, none refused)."""
-    llm = LLM(checkpoints[fmt][0], **LIMITS)
+    llm = LLM(checkpoints[fmt][0], **{**LIMITS, "dtype": dtype})
     model = llm.loaded.target
     limits = llm.engine.limits
     replaying, eager = ModelRunner(model, limits), ModelRunner(model, limits, replay_decode=False)

@@ -20,6 +20,7 @@ from dsv4.engine.sampling_params import SamplingParams
 from dsv4.kernels import gemv_cpu
 from dsv4.kernels.gathered_experts import loop_experts
 from dsv4.kernels.gemv_cpu import (
+    MAX_BF16_DECODE_ROWS,
     MAX_BF16_ROWS,
     MAX_F32_DECODE_ROWS,
     MAX_F32_ROWS,
@@ -625,6 +626,23 @@ def test_projection_takes_more_rows_of_a_decode_step_only():
     assert decode.decode_rows and not prefill.decode_rows and not verify.decode_rows
 
 
+def test_bf16_projection_takes_a_decode_steps_rows_up_to_its_own_limit():
+    """bf16 rows of a decode step go to the few-row kernel up to MAX_BF16_DECODE_ROWS (so a bf16 decode step is kernel
+    calls only, and replayed), other bf16 rows only up to MAX_BF16_ROWS; the product is torch's to a bf16 rounding."""
+    proj = Linear(48, 40, torch.bfloat16, KernelRegistry())
+    proj.weight.copy_(torch.randn(40, 48, generator=torch.Generator().manual_seed(11)))
+    proj.bind_kernels()
+    rows = _rows(MAX_BF16_DECODE_ROWS, 48, torch.bfloat16, seed=12)
+    assert MAX_BF16_DECODE_ROWS >= MAX_BF16_ROWS
+    assert proj.product.supports(rows, decode_rows=True)
+    assert proj.product.supports(rows, decode_rows=False) == (MAX_BF16_DECODE_ROWS <= MAX_BF16_ROWS)
+    assert not proj.product.supports(_rows(MAX_BF16_DECODE_ROWS + 1, 48, torch.bfloat16, seed=13), decode_rows=True)
+    got = proj(rows, decode_rows=True)
+    want = rows.float() @ proj.weight.float().t()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
 # ---- wired into the model: kernels on vs the reference registry ----
 
 
@@ -759,8 +777,10 @@ def test_one_row_steps_run_torch_on_one_thread_and_the_kernels_on_the_rest(two_t
         assert (torch.get_num_threads(), pool.threads()) == (1, 2)
     with registry.threads_for_rows(MAX_F32_DECODE_ROWS + 1, decode_rows=True):
         assert torch.get_num_threads() == 2
-    with registry.threads_for_rows(4, decode_rows=True, dtypes=(torch.bfloat16, torch.bfloat16)):
-        assert torch.get_num_threads() == (1 if MAX_BF16_ROWS >= 4 else 2)
+    with registry.threads_for_rows(MAX_BF16_DECODE_ROWS, decode_rows=True, dtypes=(torch.bfloat16, torch.bfloat16)):
+        assert torch.get_num_threads() == 1
+    with registry.threads_for_rows(MAX_BF16_DECODE_ROWS + 1, decode_rows=True, dtypes=(torch.bfloat16, torch.bfloat16)):
+        assert torch.get_num_threads() == 2
     with pytest.raises(RuntimeError), registry.threads_for_rows(1):
         raise RuntimeError("a failed forward")
     assert (torch.get_num_threads(), pool.pinned) == (2, None)

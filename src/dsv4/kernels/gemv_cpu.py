@@ -112,8 +112,17 @@ MAX_WIDENING_ROWS = 4
 # The most rows `DenseGemv.supports` takes, by (activation dtype, weight dtype); pairs not listed decline.
 _DENSE_ROWS = {(torch.bfloat16, torch.bfloat16): MAX_BF16_ROWS, (torch.float32, torch.bfloat16): MAX_WIDENING_ROWS,
                (torch.float32, torch.float32): MAX_F32_ROWS}
+# bf16 products of a decode step's rows up to this many, whatever MAX_BF16_ROWS allows other rows: a decode step
+# whose every op runs in these kernels is replayed (engine/decode_replay.py), which saves more than the products
+# lose. Measured on a 2-core AMD EPYC with AVX512-BF16 (small config, bf16, 2 threads; the engine step): b=16
+# 16.1 -> 11.2 ms and b=32 19.6 -> 17.3 ms, b=64 28.2 -> 29.7 ms (so not 64), though each product alone runs at
+# 0.4-0.8x oneDNN's bf16 GEMM from 8 rows on (this kernel widens to fp32 FMAs where oneDNN uses the bf16 dot
+# instructions). A CPU without bf16 matrix units was not measured here (its torch products run widened, which this
+# kernel matched at 16 rows and ran at 0.5-0.7x at 32-64: the same trade).
+MAX_BF16_DECODE_ROWS = 32
 # The most rows `BoundGemv.supports` takes from a decode step's rows, where above `_DENSE_ROWS`.
-_DECODE_ROWS = {(torch.float32, torch.float32): MAX_F32_DECODE_ROWS}
+_DECODE_ROWS = {(torch.float32, torch.float32): MAX_F32_DECODE_ROWS,
+                (torch.bfloat16, torch.bfloat16): MAX_BF16_DECODE_ROWS}
 # Input width the quantized kernel decodes a weight row into (its stack buffer, MAX_QUANT_K in the C file).
 MAX_QUANT_K = 16384
 # Most weights one SharedInputGemv call takes (gemv_cpu.c MAX_SHARED).
