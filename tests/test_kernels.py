@@ -310,6 +310,33 @@ def test_few_token_mix_on_the_pool_equals_one_thread_and_each_token_alone(dtype)
     torch.testing.assert_close(got, streams.flatten(1).float() @ fn.t(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_fused_pre_and_post_on_the_pool_equal_one_thread(dtype, broadcast):
+    """The fused pre-step (its Sinkhorn lanes included) and post-step of 21 tokens spread over the few-row kernels'
+    pool (chunks that cut the 8-token lane blocks): bit for bit what the caller's thread alone gives, the post in
+    place too."""
+    from dsv4.kernels.mhc_cpu import MhcFusedKernel
+    from dsv4.kernels.registry import MHC_FUSED, KernelRegistry
+
+    pooled = KernelRegistry().choose(MHC_FUSED).impl
+    alone = MhcFusedKernel(build_library(), None)
+    g = torch.Generator().manual_seed(29)
+    T, D, hc_in = 21, 96, 1 if broadcast else HC
+    streams = torch.randn(T, hc_in, D, generator=g).to(dtype)
+    fn = torch.randn(MIX, hc_in * D, generator=g) * 0.1
+    base, scale, norm_w = torch.randn(MIX, generator=g), torch.rand(3, generator=g) * 2, torch.rand(D, generator=g)
+    out = torch.randn(T, D, generator=g).to(dtype)
+    args = (streams, fn, base, scale, HC, 20, 1e-6, 1e-3, norm_w, 1e-5)
+    with pooled._pool.pinned_threads(4):
+        coef, y = pooled.pre(*args)
+        new = pooled.post(streams, out, coef, HC)
+        in_place = pooled.post(streams.clone(), out, coef, HC, in_place=not broadcast)
+    coef_alone, y_alone = alone.pre(*args)
+    assert torch.equal(coef, coef_alone) and torch.equal(y, y_alone)
+    assert torch.equal(new, alone.post(streams, out, coef, HC)) and torch.equal(in_place, new)
+
+
 def test_few_token_mix_without_avx512_equals_the_vector_build():
     """A build for a CPU without AVX-512 (one dot product at a time, plain C) gives what this CPU's build gives,
     to fp32 rounding (it rounds each product where the vector build fuses them)."""

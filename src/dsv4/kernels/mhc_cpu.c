@@ -111,31 +111,42 @@ static inline __attribute__((always_inline)) void weighted_sum(float *restrict d
     }
 }
 
-/* Fused mHC pre-step for T tokens. streams [T, hc_in, D] (hc_in = hc, or 1 when every stream is the
-   same broadcast embedding), raw [T, mix] fp32 = flatten(streams) @ fn^T (the broadcast fn when hc_in = 1).
-   rho = rsqrt(mean(flatten(streams)^2) + rms_eps); logits = raw * rho; coefficients as above into
-   coef [T, mix] fp32; y [T, D] (streams' dtype) = sum_k pre_k R_k; then, if norm_w is not NULL, the
-   weighted RMSNorm of y. Returns 0, or 1 when its scratch buffers cannot be allocated. */
-int mhc_pre(const void *streams, int bf16, const float *restrict raw, const float *base, const float *scale,
-            long T, int hc, int hc_in, long D, int iters, float rms_eps, float hc_eps, const float *norm_w,
-            float norm_eps, float *restrict coef, void *y) {
-    const int mix = 2 * hc + hc * hc;
+/* `mhc_pre`'s arguments, for its rows (`pre_rows`). */
+typedef struct {
+    const void *streams;
+    int bf16;
+    const float *raw, *base, *scale;
+    int hc, hc_in, iters;
+    long D;
+    float rms_eps, hc_eps;
+    const float *norm_w;
+    float norm_eps;
+    float *coef;
+    void *y;
+} pre_job;
+
+/* Tokens [t0, t1) of `mhc_pre`, LANES at a time through the Sinkhorn lanes (each lane one token: a token's
+   coefficients do not depend on the others in its block); 1 when a scratch row cannot be allocated. */
+static int pre_rows(const void *arg, long t0, long t1) {
+    const pre_job *j = arg;
+    const int hc = j->hc, hc_in = j->hc_in, mix = 2 * hc + hc * hc;
+    const long D = j->D;
     float lanes[16 * 16 * LANES];
     float *scratch = malloc((size_t)(hc_in * D + D) * sizeof(float)); /* bf16 rows: streams, then y */
     if (!scratch) return 1;
-    for (long t0 = 0; t0 < T; t0 += LANES) { /* LANES tokens at a time, for the Sinkhorn lanes */
-        const int nb = T - t0 < LANES ? (int)(T - t0) : LANES;
+    for (long b0 = t0; b0 < t1; b0 += LANES) { /* LANES tokens at a time, for the Sinkhorn lanes */
+        const int nb = t1 - b0 < LANES ? (int)(t1 - b0) : LANES;
         for (int l = 0; l < nb; ++l) {
-            const long t = t0 + l;
-            const float *restrict x = load_row(streams, bf16, t * hc_in * D, hc_in * D, scratch);
-            const float rho = 1.0f / sqrtf(sum_squares(x, hc_in * D) / (float)(hc_in * D) + rms_eps);
+            const long t = b0 + l;
+            const float *restrict x = load_row(j->streams, j->bf16, t * hc_in * D, hc_in * D, scratch);
+            const float rho = 1.0f / sqrtf(sum_squares(x, hc_in * D) / (float)(hc_in * D) + j->rms_eps);
             float logits[2 * 16 + 16 * 16];
-            for (int i = 0; i < mix; ++i) logits[i] = raw[t * mix + i] * rho;
-            const float *pre = coef + t * mix;
-            coefficients_head(logits, base, scale, hc, hc_eps, coef + t * mix);
+            for (int i = 0; i < mix; ++i) logits[i] = j->raw[t * mix + i] * rho;
+            const float *pre = j->coef + t * mix;
+            coefficients_head(logits, j->base, j->scale, hc, j->hc_eps, j->coef + t * mix);
             for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = pre[2 * hc + i];
             /* The block input needs only pre: collapse while this token's streams are still in cache. */
-            float *restrict yt = bf16 ? scratch + hc_in * D : (float *)y + t * D;
+            float *restrict yt = j->bf16 ? scratch + hc_in * D : (float *)j->y + t * D;
             if (hc_in == 1) {
                 float p = 0.0f;
                 for (int k = 0; k < hc; ++k) p += pre[k];
@@ -145,21 +156,36 @@ int mhc_pre(const void *streams, int bf16, const float *restrict raw, const floa
             } else {
                 weighted_sum(yt, x, pre, 1, hc, D, 0.0f, NULL);
             }
-            if (norm_w) {
-                const float r = 1.0f / sqrtf(sum_squares(yt, D) / (float)D + norm_eps);
-                for (long d = 0; d < D; ++d) yt[d] = norm_w[d] * (yt[d] * r);
+            if (j->norm_w) {
+                const float r = 1.0f / sqrtf(sum_squares(yt, D) / (float)D + j->norm_eps);
+                for (long d = 0; d < D; ++d) yt[d] = j->norm_w[d] * (yt[d] * r);
             }
-            if (bf16) store_row(y, 1, t * D, yt, D);
+            if (j->bf16) store_row(j->y, 1, t * D, yt, D);
         }
         for (int l = nb; l < LANES; ++l) /* unused lanes: any finite values, never read back */
             for (int i = 0; i < hc * hc; ++i) lanes[i * LANES + l] = 1.0f;
-        if (hc == COMMON_HC) sinkhorn_lanes(lanes, COMMON_HC, iters, hc_eps);
-        else sinkhorn_lanes(lanes, hc, iters, hc_eps);
+        if (hc == COMMON_HC) sinkhorn_lanes(lanes, COMMON_HC, j->iters, j->hc_eps);
+        else sinkhorn_lanes(lanes, hc, j->iters, j->hc_eps);
         for (int l = 0; l < nb; ++l)
-            for (int i = 0; i < hc * hc; ++i) coef[(t0 + l) * mix + 2 * hc + i] = lanes[i * LANES + l];
+            for (int i = 0; i < hc * hc; ++i) j->coef[(b0 + l) * mix + 2 * hc + i] = lanes[i * LANES + l];
     }
     free(scratch);
     return 0;
+}
+
+/* Fused mHC pre-step for T tokens. streams [T, hc_in, D] (hc_in = hc, or 1 when every stream is the
+   same broadcast embedding), raw [T, mix] fp32 = flatten(streams) @ fn^T (the broadcast fn when hc_in = 1).
+   rho = rsqrt(mean(flatten(streams)^2) + rms_eps); logits = raw * rho; coefficients as above into
+   coef [T, mix] fp32; y [T, D] (streams' dtype) = sum_k pre_k R_k; then, if norm_w is not NULL, the
+   weighted RMSNorm of y. Tokens spread over `nthreads` threads of `pool` by `run` (NULL: the caller's thread).
+   Returns 0, or 1 when its scratch buffers cannot be allocated. */
+int mhc_pre(const void *streams, int bf16, const float *restrict raw, const float *base, const float *scale,
+            long T, int hc, int hc_in, long D, int iters, float rms_eps, float hc_eps, const float *norm_w,
+            float norm_eps, float *restrict coef, void *y, void *pool, pool_for_fn run, int nthreads) {
+    pre_job job = {.streams = streams, .bf16 = bf16, .raw = raw, .base = base, .scale = scale, .hc = hc,
+                   .hc_in = hc_in, .iters = iters, .D = D, .rms_eps = rms_eps, .hc_eps = hc_eps, .norm_w = norm_w,
+                   .norm_eps = norm_eps, .coef = coef, .y = y};
+    return run_rows(pre_rows, &job, T, pool, run, nthreads);
 }
 
 /* The model's final pre-only collapse (hc_head) of T tokens: streams [T, hc, D] (fp32 or bf16), raw [T, hc] fp32 =
@@ -184,38 +210,57 @@ int mhc_head(const void *streams, int bf16, const float *restrict raw, const flo
     return 0;
 }
 
-/* mHC post-step: out[t, j, :] = post_j o_t + sum_i comb[i, j] R_i (hc_in = 1: R_i = e for every i), with
-   streams, o [T, D] and out in one dtype, coef [T, mix] as written by mhc_pre. Each token's new streams
-   are built in a scratch row and stored after its old streams are read, so out may be streams itself
-   (hc_in = hc): the update in place. Returns 0, or 1 when its scratch buffers cannot be allocated. */
-int mhc_post(const void *streams, int bf16, const void *o, const float *restrict coef, long T, int hc, int hc_in,
-             long D, void *out) {
-    const int mix = 2 * hc + hc * hc;
+/* `mhc_post`'s arguments, for its rows (`post_rows`). */
+typedef struct {
+    const void *streams, *o;
+    int bf16, hc, hc_in;
+    const float *coef;
+    long D;
+    void *out;
+} post_job;
+
+/* Tokens [t0, t1) of `mhc_post`; 1 when its scratch rows cannot be allocated. */
+static int post_rows(const void *arg, long t0, long t1) {
+    const post_job *j = arg;
+    const int hc = j->hc, hc_in = j->hc_in, mix = 2 * hc + hc * hc;
+    const long D = j->D;
     float *scratch = malloc((size_t)(hc_in * D + D + hc * D) * sizeof(float)); /* streams, o, new streams */
     if (!scratch) return 1;
     float *restrict rows = scratch + hc_in * D + D;
-    for (long t = 0; t < T; ++t) {
-        const float *post = coef + t * mix + hc, *c = coef + t * mix + 2 * hc;
+    for (long t = t0; t < t1; ++t) {
+        const float *post = j->coef + t * mix + hc, *c = j->coef + t * mix + 2 * hc;
         /* not restrict: x may be the very row store_row overwrites below */
-        const float *x = load_row(streams, bf16, t * hc_in * D, hc_in * D, scratch);
-        const float *ot = load_row(o, bf16, t * D, D, scratch + hc_in * D);
-        for (int j = 0; j < hc; ++j) {
-            float *restrict dst = rows + j * D;
-            const float pj = post[j];
+        const float *x = load_row(j->streams, j->bf16, t * hc_in * D, hc_in * D, scratch);
+        const float *ot = load_row(j->o, j->bf16, t * D, D, scratch + hc_in * D);
+        for (int jj = 0; jj < hc; ++jj) {
+            float *restrict dst = rows + jj * D;
+            const float pj = post[jj];
             if (hc_in == 1) {
                 float cs = 0.0f;
-                for (int i = 0; i < hc; ++i) cs += c[i * hc + j];
+                for (int i = 0; i < hc; ++i) cs += c[i * hc + jj];
                 for (long d = 0; d < D; ++d) dst[d] = pj * ot[d] + cs * x[d];
             } else {
-                /* column j of comb: sum_i comb[i, j] R_i */
-                if (hc == COMMON_HC) weighted_sum(dst, x, c + j, COMMON_HC, COMMON_HC, D, pj, ot);
-                else weighted_sum(dst, x, c + j, hc, hc, D, pj, ot);
+                /* column jj of comb: sum_i comb[i, jj] R_i */
+                if (hc == COMMON_HC) weighted_sum(dst, x, c + jj, COMMON_HC, COMMON_HC, D, pj, ot);
+                else weighted_sum(dst, x, c + jj, hc, hc, D, pj, ot);
             }
         }
-        store_row(out, bf16, t * hc * D, rows, hc * D);
+        store_row(j->out, j->bf16, t * hc * D, rows, hc * D);
     }
     free(scratch);
     return 0;
+}
+
+/* mHC post-step: out[t, j, :] = post_j o_t + sum_i comb[i, j] R_i (hc_in = 1: R_i = e for every i), with
+   streams, o [T, D] and out in one dtype, coef [T, mix] as written by mhc_pre. Each token's new streams
+   are built in a scratch row and stored after its old streams are read, so out may be streams itself
+   (hc_in = hc): the update in place. Tokens spread over `nthreads` threads of `pool` by `run` (NULL: the caller's thread).
+   Returns 0, or 1 when its scratch buffers cannot be allocated. */
+int mhc_post(const void *streams, int bf16, const void *o, const float *restrict coef, long T, int hc, int hc_in,
+             long D, void *out, void *pool, pool_for_fn run, int nthreads) {
+    post_job job = {.streams = streams, .o = o, .bf16 = bf16, .hc = hc, .hc_in = hc_in, .coef = coef, .D = D,
+                    .out = out};
+    return run_rows(post_rows, &job, T, pool, run, nthreads);
 }
 
 /* The mix GEMM of a few tokens (`mhc_mix`): its arguments. */

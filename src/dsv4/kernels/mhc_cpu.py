@@ -44,9 +44,9 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.mhc_coefficients_f32.restype = None
     lib.mhc_coefficients_f32.argtypes = [P] * 3 + [L, Int, Int, F, P]
     lib.mhc_pre.restype = Int
-    lib.mhc_pre.argtypes = [P, Int, P, P, P, L, Int, Int, L, Int, F, F, P, F, P, P]
+    lib.mhc_pre.argtypes = [P, Int, P, P, P, L, Int, Int, L, Int, F, F, P, F, P, P, P, P, Int]
     lib.mhc_post.restype = Int
-    lib.mhc_post.argtypes = [P, Int, P, P, L, Int, Int, L, P]
+    lib.mhc_post.argtypes = [P, Int, P, P, L, Int, Int, L, P, P, P, Int]
     lib.mhc_mix.restype = Int
     lib.mhc_mix.argtypes = [P, Int, L, L, P, L, P, P, P, Int]
     lib.mhc_head.restype = Int
@@ -146,7 +146,7 @@ class MhcFusedKernel:
         native_call(self._pre, (streams.data_ptr(), _is_bf16(streams), raw.data_ptr(), base.data_ptr(),
                                 scale.data_ptr(), T, hc, hc_in, D, sinkhorn_iters, rms_eps, hc_eps,
                                 None if norm_weight is None else norm_weight.data_ptr(), norm_eps,
-                                coef.data_ptr(), y.data_ptr()), check_status, "mhc_pre", T)
+                                coef.data_ptr(), y.data_ptr(), *pool_call_args(self._pool)), check_status, "mhc_pre", T)
         return coef, y
 
     def _mix_raw(self, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
@@ -178,7 +178,7 @@ class MhcFusedKernel:
             raise ValueError(f"in-place mHC post needs [T, {hc}, D] streams, got {tuple(streams.shape)}")
         result = streams if in_place else streams.new_empty(T, hc, D)
         native_call(self._post, (streams.data_ptr(), _is_bf16(streams), out.data_ptr(), coef.data_ptr(), T, hc, hc_in,
-                                 D, result.data_ptr()), check_status, "mhc_post", T)
+                                 D, result.data_ptr(), *pool_call_args(self._pool)), check_status, "mhc_post", T)
         return result
 
 
