@@ -134,8 +134,13 @@ def test_stream_while_another_thread_updates(models, pause, repeat):
     for delta in llm.stream(prompts, GREEDY):
         got = collected.setdefault(delta.request_id, Collected(delta.prompt_token_ids))
         got.add(delta)
-        if len(got.tokens) >= TOKENS_BEFORE_UPDATE:
+        if len(got.tokens) >= TOKENS_BEFORE_UPDATE and not started.is_set():
             started.set()
+            # This loop drives the steps: holding it until the update has paused generation keeps requests
+            # in flight for the policy to act on (else a fast step loop could finish them all first).
+            deadline = time.monotonic() + THREAD_TIMEOUT_S
+            while not llm.engine.paused and updater.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.001)
     updater.join(THREAD_TIMEOUT_S)
     assert not updater.is_alive() and updater.error is None, updater.error
     assert updater.version == old + 1 == llm.weights_version
@@ -245,32 +250,38 @@ def test_failed_fail_stop_update_ends_requests_with_an_error(models):
     """A fail-stop session that fails while another thread generates: its requests end ("abort", with
     the error), none runs on the half-written weights; a complete update restores service."""
     llm, fresh, weights = models
-    results, errors = [], []
+    finals, errors = [], []
+    first_token, session_open = threading.Event(), threading.Event()
 
     def generate() -> None:
+        # The consumer drives the steps, so holding it after its first token keeps every request in
+        # flight until the session has paused generation (a race a fast machine would otherwise win).
         try:
-            results.extend(llm.generate(_prompts(8), GREEDY, use_tqdm=False))
+            for delta in llm.stream(_prompts(8), GREEDY):
+                if not first_token.is_set():
+                    first_token.set()
+                    assert session_open.wait(THREAD_TIMEOUT_S)
+                if delta.finished:
+                    finals.append(delta)
         except BaseException as exc:  # reported by the test thread
             errors.append(exc)
 
-    pairs = list(_next_weights(llm, weights))  # ready before generation starts: the session begins at once
+    pairs = list(_next_weights(llm, weights))
     thread = threading.Thread(target=generate, daemon=True)
     thread.start()
-    while llm.engine.stats().running == 0 and thread.is_alive():
-        time.sleep(0.005)
+    assert first_token.wait(THREAD_TIMEOUT_S)
     bad = max(i for i, (_, t) in enumerate(pairs) if t.dtype == torch.float32)
     name, tensor = pairs[bad]
     with pytest.raises(WeightUpdateError, match=re.escape(name)):
         with llm.begin_weight_update(atomic=False, pause="retract") as session:
+            session_open.set()
             session.load(pairs[:bad])  # written in place: from here on the weights are a mix
             session.load([(name, torch.full_like(tensor, float("nan")))])
     thread.join(THREAD_TIMEOUT_S)
     assert not thread.is_alive() and not errors, errors
-    # A request may have finished on the old weights before the session paused generation; every other
-    # one ends with the error, and at least one was in flight.
-    aborted = [o for o in results if o.outputs[0].finish_reason == "abort"]
-    assert aborted and all("target model" in o.error for o in aborted)
-    assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in results if o not in aborted)
+    # Every request was admitted or queued when the session paused generation: each ends with the error.
+    assert len(finals) == len(PROMPT_LENGTHS)
+    assert all(o.outputs[0].finish_reason == "abort" and "target model" in o.error for o in finals)
     with pytest.raises(WeightsNotReadyError, match="target model"):
         llm.generate(_prompts(8)[:1], GREEDY, use_tqdm=False)
     llm.update_weights(_next_weights(llm, weights))  # complete: every tensor
