@@ -1201,6 +1201,19 @@ static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 /* Tokens one combine task sums. */
 #define COMBINE_TOKENS 16
 
+/* A MoE layer's shared expert, run inside the routed experts' two product phases (moe_layer): its gate and up
+   columns are chunks of the first phase, its SwiGLU and down columns chunks of the second, so the layer waits on
+   the pool twice rather than four times. Each product is summed as dense_xw sums it. */
+typedef struct {
+    const float *x; /* [T, D] fp32 rows */
+    int fmt, bf16;  /* bf16: values round where the reference's bf16 tensors round */
+    long Is, chunk_in, n_in, chunk_out, n_out, n_swiglu;
+    float limit; /* in the rows' dtype */
+    const void *w1, *w3, *w2;
+    float *gate, *up, *h, *y;  /* [T, Is] x 3, [T, D] fp32 (bf16 rows: bf16 values) */
+    atomic_long *swiglu_done; /* SwiGLU chunks finished: the down chunks start once all have */
+} shared_expert;
+
 typedef struct {
     long T, D, I, E, topk, b0, b1, chunk_i, chunk_d, n_chunks_i, n_chunks_d;
     int fmt, act;
@@ -1210,6 +1223,7 @@ typedef struct {
     const float *pick_w;
     float *xs, *gate, *up, *h, *y; /* [P, D], [P, I] x 3, [P, D] */
     const void *w1, *s1, *w3, *s3, *w2, *s2;
+    const shared_expert *shared; /* NULL: routed experts alone */
     void *out;
 } moe_job;
 
@@ -1253,8 +1267,7 @@ static long expert_columns(long c, long n_chunks, long chunk, long n, long *lo, 
 
 /* Phase 1, chunk c: expert c / n_chunks_i, hidden columns [i0, i1) of its picks' rows. Expert-major chunks: the
    chunks of one expert run back to back, so its rows are read from cache, not memory, by all but the first. */
-static void moe_hidden_chunk(const void *arg, long c) {
-    const moe_job *j = arg;
+static void moe_hidden_chunk(const moe_job *j, long c) {
     long i0, i1;
     const long e = expert_columns(c, j->n_chunks_i, j->chunk_i, j->I, &i0, &i1);
     const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
@@ -1275,14 +1288,71 @@ static void moe_hidden_chunk(const void *arg, long c) {
 }
 
 /* Phase 2, chunk c: expert c / n_chunks_d, output columns [d0, d1) of its picks' rows (y, unweighted). */
-static void moe_output_chunk(const void *arg, long c) {
-    const moe_job *j = arg;
+static void moe_output_chunk(const moe_job *j, long c) {
     long d0, d1;
     const long e = expert_columns(c, j->n_chunks_d, j->chunk_d, j->D, &d0, &d1);
     const long rows = j->start[e + 1] - j->start[e], first = j->start[e];
     if (rows == 0) return;
     matrix_range(j->h + first * j->I, rows, expert(j->fmt, j->w2, j->s2, e, j->I, j->D, j->b0, j->b1), j->b0, j->b1,
                  d0, d1, j->y + first * j->D + d0, j->D);
+}
+
+static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+/* Shared-expert SwiGLU elements one chunk computes (the exps dominate: a decode step of 64 rows has 64 x Is). */
+#define SWIGLU_CHUNK 2048
+
+/* Shared chunk c of phase 1: columns of its gate (c < n_in) or up product. */
+static void shared_in_chunk(const shared_expert *s, long T, long D, long c) {
+    const int up = c >= s->n_in;
+    const long n0 = (c - up * s->n_in) * s->chunk_in, n1 = n0 + s->chunk_in < s->Is ? n0 + s->chunk_in : s->Is;
+    float *acc = up ? s->up : s->gate;
+    dense_range(s->x, T, D, D, up ? s->w3 : s->w1, s->fmt, s->Is, n0, n1, acc + n0, s->Is);
+    if (s->bf16)
+        for (long r = 0; r < T; ++r)
+            for (long i = n0; i < n1; ++i) acc[r * s->Is + i] = round_bf16(acc[r * s->Is + i]);
+}
+
+/* Shared chunk c of phase 2's SwiGLU part: elements [c * SWIGLU_CHUNK, ...) of silu(min(gate, L)) * clamp(up, -L,
+   L) over the [T, Is] rows (bf16 rows round silu's output and the product). */
+static void shared_swiglu_chunk(const shared_expert *s, long T, long c) {
+    const long n = T * s->Is, i0 = c * SWIGLU_CHUNK, i1 = i0 + SWIGLU_CHUNK < n ? i0 + SWIGLU_CHUNK : n;
+    const float lim = s->limit;
+    for (long i = i0; i < i1; ++i) {
+        const float g = s->gate[i], u = s->up[i];
+        const float gc = g < lim ? g : lim;
+        const float uc = u < -lim ? -lim : (u > lim ? lim : u);
+        s->h[i] = s->bf16 ? round_bf16(round_bf16(silu(gc)) * uc) : silu(gc) * uc;
+    }
+    atomic_fetch_add(s->swiglu_done, 1); /* publishes h's elements (seq_cst) */
+}
+
+/* Shared chunk c of phase 2's down part: output columns of W2s h, once every SwiGLU chunk has finished. Those
+   chunks come first in the phase, so each is running or done when a down chunk is taken: the wait is short. */
+static void shared_out_chunk(const shared_expert *s, long T, long D, long c) {
+    for (long polls = 0; atomic_load(s->swiglu_done) < s->n_swiglu; ++polls) {
+        if (polls < 4096) CPU_RELAX();
+        else sched_yield();
+    }
+    const long n0 = c * s->chunk_out, n1 = n0 + s->chunk_out < D ? n0 + s->chunk_out : D;
+    dense_range(s->h, T, s->Is, s->Is, s->w2, s->fmt, D, n0, n1, s->y + n0, D);
+}
+
+/* Phase 1, chunk c: the routed experts' hidden chunks, then the shared expert's gate and up chunks. */
+static void moe_first_chunk(const void *arg, long c) {
+    const moe_job *j = arg;
+    const long routed = j->E * j->n_chunks_i;
+    if (c < routed) moe_hidden_chunk(j, c);
+    else shared_in_chunk(j->shared, j->T, j->D, c - routed);
+}
+
+/* Phase 2, chunk c: the shared SwiGLU chunks, the routed experts' output chunks, the shared down chunks. */
+static void moe_second_chunk(const void *arg, long c) {
+    const moe_job *j = arg;
+    const long swiglu = j->shared ? j->shared->n_swiglu : 0, routed = j->E * j->n_chunks_d;
+    if (c < swiglu) shared_swiglu_chunk(j->shared, j->T, c);
+    else if (c < swiglu + routed) moe_output_chunk(j, c - swiglu);
+    else shared_out_chunk(j->shared, j->T, j->D, c - swiglu - routed);
 }
 
 /* Phase 3, chunk c: tokens [c * COMBINE_TOKENS, ...): out[t] = sum over t's picks of pick weight * y, the picks
@@ -1301,8 +1371,15 @@ static void moe_combine_chunk(const void *arg, long c) {
                 for (long d = 0; d < j->D; ++d) o32[d] = (q ? o32[d] : 0.0f) + ys[d] * w;
             } else {
                 for (long d = 0; d < j->D; ++d)
-                    o16[d] = f32_to_bf16((q ? bf16_to_f32(o16[d]) : 0.0f) + bf16_to_f32(f32_to_bf16(ys[d] * w)));
+                    o16[d] = f32_to_bf16((q ? bf16_to_f32(o16[d]) : 0.0f) + round_bf16(ys[d] * w));
             }
+        }
+        if (!j->shared) continue;
+        const float *sy = j->shared->y + t * j->D; /* the shared expert's row, added last (the reference's order) */
+        if (j->act == ACT_F32) {
+            for (long d = 0; d < j->D; ++d) o32[d] += sy[d];
+        } else {
+            for (long d = 0; d < j->D; ++d) o16[d] = f32_to_bf16(bf16_to_f32(o16[d]) + round_bf16(sy[d]));
         }
     }
 }
@@ -1312,10 +1389,12 @@ static void moe_combine_chunk(const void *arg, long c) {
    Each token's picks are added in ascending expert order, as the reference loop does; the only differences
    from it are the fp32 summation orders inside the products. Phases (each split across the pool): gather the
    picks' rows grouped by expert; gate, up and SwiGLU rows per (expert, hidden columns); the down projection
-   per (expert, output columns); each token's weighted sum. */
-int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long topk, const int64_t *ids,
-                const float *weights, long E, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
-                const void *w2, const void *s2, long b0, long b1, float limit, void *out, int nthreads) {
+   per (expert, output columns); each token's weighted sum. A shared expert (moe_layer's) rides along: its
+   products in the two product phases, its row added last in the sum. */
+static int moe_run(pool *p, const void *x, int act, long T, long D, long I, long topk, const int64_t *ids,
+                   const float *weights, long E, int fmt, const void *w1, const void *s1, const void *w3,
+                   const void *s3, const void *w2, const void *s2, long b0, long b1, float limit,
+                   const shared_expert *shared, void *out, int nthreads) {
     if (T <= 0 || D <= 0 || I <= 0 || topk <= 0 || E <= 0) return ERR_ARGS;
     if ((fmt == FMT_FP8 || fmt == FMT_FP4) && (!quant_args_ok(fmt, D, b0, b1) || !quant_args_ok(fmt, I, b0, b1)))
         return ERR_ARGS;
@@ -1357,10 +1436,12 @@ int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long to
                    .n_chunks_d = (D + chunk_d - 1) / chunk_d, .fmt = fmt, .act = act, .limit = limit, .x = x,
                    .start = start, .token = token, .token_slots = token_slots, .pick_w = pick_w, .xs = xs,
                    .gate = hidden, .up = hidden + P * I, .h = hidden + 2 * P * I, .y = y, .w1 = w1, .s1 = s1,
-                   .w3 = w3, .s3 = s3, .w2 = w2, .s2 = s2, .out = out};
+                   .w3 = w3, .s3 = s3, .w2 = w2, .s2 = s2, .shared = shared, .out = out};
+    const long shared_first = shared ? 2 * shared->n_in : 0;
+    const long shared_second = shared ? shared->n_swiglu + shared->n_out : 0;
     pool_run(p, (P + GATHER_PICKS - 1) / GATHER_PICKS, moe_gather_chunk, &job, nthreads);
-    pool_run(p, E * job.n_chunks_i, moe_hidden_chunk, &job, nthreads);
-    pool_run(p, E * job.n_chunks_d, moe_output_chunk, &job, nthreads);
+    pool_run(p, E * job.n_chunks_i + shared_first, moe_first_chunk, &job, nthreads);
+    pool_run(p, E * job.n_chunks_d + shared_second, moe_second_chunk, &job, nthreads);
     pool_run(p, (T + COMBINE_TOKENS - 1) / COMBINE_TOKENS, moe_combine_chunk, &job, nthreads);
 done:
     free(start);
@@ -1373,6 +1454,13 @@ done:
     free(hidden);
     free(y);
     return status;
+}
+
+int moe_experts(pool *p, const void *x, int act, long T, long D, long I, long topk, const int64_t *ids,
+                const float *weights, long E, int fmt, const void *w1, const void *s1, const void *w3, const void *s3,
+                const void *w2, const void *s2, long b0, long b1, float limit, void *out, int nthreads) {
+    return moe_run(p, x, act, T, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit, NULL, out,
+                   nthreads);
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
@@ -1416,36 +1504,6 @@ static void router_top_k(const float *scores, const float *bias, long E, long k,
     }
 }
 
-/* Shared-expert SwiGLU elements one pool task computes (the exps dominate: a decode step of 64 rows has 64 x I). */
-#define SWIGLU_CHUNK 2048
-
-typedef struct {
-    const float *gate, *up; /* fp32 rows (unused for bf16: `half` holds gate | up | SwiGLU, act-typed) */
-    float *h;
-    uint16_t *half;
-    long n; /* elements of each of gate, up and SwiGLU */
-    int bf16;
-    float limit;
-} swiglu_job;
-
-/* Elements [c * SWIGLU_CHUNK, ...) of silu(min(gate, L)) * clamp(up, -L, L), rounded where the reference's bf16
-   tensors round (silu's output and the product). */
-static void swiglu_chunk(const void *arg, long c) {
-    const swiglu_job *j = arg;
-    const long i0 = c * SWIGLU_CHUNK, i1 = i0 + SWIGLU_CHUNK < j->n ? i0 + SWIGLU_CHUNK : j->n;
-    const float lim = j->limit;
-    for (long i = i0; i < i1; ++i) {
-        const float g = j->bf16 ? bf16_to_f32(j->half[i]) : j->gate[i];
-        const float u = j->bf16 ? bf16_to_f32(j->half[j->n + i]) : j->up[i];
-        const float gc = g < lim ? g : lim;
-        const float uc = u < -lim ? -lim : (u > lim ? lim : u);
-        if (j->bf16)
-            j->half[2 * j->n + i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu(gc))) * uc);
-        else
-            j->h[i] = silu(gc) * uc;
-    }
-}
-
 /* x [T, D] (act: fp32 or bf16) -> out [T, D] (act) = routed + shared, the MoE layer of T tokens (`topk` routed
    experts of E each):
      router    logits = x Wr^T in fp32 (Wr [E, D] resident input-major, fp32 or bf16), scored by `scoring`; a
@@ -1478,21 +1536,15 @@ int moe_layer(pool *p, const void *x, int act, long T, long D, long E, long topk
     const size_t rows = (size_t)T;
     float *scores = malloc(sizeof(float) * rows * (size_t)E), *weights = malloc(sizeof(float) * rows * (size_t)topk);
     int64_t *ids = malloc(sizeof(int64_t) * rows * (size_t)topk);
-    /* x as fp32 [T, D] | gate | up | SwiGLU [T, Is] each | shared output [T, D], as fp32; bf16 rows also keep
-       act-typed copies of gate | up | SwiGLU | shared */
+    /* x as fp32 [T, D] | the shared expert's gate | up | SwiGLU [T, Is] each | its output [T, D] */
     float *work = malloc(sizeof(float) * rows * (size_t)(2 * D + 3 * Is));
-    uint16_t *half = bf16 ? malloc(sizeof(uint16_t) * rows * (size_t)(3 * Is + D)) : NULL;
     int status = OK;
-    if (!scores || !weights || !ids || !work || (bf16 && !half)) {
+    if (!scores || !weights || !ids || !work) {
         status = ERR_ALLOC;
         goto done;
     }
     const long hidden = T * Is;
-    float *xf = work, *gate = work + T * D, *up = gate + hidden, *h = up + hidden, *shared = h + hidden;
-    /* act-typed buffers the products read and write: fp32 rows use the fp32 ones themselves */
-    void *gate_act = bf16 ? (void *)half : (void *)gate, *up_act = bf16 ? (void *)(half + hidden) : (void *)up;
-    void *h_act = bf16 ? (void *)(half + 2 * hidden) : (void *)h;
-    void *shared_act = bf16 ? (void *)(half + 3 * hidden) : shared;
+    float *xf = work, *gate = work + T * D, *up = gate + hidden, *h = up + hidden, *shared_y = h + hidden;
     const float *x32 = rows_f32(x, act, T * D, xf);
     dense_range(x32, T, D, D, router_w, router_fmt, E, 0, E, scores, E);
     for (long t = 0; t < T; ++t) {
@@ -1513,35 +1565,24 @@ int moe_layer(pool *p, const void *x, int act, long T, long D, long E, long topk
         }
         for (long j = 0; j < topk; ++j) token_weights[j] = token_weights[j] / (total + norm_eps) * scaling;
     }
-    status = moe_experts(p, x, act, T, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit, out,
-                         nthreads);
-    /* The shared expert's gate and up products in one dispatch: each weight's columns split over the pool
-       (one dense_xw each would leave a thread idle on a weight of a single chunk), bit for bit the same. */
-    const void *shared_w[2] = {sw1, sw3};
-    const int shared_fmts[2] = {shared_fmt, shared_fmt};
-    const long shared_n[2] = {Is, Is};
-    void *shared_y[2] = {gate_act, up_act};
-    if (status == OK)
-        status = dense_xw_shared(p, x, act, T, D, 2, shared_w, shared_fmts, shared_n, shared_y, nthreads);
-    if (status != OK) goto done;
-    swiglu_job job = {.gate = gate, .up = up, .h = h, .half = half, .n = hidden, .bf16 = bf16,
-                      .limit = bf16 ? bf16_to_f32(f32_to_bf16(limit)) : limit}; /* the bound in the rows' dtype */
-    pool_run(p, (hidden + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK, swiglu_chunk, &job, nthreads);
-    status = dense_xw(p, h_act, act, T, Is, sw2, shared_fmt, D, shared_act, nthreads);
-    if (status != OK) goto done;
-    if (bf16) {
-        uint16_t *o = out;
-        for (long d = 0; d < T * D; ++d) o[d] = f32_to_bf16(bf16_to_f32(o[d]) + bf16_to_f32(half[3 * hidden + d]));
-    } else {
-        float *o = out;
-        for (long d = 0; d < T * D; ++d) o[d] += shared[d];
-    }
+    /* The shared expert's products cut as dense_xw cuts them (so summed alike, bit for bit). */
+    atomic_long swiglu_done = 0;
+    const long chunk_in = chunk_size(Is, nthreads, matrix_bytes(shared_fmt, D * Is), MIN_CHUNK_COLS, SPLIT_ALIGN);
+    const long chunk_out = chunk_size(D, nthreads, matrix_bytes(shared_fmt, Is * D), MIN_CHUNK_COLS, SPLIT_ALIGN);
+    const shared_expert shared = {.x = x32, .fmt = shared_fmt, .bf16 = bf16, .Is = Is, .chunk_in = chunk_in,
+                                  .n_in = (Is + chunk_in - 1) / chunk_in, .chunk_out = chunk_out,
+                                  .n_out = (D + chunk_out - 1) / chunk_out,
+                                  .n_swiglu = (hidden + SWIGLU_CHUNK - 1) / SWIGLU_CHUNK,
+                                  .limit = bf16 ? round_bf16(limit) : limit, /* the bound in the rows' dtype */
+                                  .w1 = sw1, .w3 = sw3, .w2 = sw2, .gate = gate, .up = up, .h = h, .y = shared_y,
+                                  .swiglu_done = &swiglu_done};
+    status = moe_run(p, x, act, T, D, I, topk, ids, weights, E, fmt, w1, s1, w3, s3, w2, s2, b0, b1, limit, &shared,
+                     out, nthreads);
 done:
     free(scores);
     free(weights);
     free(ids);
     free(work);
-    free(half);
     return status;
 }
 
