@@ -6,6 +6,7 @@ serving."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -71,6 +72,24 @@ def _relabeled(llm: LLM) -> dict[str, torch.Tensor]:
     return out
 
 
+def _hold_after_first_step(llm: LLM) -> threading.Event:
+    """Make the engine thread stop after its first step until the returned event is set. The embedded model
+    runs a whole request in a few milliseconds: on a loaded machine a pause sent after the first token could
+    otherwise land after the last one. A pause runs on the admin thread, so it does not need the held one."""
+    first_step_done, released = threading.Event(), threading.Event()
+    step = llm.engine.step
+
+    def step_then_hold():
+        outputs = step()
+        if not first_step_done.is_set():
+            first_step_done.set()
+            assert released.wait(TIMEOUT_S)
+        return outputs
+
+    llm.engine.step = step_then_hold
+    return released
+
+
 def test_abort_frees_the_slot_before_the_next_step_but_one(llm):
     """A closed stream (a client that went away) frees its slots within one engine step."""
     engine = llm.engine
@@ -119,10 +138,13 @@ def test_pause_wait_lets_requests_finish_and_a_later_resume_is_not_overtaken(llm
 
 
 def test_pause_abort_ends_requests_and_holds_new_ones_until_resume(llm):
+    released = _hold_after_first_step(llm)
+
     async def scenario(driver):
         stream = driver.submit([_input(llm)], "a", stream=True)
         await stream.next()
         await driver.pause("abort")
+        released.set()
         aborted = await _drain(stream)
         held = driver.submit([_input(llm, SamplingParams(max_tokens=3, ignore_eos=True))], "b", stream=False)
         state = await driver.state()
@@ -149,10 +171,13 @@ def test_retract_pause_then_update_recomputes_the_request_under_the_new_weights(
     reference = LLM(max_num_seqs=8)
     reference.update_weights(new_weights)
 
+    released = _hold_after_first_step(llm)
+
     async def scenario(driver):
         stream = driver.submit([_input(llm, greedy)], "a", stream=True)
         outs = [(await stream.next())[1]]
         paused = await driver.pause("retract")
+        released.set()
         await driver.begin_weight_update(atomic=True, full=False, mode="wait")  # joins the user's pause
         await driver.load_weight_bucket(new_weights)
         finished = await driver.finish_weight_update()
