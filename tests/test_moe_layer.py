@@ -11,7 +11,7 @@ import torch
 
 from dsv4.config import DENSE, FP4, FP8, HASH_MOE, MOE, ModelConfig
 from dsv4.embedded import EMBEDDED_MODELS
-from dsv4.kernels.gemv_cpu import MAX_MOE_LAYER_ROWS
+from dsv4.kernels.gemv_cpu import MAX_BF16_DECODE_ROWS, MAX_MOE_LAYER_ROWS
 from dsv4.kernels.registry import MOE_LAYER, KernelRegistry
 from dsv4.model import moe as moe_module
 from dsv4.model.moe import MoE
@@ -54,9 +54,11 @@ def _fill(moe: MoE, fmt: str, g: torch.Generator) -> None:
         linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) / linear.weight.shape[1] ** 0.5 * 4)
 
 
-def _pair(fmt: str, mlp_type: str, scoring: str, dtype: torch.dtype = torch.float32) -> tuple[MoE, MoE]:
-    """The layer with the default kernels and the same layer (same weights) with reference-only kernels."""
-    cfg = _config(scoring)
+def _pair(fmt: str, mlp_type: str, scoring: str, dtype: torch.dtype = torch.float32,
+          **widths: int) -> tuple[MoE, MoE]:
+    """The layer with the default kernels and the same layer (same weights) with reference-only kernels;
+    `widths` override the tiny config's sizes (hidden_size, moe_intermediate_size)."""
+    cfg = dataclasses.replace(_config(scoring), **widths)
     fast = MoE(cfg, mlp_type, fmt, dtype, KernelRegistry())
     reference = MoE(cfg, mlp_type, fmt, dtype, KernelRegistry(force_reference=True))
     _fill(fast, fmt, torch.Generator().manual_seed(SEED))
@@ -107,6 +109,40 @@ def test_one_bf16_token_on_bf16_weights_matches_reference(fmt, mlp_type):
         assert fast.layer_kernel.supports(x, token_ids) and reference.layer_kernel is None
         got, want = fast(x, token_ids), reference(x, token_ids)
         assert got.dtype == want.dtype == torch.bfloat16
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-5, atol=2**-5 * scale)
+
+
+# The small benchmark config's widths: weights large enough that the pool splits the shared expert's products
+# into several chunks, and at 32-64 rows its SwiGLU too (the down chunks then wait on SwiGLU chunks other threads run).
+WIDE = {"hidden_size": 512, "moe_intermediate_size": 256}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", [DENSE, FP4])
+def test_wide_decode_rows_match_reference_at_any_thread_count(fmt, dtype):
+    """A full decode step's rows on wide weights (64 fp32, 32 bf16): the reference's output (fp32: to rounding;
+    bf16: to a few bf16 roundings), and the same bits with one thread as with two (each product column is summed
+    in one order whoever runs it)."""
+    fast, reference = _pair(fmt, MOE, "sqrtsoftplus", dtype, **WIDE)
+    rows = MAX_MOE_LAYER_ROWS if dtype == torch.float32 else MAX_BF16_DECODE_ROWS
+    g = torch.Generator().manual_seed(SEED + 5)
+    x = torch.randn(rows, WIDE["hidden_size"], generator=g).to(dtype)
+    token_ids = torch.randint(0, 16, (rows,), generator=g)
+    assert fast.layer_kernel.supports(x, token_ids, decode_rows=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = fast(x, token_ids, decode_rows=True)
+        torch.set_num_threads(1)
+        alone = fast(x, token_ids, decode_rows=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, alone)
+    want = reference(x, token_ids, decode_rows=True)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **FP32_TOL)
+    else:
         scale = want.float().abs().max().item()
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-5, atol=2**-5 * scale)
 

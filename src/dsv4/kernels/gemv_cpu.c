@@ -85,6 +85,8 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stay
     return (uint16_t)(bits >> 16);
 }
 
+static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
 static inline float as_float(uint32_t bits) {
     float f;
     memcpy(&f, &bits, sizeof f);
@@ -294,6 +296,14 @@ void pool_destroy(pool *p) {
 
 int pool_workers(const pool *p) { return p ? p->n_workers : 0; }
 
+/* Spin until *count reaches target: briefly on the CPU, then yielding it (the awaited work is running). */
+static void wait_for_count(atomic_long *count, long target) {
+    for (long polls = 0; atomic_load(count) < target; ++polls) {
+        if (polls < 4096) CPU_RELAX();
+        else sched_yield();
+    }
+}
+
 /* Run fn(job, c) for c in [0, n_chunks), with up to nthreads threads (the caller and nthreads - 1 workers).
    Returns when every chunk has run. */
 static void pool_run(pool *p, long n_chunks, chunk_fn fn, const void *job, int nthreads) {
@@ -317,11 +327,7 @@ static void pool_run(pool *p, long n_chunks, chunk_fn fn, const void *job, int n
         pthread_mutex_unlock(&p->mu);
     }
     help(p, gen);
-    /* Only chunks a running worker has taken remain. */
-    for (long polls = 0; atomic_load(&p->done) < n_chunks; ++polls) {
-        if (polls < 4096) CPU_RELAX();
-        else sched_yield();
-    }
+    wait_for_count(&p->done, n_chunks); /* only chunks a running worker has taken remain */
 }
 
 /* pool_run for the other kernel libraries (decode attention spreads its rows over this pool rather than start
@@ -1038,11 +1044,16 @@ static void shared_chunk(const void *arg, long c) {
             store_row(j->y[i], j->act, r * j->ldacc[i] + n0, j->acc[i] + r * j->ldacc[i] + n0, n1 - n0);
 }
 
+/* Columns a chunk of a dense product over a resident [K, N] weight takes: how dense_xw cuts its columns. */
+static long dense_chunk(long N, long K, int wfmt, int nthreads) {
+    return chunk_size(N, nthreads, matrix_bytes(wfmt, K * N), MIN_CHUNK_COLS, SPLIT_ALIGN);
+}
+
 /* Each weight cut as its own call cuts it (a share of the chunks by bytes balanced worse at 4+ rows). */
 static void cut_weights(shared_job *job, int nthreads) {
     for (long i = 0; i < job->count; ++i) {
         const long N = job->N[i];
-        job->chunk[i] = chunk_size(N, nthreads, matrix_bytes(job->wfmt[i], job->K * N), MIN_CHUNK_COLS, SPLIT_ALIGN);
+        job->chunk[i] = dense_chunk(N, job->K, job->wfmt[i], nthreads);
         job->first[i + 1] = job->first[i] + (N + job->chunk[i] - 1) / job->chunk[i];
     }
 }
@@ -1297,8 +1308,6 @@ static void moe_output_chunk(const moe_job *j, long c) {
                  d0, d1, j->y + first * j->D + d0, j->D);
 }
 
-static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
-
 /* Shared-expert SwiGLU elements one chunk computes (the exps dominate: a decode step of 64 rows has 64 x Is). */
 #define SWIGLU_CHUNK 2048
 
@@ -1330,10 +1339,7 @@ static void shared_swiglu_chunk(const shared_expert *s, long T, long c) {
 /* Shared chunk c of phase 2's down part: output columns of W2s h, once every SwiGLU chunk has finished. Those
    chunks come first in the phase, so each is running or done when a down chunk is taken: the wait is short. */
 static void shared_out_chunk(const shared_expert *s, long T, long D, long c) {
-    for (long polls = 0; atomic_load(s->swiglu_done) < s->n_swiglu; ++polls) {
-        if (polls < 4096) CPU_RELAX();
-        else sched_yield();
-    }
+    wait_for_count(s->swiglu_done, s->n_swiglu);
     const long n0 = c * s->chunk_out, n1 = n0 + s->chunk_out < D ? n0 + s->chunk_out : D;
     dense_range(s->h, T, s->Is, s->Is, s->w2, s->fmt, D, n0, n1, s->y + n0, D);
 }
@@ -1565,10 +1571,10 @@ int moe_layer(pool *p, const void *x, int act, long T, long D, long E, long topk
         }
         for (long j = 0; j < topk; ++j) token_weights[j] = token_weights[j] / (total + norm_eps) * scaling;
     }
-    /* The shared expert's products cut as dense_xw cuts them (so summed alike, bit for bit). */
+    /* The shared expert's products cut as dense_xw cuts them. */
     atomic_long swiglu_done = 0;
-    const long chunk_in = chunk_size(Is, nthreads, matrix_bytes(shared_fmt, D * Is), MIN_CHUNK_COLS, SPLIT_ALIGN);
-    const long chunk_out = chunk_size(D, nthreads, matrix_bytes(shared_fmt, Is * D), MIN_CHUNK_COLS, SPLIT_ALIGN);
+    const long chunk_in = dense_chunk(Is, D, shared_fmt, nthreads);
+    const long chunk_out = dense_chunk(D, Is, shared_fmt, nthreads);
     const shared_expert shared = {.x = x32, .fmt = shared_fmt, .bf16 = bf16, .Is = Is, .chunk_in = chunk_in,
                                   .n_in = (Is + chunk_in - 1) / chunk_in, .chunk_out = chunk_out,
                                   .n_out = (D + chunk_out - 1) / chunk_out,
