@@ -13,6 +13,10 @@ routed experts; written once under benchmarks/.peer/models), loaded with the rou
             Compiled steps run as one graph, so no hook fires inside them (this part is skipped).
   ops       torch.profiler over the same steps: top-level op count per step and self CPU time per
             aten op (ctypes C kernels are not ops: their time is in "outside ops").
+  host      eager steps that replay a recorded decode step (engine/decode_replay.py): the time in the replay's
+            kernel calls, the host's work around them (schedule, embedding row, sampling, outputs), and that
+            host work again with the calls skipped (`host_warm_ms`: the same Python and torch ops with their
+            code and data still in the caches, which a real step's weights have just streamed through).
 
 Writes <out>/profile_decode_<experts>[_compiled]_t<threads>.json and prints a summary.
 Usage: python benchmarks/profile_decode.py [--experts fp4|dense] [--compile] [--threads 2] [--steps 16]
@@ -39,10 +43,13 @@ import llama_peer  # noqa: E402
 from bench_llamacpp import CONFIGS, prepare_models  # noqa: E402
 from dsv4 import LLM, SamplingParams  # noqa: E402
 from dsv4.kernels import describe_backends  # noqa: E402
+from dsv4.kernels.native_calls import Replay  # noqa: E402
 from report import write_report  # noqa: E402
 
 PROMPT_SEED = 1
 TOP_OPS = 15
+# Timed runs of --steps steps one request makes: plain, modules, host (real and skipped calls), ops.
+STEP_RUNS = 5
 
 
 def _prompt(length: int, vocab: int) -> list[int]:
@@ -95,10 +102,10 @@ def _run_steps(engine, steps: int) -> list[float]:
 
 
 def _start(llm: LLM, prompt: list[int], steps: int, warmup: int) -> None:
-    """A fresh request with room for `warmup` + 3 x `steps` decode steps; prefill and warm-up run here."""
+    """A fresh request with room for `warmup` + STEP_RUNS x `steps` decode steps; prefill and warm-up run here."""
     engine = llm.engine
     engine.add_request(f"profile-{time.monotonic_ns()}", prompt,
-                       SamplingParams(max_tokens=warmup + 3 * steps + 2, ignore_eos=True))
+                       SamplingParams(max_tokens=warmup + STEP_RUNS * steps + 2, ignore_eos=True))
     engine.step()  # prefill + first token
     _run_steps(engine, warmup)
 
@@ -108,7 +115,7 @@ def profile_decode(args) -> dict:
     config = CONFIGS["small"]()
     checkpoint = prepare_models(llama_peer.PeerBuild(), "small", set(), rebuild=False)["checkpoint"]
     llm = LLM(checkpoint, dtype="float32", expert_dtype=args.experts, max_num_seqs=1,
-              max_model_len=args.prompt_len + args.warmup + 3 * args.steps + 8, compile=args.compile)
+              max_model_len=args.prompt_len + args.warmup + STEP_RUNS * args.steps + 8, compile=args.compile)
     prompt = _prompt(args.prompt_len, config["vocab_size"])
     _start(llm, prompt, args.steps, args.warmup)
     engine = llm.engine
@@ -128,6 +135,9 @@ def profile_decode(args) -> dict:
                              "exclusive_ms_per_step": per_step,
                              "calls_per_step": {k: v / args.steps for k, v in timer.calls.items()}}
 
+    if not args.compile:
+        result["host"] = _host_split(engine, args.steps)
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         profiled = _run_steps(engine, args.steps)
     events = prof.key_averages()
@@ -145,6 +155,32 @@ def profile_decode(args) -> dict:
     return result
 
 
+def _host_split(engine, steps: int) -> dict:
+    """Replayed steps timed around `Replay.run` (the recorded kernel calls), then steps whose calls are skipped
+    (the logits of the last real step are sampled again): what the host's work costs with warm caches."""
+    real_run = Replay.run
+    in_calls = [0.0]
+
+    def timed_run(replay: Replay) -> None:
+        start = time.perf_counter()
+        real_run(replay)
+        in_calls[0] += time.perf_counter() - start
+
+    replayed_before = engine.runner.replay.replayed_steps
+    try:
+        Replay.run = timed_run
+        real = sum(_run_steps(engine, steps))
+        calls = in_calls[0]
+        Replay.run = lambda replay: None
+        skipped = sum(_run_steps(engine, steps))
+    finally:
+        Replay.run = real_run
+    if engine.runner.replay.replayed_steps - replayed_before != 2 * steps:
+        raise RuntimeError("the host split needs every timed step replayed (see DecodeReplay.refused)")
+    return {"step_ms": 1e3 * real / steps, "replay_calls_ms": 1e3 * calls / steps,
+            "host_ms": 1e3 * (real - calls) / steps, "host_warm_ms": 1e3 * skipped / steps}
+
+
 def _print(result: dict) -> None:
     mode = "compiled" if result["compile"] else "eager"
     print(f"experts {result['experts']}, {mode}, {result['threads']} thread(s): "
@@ -155,6 +191,11 @@ def _print(result: dict) -> None:
               f"{m['outside_modules_ms']:.2f} ms):")
         for kind, ms in m["exclusive_ms_per_step"].items():
             print(f"    {kind:45s} {ms:7.3f} ms  x{m['calls_per_step'][kind]:.0f}")
+    if "host" in result:
+        h = result["host"]
+        print(f"  host (replayed step {h['step_ms']:.2f} ms): kernel calls {h['replay_calls_ms']:.3f} ms, host work "
+              f"around them {h['host_ms']:.3f} ms, the same host work with the calls skipped "
+              f"{h['host_warm_ms']:.3f} ms")
     o = result["ops"]
     print(f"  ops (profiled step {o['profiled_step_ms']:.2f} ms; {o['top_level_ops_per_step']:.0f} top-level ops, "
           f"{o['inside_top_level_ops_ms_per_step']:.2f} ms inside them, {o['outside_ops_ms_per_step']:.2f} outside):")
