@@ -48,9 +48,9 @@ SCHEDULE = ([2], [3, 0, 2], [0, 3], [3], [0, 2, 3], [2, 0])
 
 
 def _decode(runner: ModelRunner, prompts: dict[int, list[int]],
-            schedule: tuple[list[int], ...] = SCHEDULE) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each slot's prompt prefilled, then STEPS greedy decode steps over the slots of `schedule` in turn: each step's
-    (streams, logits)."""
+            schedule: tuple[list[int], ...] = SCHEDULE) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Each slot's prompt prefilled, then STEPS greedy decode steps over the slots of `schedule` in turn (each asking
+    for the argmax of its rows): each step's (streams, logits, argmax)."""
     tokens, positions = {}, {}
     for slot, prompt in prompts.items():
         result = runner.execute([Chunk(slot, prompt, 0)], logit_rows=[len(prompt) - 1])
@@ -60,8 +60,10 @@ def _decode(runner: ModelRunner, prompts: dict[int, list[int]],
         slots = schedule[step % len(schedule)]
         chunks = [Chunk(slot, [tokens[slot]], positions[slot]) for slot in slots]
         with runner.step_threads(chunks):
-            result = runner.execute(chunks, logit_rows=list(range(len(chunks))))
-        steps.append((result.streams, result.logits))
+            result = runner.execute(chunks, logit_rows=list(range(len(chunks))), argmax=True)
+        # Copies: a result is valid until the next step (a replayed step returns its record's buffers).
+        steps.append((result.streams.clone(), result.logits.clone(),
+                      None if result.argmax is None else result.argmax.clone()))
         for slot, row in zip(slots, result.logits.argmax(-1).tolist(), strict=True):
             tokens[slot], positions[slot] = row, positions[slot] + 1
     return steps
@@ -81,7 +83,7 @@ def test_records_beyond_the_limit_drop_the_least_recently_used(checkpoints):
     replaying.replay.max_records = 2
     prompts = {slot: [5 + slot, 9, 14, 3] for slot in (0, 2, 3)}
     got, want = _decode(replaying, prompts, LRU_SCHEDULE), _decode(eager, prompts, LRU_SCHEDULE)
-    for (streams, logits), (streams_ref, logits_ref) in zip(got, want, strict=True):
+    for (streams, logits, _), (streams_ref, logits_ref, _) in zip(got, want, strict=True):
         assert torch.equal(streams, streams_ref) and torch.equal(logits, logits_ref)
     assert replaying.replay.recorded_rows == (3, 1)  # after the 8th step: the 2-row record dropped, 1 used last
     # Per 8 steps: the first cycle records 1, 2, 3 (and 2 again in every later cycle, then 3 again); the rest replay.
@@ -102,8 +104,14 @@ def test_replayed_steps_equal_eager_steps_bit_for_bit(checkpoints, fmt, dtype):
     got, want = _decode(replaying, prompts), _decode(eager, prompts)
     assert replaying.replay.refused is None
     assert all(replaying.replay.recorded_calls(rows) > 0 for rows in (1, 2, 3))
-    for (streams, logits), (streams_ref, logits_ref) in zip(got, want, strict=True):
+    for (streams, logits, argmax), (streams_ref, logits_ref, argmax_ref) in zip(got, want, strict=True):
         assert torch.equal(streams, streams_ref) and torch.equal(logits, logits_ref)
+        # The replay's argmax (fp32 logits: the argmax kernel's) is the sampler's greedy pick; eager steps leave it.
+        assert argmax_ref is None
+        if dtype == "float32":
+            assert torch.equal(argmax, logits.max(dim=-1).indices)
+        else:
+            assert argmax is None
     for mine, theirs in zip(cache_tensors(replaying.cache.layers), cache_tensors(eager.cache.layers), strict=True):
         assert torch.equal(mine, theirs)
 
@@ -141,7 +149,7 @@ def test_a_forward_that_runs_torch_ops_is_not_recorded(checkpoints):
     assert all(replaying.replay.recorded_calls(rows) == 0 for rows in (1, 2, 3))
     assert "torch ops" in replaying.replay.refused
     assert not replaying.replay.serves([Chunk(1, [3], 50)], ())
-    for (streams, logits), (streams_ref, logits_ref) in zip(got, want, strict=True):
+    for (streams, logits, _), (streams_ref, logits_ref, _) in zip(got, want, strict=True):
         assert torch.equal(streams, streams_ref) and torch.equal(logits, logits_ref)
 
 

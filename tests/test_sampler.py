@@ -11,6 +11,7 @@ import torch
 from dsv4.engine import sampler as sampler_module
 from dsv4.engine.sampler import (
     Sampler,
+    SamplingRows,
     SamplingState,
     process_logits,
     prompt_logprobs,
@@ -112,6 +113,19 @@ def test_greedy_ties_in_long_rows_resolve_to_the_lowest_id():
         logits[row, cols] = 100.0
     out = Sampler().sample(logits, _states(*[SamplingParams()] * 8))
     assert out.token_ids.tolist() == [int(cols.min()) for cols in tied]
+
+
+def test_an_all_greedy_call_takes_the_argmax_its_caller_computed():
+    """A replayed decode step computes its rows' argmax with the logits (engine/decode_replay.py): an all-greedy call
+    samples exactly those tokens (here deliberately not the logits' own argmax, to show nothing recomputes them), and
+    an argmax of the wrong length is refused."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(2))
+    rows = SamplingRows.build([SamplingParams()] * 4, [None] * 4, torch.device("cpu"))
+    given = (logits.argmax(dim=-1) + 1) % VOCAB
+    assert torch.equal(Sampler().sample_rows(logits, rows, [0] * 4, argmax=given).token_ids, given)
+    assert torch.equal(Sampler().sample_rows(logits, rows, [0] * 4).token_ids, logits.argmax(dim=-1))
+    with pytest.raises(ValueError, match=r"argmax \(3,\)"):
+        Sampler().sample_rows(logits, rows, [0] * 4, argmax=given[:3])
 
 
 def test_greedy_rows_in_a_mixed_batch_stay_argmax():

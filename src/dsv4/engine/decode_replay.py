@@ -13,7 +13,7 @@ Why it computes exactly what the eager step computes:
   result is the eager one;
 - a step's values reach the calls only through tensors whose addresses they hold: the token ids, their positions
   and cache slots (written into the recorded step's tensors before each replay) and the embedding rows
-  (recomputed into the recorded buffer);
+  (gathered into the recorded buffer: the table's rows bit for bit, what the eager embedding returns);
 - the record is refused, and the steps stay eager, when the forward ran any torch op other than an allocation
   or a view (`_AllocationsOnly`): a kernel that declined the call, a weight widened per call, anything a replay
   would not redo;
@@ -21,6 +21,13 @@ Why it computes exactly what the eager step computes:
   shape is fixed; which compressor windows complete, how many entries a row reads and the indexer's picks are
   decided in C from the positions), which tests/test_decode_replay.py checks across every compress rate's
   windows, with rows in scattered slots.
+
+The host's work around the calls is kept free of torch ops. A step streams ~100 MB of weights through the caches
+(the small config), and right after it each torch op's dispatch runs from cold caches: ~50-90 us an op there
+against a few us warm (measured on the small config, fp32, batch 1: the embedding lookup 90 us, each output copy
+60-70 us). So the embedding rows are gathered by numpy, the step returns the record's own output buffers (valid
+until the next step of that row count; the engine consumes them within its step), and when every row samples
+greedily the record's argmax call runs inside the replay, so the sampler never touches the logits.
 
 The record holds pointers into the weights and the cache. Weights keep their addresses through every load and
 refit (written in place), and each finalize (`process_weights_after_loading`) starts a new weights generation
@@ -38,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS
 from dsv4.kernels.native_calls import Replay, recording
+from dsv4.kernels.registry import GREEDY_ARGMAX
 from dsv4.model.batch import ForwardBatch, Segment
 from dsv4.model.cache import ModelCache
 from dsv4.model.deepseek_v4 import DeepseekV4
@@ -83,6 +91,28 @@ MAX_REPLAY_ROWS = MAX_F32_DECODE_ROWS
 MAX_RECORDS = 8
 
 
+# Integer dtypes that carry a tensor's elements bit for bit, by element size: the embedding rows are copied as bits,
+# so every table dtype (bf16 included, which numpy lacks) gathers the same way.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """`t`'s storage as a numpy array of same-size integers (a view: writes reach `t`)."""
+    return t.detach().view(_BITS[t.element_size()]).numpy()
+
+
+@dataclass(frozen=True)
+class DecodeOutput:
+    """A replayed step's outputs: the record's own buffers, valid until the next step of this row count.
+
+    streams: [B, hc, D] the last layer's streams; logits: fp32 [B, V]; argmax: [B] int64 each row's argmax (the
+    first largest id), when asked for and the model's kernels take the logits, else None."""
+
+    streams: torch.Tensor
+    logits: torch.Tensor
+    argmax: torch.Tensor | None
+
+
 @dataclass(frozen=True)
 class _Record:
     """One recorded step: the replay, the step tensors its calls read, its output streams, and what it is valid for."""
@@ -92,8 +122,12 @@ class _Record:
     threads: int | None  # the few-row pool's threads when recorded
     token_ids: torch.Tensor  # [B] int64
     embeds: torch.Tensor  # [B, D]: the embedding rows the first block reads
+    # The embedding table and `embeds` as integers (`_bits`), or None where the embedding widens the table's rows
+    # (weights narrower than the activations): then torch's lookup fills `embeds`.
+    embed_bits: tuple[np.ndarray, np.ndarray] | None
     streams: torch.Tensor  # [B, hc, D]: what the last layer's calls write
     logits: torch.Tensor  # [B, V] in the activation dtype: what the head's call writes
+    argmax: tuple[Replay, torch.Tensor] | None  # the argmax call over `logits` and its [B] output (fp32 logits)
     step_values: tuple[np.ndarray, np.ndarray, np.ndarray]  # token ids, positions, slots: views of the step tensors
     held: tuple  # every tensor the calls address that nobody else keeps
 
@@ -129,14 +163,14 @@ class DecodeReplay:
         record = self._records.get(rows)
         return 0 if record is None else len(record.replay)
 
-    def __call__(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of `chunks` (each an engine `Chunk` of one token: its slot, token and position) -> their
-        streams [B, hc, D] and fp32 logits [B, V] (fresh tensors); extends each slot as the eager forward does."""
+    def __call__(self, chunks, argmax: bool = False) -> DecodeOutput:
+        """One decode step of `chunks` (each an engine `Chunk` of one token: its slot, token and position), each
+        row's argmax too when `argmax`; extends each slot as the eager forward does."""
         model = self.model
         model.require_ready()
         record = self._records.pop(len(chunks), None)
         if record is None or record.generation != model.weights_generation or record.threads != self._threads():
-            return self._record_step(chunks)
+            return self._record_step(chunks, argmax)
         self._records[len(chunks)] = record  # now the most recently used
         self.replayed_steps += 1
         self.cache.begin_step(tuple(Segment(slot=chunk.slot, start=chunk.start, begin=i, end=i + 1)
@@ -145,16 +179,24 @@ class DecodeReplay:
         token_view[:] = [chunk.token_ids[0] for chunk in chunks]
         position_view[:] = [chunk.start for chunk in chunks]
         slot_view[:] = [chunk.slot for chunk in chunks]
-        # The recorded buffers are inference tensors when the step was recorded in inference mode (the engine's).
-        with torch.inference_mode(record.embeds.is_inference()):
-            record.embeds.copy_(model.embed_tokens(record.token_ids))
+        if record.embed_bits is not None:
+            table, rows = record.embed_bits
+            np.take(table, token_view, axis=0, out=rows)
+        else:
+            # The recorded buffers are inference tensors when the step was recorded in inference mode (the engine's).
+            with torch.inference_mode(record.embeds.is_inference()):
+                record.embeds.copy_(model.embed_tokens(record.token_ids))
         record.replay.run()
-        return record.streams.clone(), record.logits.to(torch.float32, copy=True)
+        picked = None
+        if argmax and record.argmax is not None:
+            call, picked = record.argmax
+            call.run()
+        return DecodeOutput(record.streams, _fp32(record.logits), picked)
 
     def _threads(self) -> int | None:
         return self.model.kernels.few_row_threads()
 
-    def _record_step(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+    def _record_step(self, chunks, argmax: bool) -> DecodeOutput:
         """The eager step, recorded; the record kept unless the forward ran ops a replay would not."""
         model, generation, rows = self.model, self.model.weights_generation, len(chunks)
         self._records.pop(rows, None)
@@ -174,12 +216,30 @@ class DecodeReplay:
         if reason is not None:
             self.refused = reason
             self._refused[rows] = generation
-            return streams, logits.float()
+            return DecodeOutput(streams, logits.float(), None)
+        recorded_argmax = self._argmax(logits)
         step_tensors = (batch.token_ids, batch.positions, decode.slots)
+        table = model.embed.weight
+        embed_bits = (_bits(table), _bits(embeds)) if table.dtype == embeds.dtype else None
         while len(self._records) >= self.max_records:
             self._records.pop(next(iter(self._records)))  # the least recently used
         self._records[rows] = _Record(
             replay=Replay(calls), generation=generation, threads=self._threads(), token_ids=batch.token_ids,
-            embeds=embeds, streams=streams, logits=logits, step_values=tuple(t.numpy() for t in step_tensors),
-            held=(*step_tensors, *guard.allocated, calls))
-        return streams.clone(), logits.to(torch.float32, copy=True)
+            embeds=embeds, embed_bits=embed_bits, streams=streams, logits=logits, argmax=recorded_argmax,
+            step_values=tuple(t.numpy() for t in step_tensors), held=(*step_tensors, *guard.allocated, calls))
+        return DecodeOutput(streams, _fp32(logits), recorded_argmax[1] if argmax and recorded_argmax else None)
+
+    def _argmax(self, logits: torch.Tensor) -> tuple[Replay, torch.Tensor] | None:
+        """The model's argmax kernel over `logits`, called once and recorded: its replay and its output; None when
+        no kernel takes these logits (then the sampler computes the argmax)."""
+        kernel = self.model.kernels.kernel(GREEDY_ARGMAX, logits)
+        if kernel is None:
+            return None
+        with recording() as calls:
+            picked = kernel(logits)
+        return Replay(calls), picked
+
+
+def _fp32(logits: torch.Tensor) -> torch.Tensor:
+    """The logits in fp32: themselves when they are (no torch op: see the module docstring), else widened."""
+    return logits if logits.dtype == torch.float32 else logits.float()

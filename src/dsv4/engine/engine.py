@@ -282,8 +282,10 @@ class Engine:
                 work = self._prepare(plan.chunks)
                 verify = [i for i, w in enumerate(work) if w.draft.token_ids]
                 chunks, captured = [w.chunk for w in work], capture_layers(self.proposer)
+                # Every sampling row greedy: the step may hand the sampler their argmax (StepResult.argmax).
+                greedy = all(w.seq.params.greedy for w in work if w.samples)
                 with self.runner.step_threads(chunks, captured):  # the sampling on the forward's threads
-                    result = self.runner.execute(chunks, self._logit_rows(work), verify, captured)
+                    result = self.runner.execute(chunks, self._logit_rows(work), verify, captured, greedy)
                     forks = dict(plan.forks)
                     self._score_prompts(work, result, forks)
                     self._commit(work, result, reported, forks)
@@ -412,11 +414,13 @@ class Engine:
                     slots.append(follower.slot)
                     indices.append(0)
                     proposals.append(None)
-            logits = result.logits
+            logits, argmax = result.logits, result.argmax
             if forks:
                 logits = logits.index_select(0, torch.tensor(self._fork_rows(sampling, forks), device=logits.device))
+                argmax = None  # of the step's rows, not of the followers' repeats
             out = self.sampler.sample_rows(logits, self.sampling.rows(slots), indices,
-                                           proposals if any(p is not None for p in proposals) else None)
+                                           proposals if any(p is not None for p in proposals) else None,
+                                           argmax=argmax)
             tokens, logprobs = out.token_ids.tolist(), out.logprobs
         rewinds: dict[int, int] = {}  # slot -> positions kept, for slots past rejected drafts
         row = 0

@@ -47,11 +47,14 @@ class Chunk(NamedTuple):
 class StepResult:
     """streams: [T, hc, D] pre-head streams of every row of the step; logits: fp32 [len(rows), V] for
     the rows asked for, in that order (None when none were); captured: {layer: [T, hc, D] that layer's
-    output streams of every row} for the layers asked for (empty when none were)."""
+    output streams of every row} for the layers asked for (empty when none were); argmax: [len(rows)] int64
+    each logits row's argmax (the first largest id) when it was asked for and the step computed it, else None.
+    Valid until the runner's next `execute`: a replayed step returns its record's own buffers."""
 
     streams: torch.Tensor
     logits: torch.Tensor | None
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    argmax: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -91,7 +94,7 @@ class ModelRunner:
         self.model.require_ready()
 
     def execute(self, chunks: Sequence[Chunk], logit_rows: Sequence[int], verify: Sequence[int] = (),
-                capture_layers: tuple[int, ...] = ()) -> StepResult:
+                capture_layers: tuple[int, ...] = (), argmax: bool = False) -> StepResult:
         """One forward over the chunks; extends each chunk's slot through its last position.
 
         Args:
@@ -101,9 +104,12 @@ class ModelRunner:
             verify: indices of the chunks that may be rewound after this step (verify chunks): the rows
                 they overwrite are saved first.
             capture_layers: target layers whose output streams are wanted too (the proposer's).
+            argmax: the caller samples every logit row greedily: a replayed step computes their argmax with
+                the logits (`StepResult.argmax`; other steps leave it to the sampler).
 
         Returns:
-            The streams of every row, the captured layers' streams, and the logits of `logit_rows`.
+            The streams of every row, the captured layers' streams, the logits of `logit_rows` and, when asked
+            for and computed, their argmax.
         """
         self._snapshot = None
         if verify:
@@ -111,8 +117,8 @@ class ModelRunner:
                 [(chunks[i].slot, chunks[i].start, len(chunks[i].token_ids)) for i in verify])
         if not verify and logit_rows and self._replay_serves(chunks, capture_layers):
             with self.step_threads(chunks, capture_layers):
-                streams, logits = self.replay(chunks)
-                return self._result(len(chunks), True, streams, logits, {}, logit_rows)
+                out = self.replay(chunks, argmax)
+                return self._result(len(chunks), True, out.streams, out.logits, {}, logit_rows, out.argmax)
         batch = ForwardBatch.build(list(chunks), device=self.device, decode_span=self.decode_span)
         if self._compiled_serves(chunks, capture_layers):
             streams, logits = self.static_decode(batch, self.cache)
@@ -145,13 +151,16 @@ class ModelRunner:
         return self.static_decode is not None and not capture_layers and self.static_decode.serves(chunks)
 
     def _result(self, rows: int, decode_rows: bool, streams: torch.Tensor, logits: torch.Tensor | None,
-                captured: dict[int, torch.Tensor], logit_rows: Sequence[int]) -> StepResult:
+                captured: dict[int, torch.Tensor], logit_rows: Sequence[int],
+                argmax: torch.Tensor | None = None) -> StepResult:
         """The result of a step of `rows` rows (`decode_rows`: a decode step's) with the logits of `logit_rows`;
-        `logits`: every row's, when the forward already computed them (the compiled step), else None."""
+        `logits`: every row's, when the forward already computed them (the compiled step, the replay), else None;
+        `argmax`: every row's argmax with them (kept only when every row's logits are the ones asked for)."""
         if not logit_rows:
             return StepResult(streams, None, captured)
         if len(logit_rows) == rows:  # every row, in order (a pure decode step): no gather
-            return StepResult(streams, self.logits(streams, decode_rows) if logits is None else logits, captured)
+            return StepResult(streams, self.logits(streams, decode_rows) if logits is None else logits, captured,
+                              None if logits is None else argmax)
         picked = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
         if logits is not None:
             return StepResult(streams, logits.index_select(0, picked), captured)

@@ -568,6 +568,7 @@ class Sampler:
     def sample_rows(
         self, logits: torch.Tensor, rows: SamplingRows, token_indices: Sequence[int],
         proposals: Sequence[Proposal | None] | None = None, return_probs: bool = False,
+        argmax: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Pick one token per row.
 
@@ -578,6 +579,8 @@ class Sampler:
                 tokens (seeded rows draw from (seed, index)).
             proposals: per row, a draft to accept or reject (module docstring), or None.
             return_probs: also return the distribution each row was drawn from (`SamplerOutput.probs`).
+            argmax: [B] int64 each row's argmax (the first largest id) where the caller has it already (a
+                replayed decode step computes it with the logits): an all-greedy call takes it as its tokens.
 
         Returns:
             `SamplerOutput` with [B] token ids and B optional logprob records.
@@ -586,16 +589,19 @@ class Sampler:
             ValueError: logits or token_indices that do not have one entry per row; a proposal whose
                 token has probability 0 under its own q.
         """
-        if logits.dim() != 2 or logits.shape[0] != len(rows) or len(token_indices) != len(rows):
+        if (logits.dim() != 2 or logits.shape[0] != len(rows) or len(token_indices) != len(rows)
+                or (argmax is not None and tuple(argmax.shape) != (len(rows),))):
             raise ValueError(
-                f"expected logits [B, V] and B token indices with B = {len(rows)} rows, got logits "
-                f"{tuple(logits.shape)} and {len(token_indices)} indices"
+                f"expected logits [B, V], B token indices and an argmax of B rows (or none) with B = {len(rows)} "
+                f"rows, got logits {tuple(logits.shape)}, {len(token_indices)} indices and argmax "
+                f"{None if argmax is None else tuple(argmax.shape)}"
             )
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # no op for fp32 (torch ops after a decode step: engine/decode_replay.py)
+            logits = logits.float()
         batch = logits.shape[0]
 
         if len(rows.greedy_rows) == batch:  # all greedy (the common offline case): one argmax, no row gathers
-            token_ids = greedy_tokens(logits, self.kernels)
+            token_ids = argmax if argmax is not None else greedy_tokens(logits, self.kernels)
         else:
             token_ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
             if rows.greedy_rows:

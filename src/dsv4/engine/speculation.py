@@ -88,7 +88,8 @@ class Proposer(Protocol):
         Args:
             seq: the sequence.
             first_position: the position of the first row.
-            streams: [rows, hc, D] the target's pre-head streams of those positions.
+            streams: [rows, hc, D] the target's pre-head streams of those positions; valid until the step ends
+                (a replayed decode step's are its record's buffers): copy what is kept longer.
             captured: {layer: [rows, hc, D] that target layer's output streams of those positions} for
                 every layer of `capture_layers`; passed (by keyword) only to a proposer that declares them.
         """
