@@ -290,9 +290,10 @@ def test_mhc_head_kernel_matches_reference(dtype, T, hc, D):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_token_mix_on_the_pool_equals_one_thread_and_each_token_alone(dtype):
-    """The mix GEMM of a decode step's tokens (MAX_MIX_ROWS of them) spread over the few-row kernels' pool: bit for
-    bit what the caller's thread alone gives, and each token's logits what that token alone gives (a dot product
-    per output, whatever the batch or the threads)."""
+    """The mix GEMM of a decode step's tokens (MAX_MIX_ROWS of them, and fewer tokens than threads, whose outputs are
+    cut over the threads) spread over the few-row kernels' pool: bit for bit what the caller's thread alone gives,
+    and each token's logits what that token alone gives (a dot product per output, whatever the batch or the
+    threads)."""
     from dsv4.kernels.mhc_cpu import MAX_MIX_ROWS, MhcFusedKernel
     from dsv4.kernels.registry import MHC_FUSED, KernelRegistry
 
@@ -304,7 +305,10 @@ def test_few_token_mix_on_the_pool_equals_one_thread_and_each_token_alone(dtype)
     fn = torch.randn(MIX, HC * 96, generator=g)
     with pooled._pool.pinned_threads(4):
         got = pooled._few_token_mix(streams, fn)
+        few = {rows: pooled._few_token_mix(streams[:rows], fn) for rows in (1, 3)}
     assert torch.equal(got, alone._few_token_mix(streams, fn))
+    for rows, mix in few.items():
+        assert torch.equal(mix, alone._few_token_mix(streams[:rows], fn)), rows
     for t in (0, 17, MAX_MIX_ROWS - 1):
         assert torch.equal(got[t], alone._few_token_mix(streams[t : t + 1], fn)[0]), t
     torch.testing.assert_close(got, streams.flatten(1).float() @ fn.t(), rtol=1e-4, atol=1e-4)

@@ -263,57 +263,78 @@ int mhc_post(const void *streams, int bf16, const void *o, const float *restrict
     return run_rows(post_rows, &job, T, pool, run, nthreads);
 }
 
-/* The mix GEMM of a few tokens (`mhc_mix`): its arguments. */
+/* The mix GEMM of a few tokens (`mhc_mix`): its arguments. Each row's outputs are cut into `parts` ranges, a unit
+   of work per (row, range): a single decode row then still spreads over the threads (its 24 outputs read a 196 KiB
+   fn on the small config: ~14 us a call on one core from a cold cache, 17 calls a step). */
 typedef struct {
     const void *streams;
     int bf16;
-    long T, K, mix;
+    long T, K, mix, parts;
     const float *fn;
     float *out;
 } mix_job;
 
-/* Outputs of one row `mix_dots` sums at once: independent chains of fused multiply-adds, one register each. */
+/* Outputs `mix_dots` sums at once: independent chains of fused multiply-adds, one register each; a range's rest
+   takes groups of half as many before single dot products. */
 #define MIX_OUTPUTS 8
+#define MIX_HALF (MIX_OUTPUTS / 2)
 
-/* out[m] = dot(x, fn[m]) for m < mix (dot.h's dot product, bit for bit). With AVX-512 and K a multiple of 16,
-   MIX_OUTPUTS outputs at a time share each load of x: one dot product at a time is a single chain of dependent
-   adds (on the small config's 2048 inputs ~4x the time of its arithmetic). */
-static void mix_dots(const float *restrict x, const float *restrict fn, long K, long mix, float *restrict out) {
-    long m = 0;
+#if defined(__AVX512F__)
+/* out[m + k] = dot(x, fn[m + k]) for k < n (n a constant where inlined): n chains sharing each load of x. */
+static inline __attribute__((always_inline)) void mix_group(const float *restrict x, const float *restrict fn, long K,
+                                                            long m, int n, float *restrict out) {
+    __m512 acc[MIX_OUTPUTS];
+    for (int k = 0; k < n; ++k) acc[k] = _mm512_setzero_ps();
+    for (long c = 0; c < K; c += 16) {
+        const __m512 xc = _mm512_loadu_ps(x + c);
+        for (int k = 0; k < n; ++k) acc[k] = _mm512_fmadd_ps(xc, _mm512_loadu_ps(fn + (m + k) * K + c), acc[k]);
+    }
+    for (int k = 0; k < n; ++k) out[m + k] = _mm512_reduce_add_ps(acc[k]); /* dot's pairwise tree */
+}
+#endif
+
+/* out[m] = dot(x, fn[m]) for m in [m0, m1) (dot.h's dot product, bit for bit, whatever the range's cut). With AVX-512
+   and K a multiple of 16, MIX_OUTPUTS (then MIX_HALF) outputs at a time share each load of x: one dot product at a
+   time is a single chain of dependent adds (on the small config's 2048 inputs ~4x the time of its arithmetic). */
+static void mix_dots(const float *restrict x, const float *restrict fn, long K, long m0, long m1, float *restrict out) {
+    long m = m0;
 #if defined(__AVX512F__)
     if (K % 16 == 0 && ACC == 16) {
-        for (; m + MIX_OUTPUTS <= mix; m += MIX_OUTPUTS) {
-            __m512 acc[MIX_OUTPUTS];
-            for (int k = 0; k < MIX_OUTPUTS; ++k) acc[k] = _mm512_setzero_ps();
-            for (long c = 0; c < K; c += 16) {
-                const __m512 xc = _mm512_loadu_ps(x + c);
-                for (int k = 0; k < MIX_OUTPUTS; ++k)
-                    acc[k] = _mm512_fmadd_ps(xc, _mm512_loadu_ps(fn + (m + k) * K + c), acc[k]);
-            }
-            for (int k = 0; k < MIX_OUTPUTS; ++k) out[m + k] = _mm512_reduce_add_ps(acc[k]); /* dot's pairwise tree */
-        }
+        for (; m + MIX_OUTPUTS <= m1; m += MIX_OUTPUTS) mix_group(x, fn, K, m, MIX_OUTPUTS, out);
+        for (; m + MIX_HALF <= m1; m += MIX_HALF) mix_group(x, fn, K, m, MIX_HALF, out);
     }
 #endif
-    for (; m < mix; ++m) out[m] = dot(x, fn + m * K, K);
+    for (; m < m1; ++m) out[m] = dot(x, fn + m * K, K);
 }
 
-/* Rows [t0, t1) of `mhc_mix`; 1 when a bf16 row's buffer cannot be allocated. */
-static int mix_rows(const void *job, long t0, long t1) {
+/* First output of range `part` of a row: ranges as even as MIX_HALF-aligned cuts allow, the last ending at mix. */
+static long mix_cut(const mix_job *j, long part) {
+    return part >= j->parts ? j->mix : (part * j->mix / j->parts) / MIX_HALF * MIX_HALF;
+}
+
+/* Units [u0, u1) of `mhc_mix` (unit u: row u / parts, output range u % parts); 1 when a bf16 row's buffer cannot be
+   allocated. */
+static int mix_units(const void *job, long u0, long u1) {
     const mix_job *j = job;
     float *buf = j->bf16 ? malloc((size_t)j->K * sizeof(float)) : NULL;
     if (j->bf16 && !buf) return 1;
-    for (long t = t0; t < t1; ++t)
-        mix_dots(load_row(j->streams, j->bf16, t * j->K, j->K, buf), j->fn, j->K, j->mix, j->out + t * j->mix);
+    for (long u = u0; u < u1; ++u) {
+        const long t = u / j->parts, part = u % j->parts;
+        mix_dots(load_row(j->streams, j->bf16, t * j->K, j->K, buf), j->fn, j->K, mix_cut(j, part),
+                 mix_cut(j, part + 1), j->out + t * j->mix);
+    }
     free(buf);
     return 0;
 }
 
 /* out[T, mix] fp32 = flatten(streams) [T, K] (fp32 or bf16) @ fn^T, fn [mix, K] fp32 row-major: the mix GEMM of
    `mhc_pre`'s `raw` for a few tokens (a decode step's), each output one dot product (dot.h's order, so a token's
-   logits do not depend on the other tokens or the threads), the rows spread over `nthreads` threads of `pool`
-   by `run` (NULL: the caller's thread). Returns 0, or 1 when a scratch row cannot be allocated. */
+   logits do not depend on the other tokens or the threads), spread over `nthreads` threads of `pool` by `run`
+   (NULL: the caller's thread): whole rows when there are at least as many as threads, else each row's outputs cut
+   into one range per thread. Returns 0, or 1 when a scratch row cannot be allocated. */
 int mhc_mix(const void *streams, int bf16, long T, long K, const float *fn, long mix, float *out, void *pool,
             pool_for_fn run, int nthreads) {
-    mix_job job = {.streams = streams, .bf16 = bf16, .T = T, .K = K, .mix = mix, .fn = fn, .out = out};
-    return run_rows(mix_rows, &job, T, pool, run, nthreads);
+    const long parts = run && nthreads > 1 && T < nthreads ? nthreads : 1;
+    mix_job job = {.streams = streams, .bf16 = bf16, .T = T, .K = K, .mix = mix, .parts = parts, .fn = fn, .out = out};
+    return run_rows(mix_units, &job, T * parts, pool, run, nthreads);
 }
