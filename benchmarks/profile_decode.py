@@ -1,4 +1,4 @@
-"""Where dsv4's batch-1 decode step goes: module breakdown (forward hooks) and aten ops (torch.profiler).
+"""Where dsv4's batch-1 decode step goes: its kernel calls one by one, the host's work around them, and aten ops.
 
 The model is the benchmark checkpoint of bench_llamacpp.py (the small config, fp32 dense tensors, FP4
 routed experts; written once under benchmarks/.peer/models), loaded with the routed experts FP4
@@ -6,17 +6,15 @@ routed experts; written once under benchmarks/.peer/models), loaded with the rou
 --prompt-len prompt, warm-up steps, then:
 
   plain     --steps engine steps timed without any instrumentation (the reference step time)
-  modules   the same steps with forward hooks on every module: wall time per module kind, exclusive
-            of its child modules (a Block's own time is its mHC + norms; Attention's own time is its
-            projections and attention arithmetic outside Compressor/Indexer), per step. The hooks
-            add a few microseconds per module call: compare the "hooked" total with "plain".
-            Compiled steps run as one graph, so no hook fires inside them (this part is skipped).
+  kernels   eager steps replay a recorded decode step (engine/decode_replay.py): each recorded C call timed on
+            its own, summed per kernel (ms per step, calls per step, us per call). A clock read per call adds
+            well under a microsecond to each. Compiled steps run as one graph (this part is skipped).
+  host      the same replayed steps timed around the replay's kernel calls: the calls, the host's work around
+            them (schedule, embedding row, sampling, outputs), and that host work again with the calls skipped
+            (`host_warm_ms`: the same Python with its code and data still in the caches, which a real step's
+            weights have just streamed through).
   ops       torch.profiler over the same steps: top-level op count per step and self CPU time per
             aten op (ctypes C kernels are not ops: their time is in "outside ops").
-  host      eager steps that replay a recorded decode step (engine/decode_replay.py): the time in the replay's
-            kernel calls, the host's work around them (schedule, embedding row, sampling, outputs), and that
-            host work again with the calls skipped (`host_warm_ms`: the same Python and torch ops with their
-            code and data still in the caches, which a real step's weights have just streamed through).
 
 Writes <out>/profile_decode_<experts>[_compiled]_t<threads>.json and prints a summary.
 Usage: python benchmarks/profile_decode.py [--experts fp4|dense] [--compile] [--threads 2] [--steps 16]
@@ -49,48 +47,13 @@ from report import write_report  # noqa: E402
 
 PROMPT_SEED = 1
 TOP_OPS = 15
-# Timed runs of --steps steps one request makes: plain, modules, host (real and skipped calls), ops.
+# Timed runs of --steps steps one request makes: plain, kernels, host (real and skipped calls), ops.
 STEP_RUNS = 5
 
 
 def _prompt(length: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(PROMPT_SEED)
     return torch.randint(2, vocab, (length,), generator=g).tolist()
-
-
-class ModuleTimer:
-    """Forward hooks on every module: wall seconds per module kind, exclusive of child modules."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.exclusive: dict[str, float] = collections.defaultdict(float)
-        self.calls: dict[str, int] = collections.defaultdict(int)
-        self._stack: list[list] = []  # [kind, start, child seconds]
-        self._handles = []
-        for name, module in model.named_modules():
-            kind = self._kind(name, module)
-            self._handles.append(module.register_forward_pre_hook(lambda m, a, k=kind: self._enter(k)))
-            self._handles.append(module.register_forward_hook(lambda m, a, o: self._exit()))
-
-    @staticmethod
-    def _kind(name: str, module: torch.nn.Module) -> str:
-        kind = type(module).__name__
-        layer_type = getattr(module, "layer_type", None)
-        return f"{kind}[{layer_type}]" if kind == "Attention" and layer_type else kind
-
-    def _enter(self, kind: str) -> None:
-        self._stack.append([kind, time.perf_counter(), 0.0])
-
-    def _exit(self) -> None:
-        kind, start, children = self._stack.pop()
-        elapsed = time.perf_counter() - start
-        self.exclusive[kind] += elapsed - children
-        self.calls[kind] += 1
-        if self._stack:
-            self._stack[-1][2] += elapsed
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
 
 
 def _run_steps(engine, steps: int) -> list[float]:
@@ -126,17 +89,7 @@ def profile_decode(args) -> dict:
                     "backends": describe_backends(), "plain_step_ms": 1e3 * statistics.median(plain)}
 
     if not args.compile:
-        timer = ModuleTimer(llm.loaded.target)
-        hooked = _run_steps(engine, args.steps)
-        timer.remove()
-        total = sum(timer.exclusive.values())
-        per_step = {k: 1e3 * v / args.steps for k, v in sorted(timer.exclusive.items(), key=lambda kv: -kv[1])}
-        result["modules"] = {"hooked_step_ms": 1e3 * statistics.median(hooked),
-                             "outside_modules_ms": 1e3 * (sum(hooked) - total) / args.steps,
-                             "exclusive_ms_per_step": per_step,
-                             "calls_per_step": {k: v / args.steps for k, v in timer.calls.items()}}
-
-    if not args.compile:
+        result["kernels"] = _kernel_split(engine, args.steps)
         result["host"] = _host_split(engine, args.steps)
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -154,6 +107,31 @@ def profile_decode(args) -> dict:
         "calls_per_step": {e.key: e.count / args.steps for e in by_self},
     }
     return result
+
+
+def _kernel_split(engine, steps: int) -> dict:
+    """Replayed steps whose recorded calls are timed one by one (`Replay.run_call`): per kernel, ms per step, calls
+    per step and us per call, the costliest first; and the replayed step's median."""
+    seconds: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.defaultdict(int)
+
+    def timed_calls(replay: Replay) -> None:
+        for index, kernel in enumerate(replay.kernels):
+            start = time.perf_counter()
+            replay.run_call(index)
+            seconds[kernel] += time.perf_counter() - start
+            calls[kernel] += 1
+
+    replayed_before = engine.runner.replay.replayed_steps
+    with mock.patch.object(Replay, "run", timed_calls):
+        timed = _run_steps(engine, steps)
+    if engine.runner.replay.replayed_steps - replayed_before != steps:
+        raise RuntimeError("the kernel split needs every timed step replayed (see DecodeReplay.refused)")
+    return {"step_ms": 1e3 * statistics.median(timed),
+            "per_kernel": {kernel: {"ms_per_step": 1e3 * seconds[kernel] / steps,
+                                    "calls_per_step": calls[kernel] / steps,
+                                    "us_per_call": 1e6 * seconds[kernel] / calls[kernel]}
+                           for kernel in sorted(seconds, key=lambda k: -seconds[k])}}
 
 
 def _host_split(engine, steps: int) -> dict:
@@ -183,12 +161,12 @@ def _print(result: dict) -> None:
     mode = "compiled" if result["compile"] else "eager"
     print(f"experts {result['experts']}, {mode}, {result['threads']} thread(s): "
           f"plain step {result['plain_step_ms']:.2f} ms")
-    if "modules" in result:
-        m = result["modules"]
-        print(f"  modules (hooked step {m['hooked_step_ms']:.2f} ms; outside modules "
-              f"{m['outside_modules_ms']:.2f} ms):")
-        for kind, ms in m["exclusive_ms_per_step"].items():
-            print(f"    {kind:45s} {ms:7.3f} ms  x{m['calls_per_step'][kind]:.0f}")
+    if "kernels" in result:
+        k = result["kernels"]
+        print(f"  kernels (replayed step {k['step_ms']:.2f} ms, each call timed):")
+        for kernel, row in k["per_kernel"].items():
+            print(f"    {kernel:45s} {row['ms_per_step']:7.3f} ms  x{row['calls_per_step']:.0f}  "
+                  f"{row['us_per_call']:7.1f} us a call")
     if "host" in result:
         h = result["host"]
         print(f"  host (replayed step {h['step_ms']:.2f} ms): kernel calls {h['replay_calls_ms']:.3f} ms, host work "

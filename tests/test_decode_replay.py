@@ -184,6 +184,9 @@ def test_a_replay_repeats_the_recorded_calls_and_their_status_checks():
     kernel(expected, None, None, positions, inv_freq)
     Replay(calls).run()
     assert len(calls) == 1 and torch.equal(x, expected)
+    kernel(expected, None, None, positions, inv_freq)
+    Replay(calls).run_call(0)  # one call alone, as a profile makes it (benchmarks/profile_decode.py)
+    assert Replay(calls).kernels == ("norm_rope",) and torch.equal(x, expected)
 
     weight = input_major(8, 16, torch.float32)
     weight.copy_(torch.randn(8, 16))

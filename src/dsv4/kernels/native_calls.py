@@ -78,6 +78,18 @@ class Replay:
     def __len__(self) -> int:
         return len(self._calls)
 
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """Each call's kernel, in order: the first item of its status context (the name its errors carry)."""
+        return tuple(str(context[0]) if context else fn.__name__ for fn, _, _, context in self._calls)
+
+    def run_call(self, index: int) -> None:
+        """Call `index` alone, as `run` makes it (benchmarks/profile_decode.py times the calls one by one)."""
+        fn, args, check, context = self._calls[index]
+        status = fn(*args)
+        if status:
+            check(status, *context)
+
     def run(self) -> None:
         """Every call in order; a non-zero status raises through its check, the calls after it not made."""
         for fn, args, check, context in self._calls:
