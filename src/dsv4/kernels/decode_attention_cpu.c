@@ -27,7 +27,7 @@ static void load_into(float *restrict dst, const void *base, int bf16, long offs
 }
 
 /* bf16 rows: x rounded to bf16 and back (where the torch path rounds a product or a probability), else x. */
-static inline float rounded(float x, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
+static inline float rounded(float x, int bf16) { return bf16 ? round_bf16(x) : x; }
 
 /* Per row b (cache slot slots[b], position pos[b]): the raw projections kv, gate [B, width] go to ring row
    pos % R of ring_kv / ring_gate [S, R, width]; a row whose token completes window w = pos / m (pos + 1 a

@@ -39,6 +39,7 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
+#include "bf16.h"
 #include "dot.h"
 
 enum { ACT_F32 = 0, ACT_BF16 = 1 };
@@ -69,23 +70,6 @@ enum { OK = 0, ERR_ALLOC = 1, ERR_ARGS = 2 };
 /* Below this many weight bytes a call runs in one chunk: waking a worker costs more than it saves. */
 #define MIN_PARALLEL_BYTES (64 * 1024)
 #define E8M0_BIAS 127
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
 static inline float as_float(uint32_t bits) {
     float f;

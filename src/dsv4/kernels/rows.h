@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "dot.h"
 
 /* Another library's thread pool (the gemv library's `pool_for`): run fn(job, c) for c in [0, n_chunks) on up
@@ -53,22 +54,9 @@ static float sum_squares(const float *restrict x, long n) { return dot(x, x, n);
    the arithmetic is fp32 either way. bf16 rows are widened exactly into a per-token fp32 buffer and
    results rounded once on store, to nearest even as torch's `.to(torch.bfloat16)` does (NaN -> 0x7FC0),
    so a bf16 call is bit-identical to widening the tensors, running the fp32 kernel and rounding the
-   results, without the three full-size fp32 copies that costs. */
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+   results, without the three full-size fp32 copies that costs (bf16.h).
 
-static inline uint16_t f32_to_bf16(float f) {
-    if (f != f) return 0x7FC0;
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-/* Elements [offset, offset + n) of a stream tensor as fp32: in place for fp32, widened into buf for bf16. */
+   Elements [offset, offset + n) of a stream tensor as fp32: in place for fp32, widened into buf for bf16. */
 static const float *load_row(const void *base, int bf16, long offset, long n, float *restrict buf) {
     if (!bf16) return (const float *)base + offset;
     const uint16_t *restrict h = (const uint16_t *)base + offset;

@@ -36,7 +36,7 @@ from dsv4.weights.work_split import cut_points, part_count, run_parts
 
 SOURCE = Path(__file__).with_name("layout_copy_cpu.c")
 # The kernels' shared header (bf16 conversions), in the kernels package.
-HEADER = Path(dsv4.kernels.__file__).with_name("rows.h")
+HEADER = Path(dsv4.kernels.__file__).with_name("bf16.h")
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 # (source dtype, destination dtype) -> the kernels' suffix (transpose_*, copy_*); same-size pairs copy the

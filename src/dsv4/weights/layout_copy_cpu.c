@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "rows.h" /* bf16_to_f32, f32_to_bf16 (torch's rounding): the kernels' shared helpers */
+#include "bf16.h" /* bf16_to_f32, f32_to_bf16 (torch's rounding): the kernels' shared helpers */
 
 #if defined(__AVX2__)
 #include <immintrin.h>
