@@ -725,6 +725,22 @@ static inline __attribute__((always_inline)) void fp8_decode32(const uint8_t *by
 /* Inputs of one vector step (fma_step32, fp4_decode32, fp8_decode32). */
 #define VEC_STEP 32
 
+/* A weight row's scale of block b (FP4: its ue8m0 byte; FP8: its fp32 block scale), broadcast. */
+static inline __attribute__((always_inline)) vec quant_scale(const int wfmt, const void *srow, long b) {
+    return vec_set1(wfmt == FMT_FP4 ? e8m0_to_f32(((const uint8_t *)srow)[b]) : ((const float *)srow)[b]);
+}
+
+/* Weight row n of a quantized [N, K] weight: its codes (FP4: two a byte) and its block scales (FP4: ue8m0 [N,
+   K / b1]; FP8: fp32 [ceil(N / b0), kb_count], shared by b0 rows). */
+static inline const uint8_t *quant_row(const int wfmt, const uint8_t *w, long K, long n) {
+    return w + (wfmt == FMT_FP4 ? n * (K / 2) : n * K);
+}
+
+static inline const void *quant_scales(const int wfmt, const void *scale, long kb_count, long b0, long n) {
+    return wfmt == FMT_FP4 ? (const void *)((const uint8_t *)scale + n * kb_count)
+                           : (const void *)((const float *)scale + (n / b0) * kb_count);
+}
+
 /* One quantized weight row (wfmt FMT_FP4 or FMT_FP8) against `rb` x rows, wfmt and rb constant after
    inlining: per 32-input step the weights decoded in registers and multiplied by their block's scale
    (FP4: a power of two, exact; FP8: the reference's dequantised value, rounded the same way), then one FMA
@@ -737,7 +753,7 @@ static inline __attribute__((always_inline)) void quant_row_block(const int wfmt
     vec first[ROW_BLOCK], second[ROW_BLOCK];
     for (int r = 0; r < rb; ++r) first[r] = second[r] = vec_zero();
     for (long b = 0, k0 = 0; k0 < K; ++b) {
-        const vec s = vec_set1(wfmt == FMT_FP4 ? e8m0_to_f32(((const uint8_t *)srow)[b]) : ((const float *)srow)[b]);
+        const vec s = quant_scale(wfmt, srow, b);
         for (const long end = k0 + block < K ? k0 + block : K; k0 < end; k0 += VEC_STEP) {
             vec v[VEC_STEP / VEC_LANES];
             if (wfmt == FMT_FP4) fp4_decode32(wr + k0 / 2, s, v);
@@ -752,12 +768,36 @@ static inline __attribute__((always_inline)) void quant_row_block(const int wfmt
    `second`. */
 #define STEP_VECS (VEC_STEP / VEC_LANES)
 
+
+/* One x row against two weight rows (wr0 / srow0 -> *out0, wr1 / srow1 -> *out1), each summed exactly as
+   quant_row_block sums it with rb = 1 (the same FMAs into the same two accumulators in the same order). One weight
+   row gives the core two chains of dependent FMAs, one FMA each per step, so a one-row pass waits on their latency
+   (warm, an FP4 MoE layer's routed products ran slower than its 4x larger dense shared expert); two rows give it four. */
+static inline __attribute__((always_inline)) void quant_row_pair(const int wfmt, const float *x, long K,
+                                                                 const uint8_t *wr0, const void *srow0,
+                                                                 const uint8_t *wr1, const void *srow1, long block,
+                                                                 float *out0, float *out1) {
+    vec first0 = vec_zero(), second0 = vec_zero(), first1 = vec_zero(), second1 = vec_zero();
+    for (long b = 0, k0 = 0; k0 < K; ++b) {
+        const vec s0 = quant_scale(wfmt, srow0, b), s1 = quant_scale(wfmt, srow1, b);
+        for (const long end = k0 + block < K ? k0 + block : K; k0 < end; k0 += VEC_STEP) {
+            vec v0[STEP_VECS], v1[STEP_VECS];
+            if (wfmt == FMT_FP4) fp4_decode32(wr0 + k0 / 2, s0, v0), fp4_decode32(wr1 + k0 / 2, s1, v1);
+            else fp8_decode32(wr0 + k0, s0, v0), fp8_decode32(wr1 + k0, s1, v1);
+            fma_step32(x + k0, v0, &first0, &second0);
+            fma_step32(x + k0, v1, &first1, &second1);
+        }
+    }
+    *out0 = vec_total(first0, second0);
+    *out1 = vec_total(first1, second1);
+}
+
 /* Weight row wr (wfmt constant after inlining) decoded and scaled into dst[K], each step's vectors stored in
    the order quant_row_block multiplies them: the values quant_row_block computes in registers. */
 static inline __attribute__((always_inline)) void quant_decode_row(const int wfmt, long K, const uint8_t *wr,
                                                                    const void *srow, long block, float *dst) {
     for (long b = 0, k0 = 0; k0 < K; ++b) {
-        const vec s = vec_set1(wfmt == FMT_FP4 ? e8m0_to_f32(((const uint8_t *)srow)[b]) : ((const float *)srow)[b]);
+        const vec s = quant_scale(wfmt, srow, b);
         for (const long end = k0 + block < K ? k0 + block : K; k0 < end; k0 += VEC_STEP) {
             vec v[STEP_VECS];
             if (wfmt == FMT_FP4) fp4_decode32(wr + k0 / 2, s, v);
@@ -829,10 +869,8 @@ static inline __attribute__((always_inline)) void quant_rows_panel(const int wfm
         const int nb = n1 - t0 < PANEL_NB ? (int)(n1 - t0) : PANEL_NB;
         for (int j = 0; j < nb; ++j) {
             const long n = t0 + j;
-            const uint8_t *wr = w + (wfmt == FMT_FP4 ? n * (K / 2) : n * K);
-            const void *srow = wfmt == FMT_FP4 ? (const void *)((const uint8_t *)scale + n * kb_count)
-                                               : (const void *)((const float *)scale + (n / b0) * kb_count);
-            quant_decode_row(wfmt, K, wr, srow, b1, panel + j * K);
+            quant_decode_row(wfmt, K, quant_row(wfmt, w, K, n), quant_scales(wfmt, scale, kb_count, b0, n), b1,
+                             panel + j * K);
         }
         for (long r0 = 0; r0 < R; r0 += PANEL_RB) {
             const int rb = R - r0 < PANEL_RB ? (int)(R - r0) : PANEL_RB;
@@ -851,10 +889,15 @@ static inline __attribute__((always_inline)) void quant_rows_vec(const int wfmt,
         return;
     }
     const long kb_count = (K + b1 - 1) / b1;
-    for (long n = n0; n < n1; ++n) {
-        const uint8_t *wr = w + (wfmt == FMT_FP4 ? n * (K / 2) : n * K);
-        const void *srow = wfmt == FMT_FP4 ? (const void *)((const uint8_t *)scale + n * kb_count)
-                                           : (const void *)((const float *)scale + (n / b0) * kb_count);
+    long n = n0;
+    if (R == 1) /* weight rows two at a time (quant_row_pair); an odd last one below */
+        for (; n + 1 < n1; n += 2)
+            quant_row_pair(wfmt, x, K, quant_row(wfmt, w, K, n), quant_scales(wfmt, scale, kb_count, b0, n),
+                           quant_row(wfmt, w, K, n + 1), quant_scales(wfmt, scale, kb_count, b0, n + 1), b1,
+                           acc + (n - n0), acc + (n + 1 - n0));
+    for (; n < n1; ++n) {
+        const uint8_t *wr = quant_row(wfmt, w, K, n);
+        const void *srow = quant_scales(wfmt, scale, kb_count, b0, n);
         for (long r0 = 0; r0 < R; r0 += ROW_BLOCK) {
             const float *xr = x + r0 * K;
             float *out = acc + r0 * ldacc + (n - n0);
