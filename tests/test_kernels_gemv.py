@@ -71,7 +71,7 @@ def lib(request):
 
 
 def test_builds_pick_the_decode_path_of_their_instruction_set(pool):
-    """A native build decodes with AVX-512 permutes on an AVX-512 CPU, with AVX2 ones on an AVX2 + FMA + F16C CPU, a
+    """A native build decodes with AVX-512 on an AVX-512 CPU, with AVX2 shuffles on an AVX2 + FMA + F16C CPU, a
     baseline x86-64 build with tables, and the description (`dsv4 env`) says which."""
     native = build_library()
     want = 512 if "avx512f" in CPU_FLAGS else 256 if {"avx2", "fma", "f16c"} <= CPU_FLAGS else 0

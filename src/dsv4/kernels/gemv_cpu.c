@@ -942,7 +942,8 @@ static void fp4_rows(const float *xp, long R, long K, const uint8_t *w, const ui
 #define HAVE_FP8_VEC 0
 #endif
 
-/* The decode paths this build has: 512 = AVX-512 permutes, 256 = AVX2 byte shuffles / F16C, 0 = per-byte tables. */
+/* The decode paths this build has: 512 = AVX-512 permutes (FP4) and half floats (FP8), 256 = AVX2 byte shuffles /
+   F16C, 0 = per-byte tables. */
 int vector_isa(void) { return VECTOR_ISA; }
 
 /* FP8 rows [n0, n1), any K: each row decoded once through a 256-entry table and scaled per block. */

@@ -59,8 +59,8 @@ from dsv4.kernels.native_calls import native_call
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
 _FLAGS = ("-pthread",)  # beyond c_library.BASE_FLAGS
-# The library is compiled for this CPU (`march=NATIVE`). With AVX-512 (16-wide) the FP8/FP4 rows are decoded
-# with vector permutes, with AVX2 + FMA + F16C (8-wide) with byte shuffles (FP4) and half-float widening (FP8);
+# The library is compiled for this CPU (`march=NATIVE`). With AVX-512 (16-wide) the FP4 rows are decoded with
+# vector permutes, with AVX2 + FMA + F16C (8-wide) with byte shuffles; FP8 rows with half-float widening on both;
 # without them (or with an older `march`, which the tests use to exercise that path) through per-byte tables.
 
 # Codes shared with gemv_cpu.c.
@@ -69,7 +69,7 @@ _FMT_F32, _FMT_BF16, _FMT_FP8, _FMT_FP4 = 0, 1, 2, 3
 _DENSE_FMT = {torch.float32: _FMT_F32, torch.bfloat16: _FMT_BF16}
 _ERR_ALLOC, _ERR_ARGS = 1, 2
 # vector_isa() of a library built with the AVX-512 / AVX2 decode paths (0: per-byte tables)
-VECTOR_ISAS = {512: "AVX-512 permutes", 256: "AVX2 byte shuffles / F16C", 0: "per-byte tables"}
+VECTOR_ISAS = {512: "AVX-512 permutes / half floats", 256: "AVX2 byte shuffles / F16C", 0: "per-byte tables"}
 
 # Where DenseGemv beats torch's GEMM on the same input-major weight: bf16 one-row products 1.3-3.1x faster
 # (benchmarks/bench_gemv.py, small-config shapes, 2 threads, cold weights, shared machine; oneDNN's small-row
