@@ -765,7 +765,6 @@ static inline __attribute__((always_inline)) void quant_row_block(const int wfmt
    `second`. */
 #define STEP_VECS (VEC_STEP / VEC_LANES)
 
-
 /* One x row against two weight rows (wr0 / srow0 -> *out0, wr1 / srow1 -> *out1), each summed exactly as
    quant_row_block sums it with rb = 1 (the same FMAs into the same two accumulators in the same order). One weight
    row gives the core two chains of dependent FMAs, one FMA each per step, so a one-row pass waits on their latency

@@ -74,14 +74,16 @@ class Replay:
             bare.restype = call.fn.restype
             args = tuple(_prepared(v, t) for v, t in zip(call.args, call.fn.argtypes, strict=True))
             self._calls.append((bare, args, call.check, call.context))
+        self._kernels = tuple(str(call.context[0]) if call.context else call.fn.__name__ for call in calls)
 
     def __len__(self) -> int:
         return len(self._calls)
 
     @property
     def kernels(self) -> tuple[str, ...]:
-        """Each call's kernel, in order: the first item of its status context (the name its errors carry)."""
-        return tuple(str(context[0]) if context else fn.__name__ for fn, _, _, context in self._calls)
+        """Each call's kernel, in order: the first item of its status context (the name its errors carry), else the
+        function's name."""
+        return self._kernels
 
     def run_call(self, index: int) -> None:
         """Call `index` alone, as `run` makes it (benchmarks/profile_decode.py times the calls one by one)."""
