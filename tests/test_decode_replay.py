@@ -3,6 +3,8 @@
 between steps and every compressor window completing; a refit reaches it; a forward that runs torch ops is never
 recorded; a step outside the cache is refused before any kernel runs."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ import reference as ref
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.model_runner import Chunk, ModelRunner
 from dsv4.kernels.gemv_cpu import shared_kernels
-from dsv4.kernels.native_calls import Replay, native_call, recording
+from dsv4.kernels.native_calls import Replay, bind_packed, native_call, recording
 from dsv4.kernels.norm_rope_cpu import NormRopeKernel, build_library
 from dsv4.model.cache import cache_tensors
 from dsv4.model.linear import input_major
@@ -200,3 +202,16 @@ def test_a_replay_repeats_the_recorded_calls_and_their_status_checks():
     with pytest.raises(ValueError, match="dense_xw: arguments outside"):
         Replay(failed).run()
     assert torch.equal(y, product(rows))
+
+
+def test_a_packed_twin_that_reads_other_arguments_than_its_kernel_declares_is_refused():
+    """The replay calls each kernel through a twin that reads its arguments from a block by the letters it
+    declares (packed_call.h); a kernel declared with other argument types is refused when bound, naming both."""
+    lib = ctypes.CDLL(build_library()._name)  # its own function objects: the shared library's stay as they are
+    lib.norm_rope.argtypes = [ctypes.c_void_p] * 11
+    with pytest.raises(RuntimeError, match=r"norm_rope_packed reads its arguments as 'pilllfpppli' but norm_rope is "
+                                           r"declared with 'ppppppppppp'"):
+        bind_packed(lib, ("norm_rope",))
+    lib.norm_rope.argtypes = build_library().norm_rope.argtypes
+    bind_packed(lib, ("norm_rope",))
+    assert lib.norm_rope.packed == ctypes.cast(lib.norm_rope_packed, ctypes.c_void_p).value

@@ -4,8 +4,8 @@ On CPU every op of an eager decode step of up to 64 rows runs in a C kernel (the
 steps, norm + RoPE, the decode attention, the fused MoE layer), yet the Python around those ~150 calls (module
 calls, `supports` checks, argument packing, output allocation, ctypes' argument conversion) took ~1.5-2 ms of a
 ~4 ms small-config step at batch 1, more than the weights take to stream, and ~5 ms of a ~14 ms step at 16 rows.
-A replay makes the same calls with the same arguments (kernels/native_calls.py) for a small fraction of that.
-Each row count gets its own record.
+A replay makes the same calls with the same arguments (kernels/native_calls.py) for a small fraction of that:
+one call into C that makes them all in order. Each row count gets its own record.
 
 Why it computes exactly what the eager step computes:
 - the record is the eager forward itself over the engine's cache, the blocks and the head

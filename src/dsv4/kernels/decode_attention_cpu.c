@@ -10,6 +10,7 @@
 #endif
 
 #include "rows.h"
+#include "packed_call.h"
 
 /* Element i of an fp32 or bf16 tensor, as fp32. */
 static inline float element(const void *base, int bf16, long i) {
@@ -307,4 +308,17 @@ int attend_decode(long B, int bf16, long H, long hd, const long *slots, const lo
                       .index_q = index_q, .index_w = index_w, .index_entries = index_entries, .window = window,
                       .out = out, .sink = sink};
     return run_rows(attend_rows, &job, B, pool, run, nthreads);
+}
+
+/* Each replayable kernel's twin taking its arguments from a block, and their letters (packed_call.h). */
+const char *const compress_decode_signature = "lippppppllplipfplpll";
+int compress_decode_packed(const packed_arg *a) {
+    return compress_decode(a[0].l, a[1].i, a[2].p, a[3].p, a[4].p, a[5].p, a[6].p, a[7].p, a[8].l, a[9].l, a[10].p,
+                           a[11].l, a[12].i, a[13].p, a[14].f, a[15].p, a[16].l, a[17].p, a[18].l, a[19].l);
+}
+const char *const attend_decode_signature = "lillppppplpllppplllppppi";
+int attend_decode_packed(const packed_arg *a) {
+    return attend_decode(a[0].l, a[1].i, a[2].l, a[3].l, a[4].p, a[5].p, a[6].p, a[7].p, a[8].p, a[9].l, a[10].p,
+                         a[11].l, a[12].l, a[13].p, a[14].p, a[15].p, a[16].l, a[17].l, a[18].l, a[19].p, a[20].p,
+                         a[21].p, (pool_for_fn)a[22].p, a[23].i);
 }

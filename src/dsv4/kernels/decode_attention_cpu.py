@@ -19,10 +19,12 @@ import torch
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
 from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool, pool_call_args
 from dsv4.kernels.mhc_cpu import check_status, eager_cpu
-from dsv4.kernels.native_calls import native_call
+from dsv4.kernels.native_calls import bind_packed, native_call
 from dsv4.kernels.norm_rope_cpu import MAX_ROTARY_PAIRS
 
 SOURCE = Path(__file__).with_name("decode_attention_cpu.c")
+# The kernels a recorded step may call (native_call), each with a packed twin for the replay (packed_call.h).
+REPLAYED = ("compress_decode", "attend_decode")
 
 # Rows one call serves: every decode row a step of the few-row kernels has (`gemv_cpu.MAX_F32_DECODE_ROWS`). The
 # kernel spreads them over that pool's threads in chunks, where the torch path (torch at one thread on such
@@ -41,6 +43,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.compress_decode.argtypes = [L, Int, P, P, P, P, P, P, L, L, P, L, Int, P, F, P, L, P, L, L]
     lib.attend_decode.restype = Int
     lib.attend_decode.argtypes = [L, Int, L, L, P, P, P, P, P, L, P, L, L, P, P, P, L, L, L, P, P, P, P, Int]
+    bind_packed(lib, REPLAYED)
     return lib
 
 

@@ -41,6 +41,7 @@
 
 #include "bf16.h"
 #include "dot.h"
+#include "packed_call.h"
 
 enum { ACT_F32 = 0, ACT_BF16 = 1 };
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_FP8 = 2, FMT_FP4 = 3 };
@@ -1679,4 +1680,38 @@ int argmax_rows(pool *p, const float *x, long rows, long cols, int64_t *out, int
     argmax_job job = {x, rows, cols, (rows + chunks - 1) / chunks, out};
     pool_run(p, (rows + job.rows_per_chunk - 1) / job.rows_per_chunk, argmax_chunk, &job, nthreads);
     return OK;
+}
+
+/* Each replayable kernel's twin taking its arguments from a block, and their letters (packed_call.h). */
+const char *const dense_xw_shared_signature = "ppilllppppi";
+int dense_xw_shared_packed(const packed_arg *a) {
+    return dense_xw_shared(a[0].p, a[1].p, a[2].i, a[3].l, a[4].l, a[5].l, a[6].p, a[7].p, a[8].p, a[9].p, a[10].i);
+}
+const char *const dense_xw_signature = "ppillpilpi";
+int dense_xw_packed(const packed_arg *a) {
+    return dense_xw(a[0].p, a[1].p, a[2].i, a[3].l, a[4].l, a[5].p, a[6].i, a[7].l, a[8].p, a[9].i);
+}
+const char *const dense_xw_grouped_signature = "ppilllpilpi";
+int dense_xw_grouped_packed(const packed_arg *a) {
+    return dense_xw_grouped(a[0].p, a[1].p, a[2].i, a[3].l, a[4].l, a[5].l, a[6].p, a[7].i, a[8].l, a[9].p, a[10].i);
+}
+const char *const quant_xw_signature = "ppillipplllpi";
+int quant_xw_packed(const packed_arg *a) {
+    return quant_xw(a[0].p, a[1].p, a[2].i, a[3].l, a[4].l, a[5].i, a[6].p, a[7].p, a[8].l, a[9].l, a[10].l, a[11].p,
+                    a[12].i);
+}
+const char *const moe_experts_signature = "ppillllpplippppppllfpi";
+int moe_experts_packed(const packed_arg *a) {
+    return moe_experts(a[0].p, a[1].p, a[2].i, a[3].l, a[4].l, a[5].l, a[6].l, a[7].p, a[8].p, a[9].l, a[10].i, a[11].p,
+                       a[12].p, a[13].p, a[14].p, a[15].p, a[16].p, a[17].l, a[18].l, a[19].f, a[20].p, a[21].i);
+}
+const char *const moe_layer_signature = "ppillllpiipplpfflippppppllflippppi";
+int moe_layer_packed(const packed_arg *a) {
+    return moe_layer(a[0].p, a[1].p, a[2].i, a[3].l, a[4].l, a[5].l, a[6].l, a[7].p, a[8].i, a[9].i, a[10].p, a[11].p,
+                     a[12].l, a[13].p, a[14].f, a[15].f, a[16].l, a[17].i, a[18].p, a[19].p, a[20].p, a[21].p, a[22].p,
+                     a[23].p, a[24].l, a[25].l, a[26].f, a[27].l, a[28].i, a[29].p, a[30].p, a[31].p, a[32].p, a[33].i);
+}
+const char *const argmax_rows_signature = "ppllpi";
+int argmax_rows_packed(const packed_arg *a) {
+    return argmax_rows(a[0].p, a[1].p, a[2].l, a[3].l, a[4].p, a[5].i);
 }

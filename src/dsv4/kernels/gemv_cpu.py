@@ -55,9 +55,12 @@ import torch
 
 from dsv4.kernels.bf16_products import BF16_MATRIX_UNITS
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
-from dsv4.kernels.native_calls import native_call
+from dsv4.kernels.native_calls import bind_packed, native_call
 
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
+# The kernels a recorded step may call (native_call), each with a packed twin for the replay (packed_call.h).
+REPLAYED = ("dense_xw_shared", "dense_xw", "dense_xw_grouped", "quant_xw", "moe_experts", "moe_layer",
+            "argmax_rows")
 _FLAGS = ("-pthread",)  # beyond c_library.BASE_FLAGS
 # The library is compiled for this CPU (`march=NATIVE`). With AVX-512 (16-wide) the FP4 rows are decoded with
 # vector permutes, with AVX2 + FMA + F16C (8-wide) with byte shuffles; FP8 rows with half-float widening on both;
@@ -192,6 +195,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.moe_layer.restype = Int
     lib.moe_layer.argtypes = [P, P, Int, L, L, L, L, P, Int, Int, P, P, L, P, F, F, L, Int, P, P, P, P, P, P, L, L, F,
                               L, Int, P, P, P, P, Int]
+    bind_packed(lib, REPLAYED)
     return lib
 
 

@@ -4,6 +4,7 @@
 #endif
 
 #include "rows.h"
+#include "packed_call.h"
 
 static float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -337,4 +338,29 @@ int mhc_mix(const void *streams, int bf16, long T, long K, const float *fn, long
     const long parts = run && nthreads > 1 && T < nthreads ? nthreads : 1;
     mix_job job = {.streams = streams, .bf16 = bf16, .T = T, .K = K, .mix = mix, .parts = parts, .fn = fn, .out = out};
     return run_rows(mix_units, &job, T * parts, pool, run, nthreads);
+}
+
+/* Each replayable kernel's twin taking its arguments from a block, and their letters (packed_call.h). */
+const char *const mhc_coefficients_f32_signature = "pppliifp";
+int mhc_coefficients_f32_packed(const packed_arg *a) {
+    mhc_coefficients_f32(a[0].p, a[1].p, a[2].p, a[3].l, a[4].i, a[5].i, a[6].f, a[7].p);
+    return 0;
+}
+const char *const mhc_pre_signature = "pipppliiliffpfppppi";
+int mhc_pre_packed(const packed_arg *a) {
+    return mhc_pre(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].l, a[6].i, a[7].i, a[8].l, a[9].i, a[10].f, a[11].f,
+                   a[12].p, a[13].f, a[14].p, a[15].p, a[16].p, (pool_for_fn)a[17].p, a[18].i);
+}
+const char *const mhc_post_signature = "pippliilpppi";
+int mhc_post_packed(const packed_arg *a) {
+    return mhc_post(a[0].p, a[1].i, a[2].p, a[3].p, a[4].l, a[5].i, a[6].i, a[7].l, a[8].p, a[9].p,
+                    (pool_for_fn)a[10].p, a[11].i);
+}
+const char *const mhc_mix_signature = "pillplpppi";
+int mhc_mix_packed(const packed_arg *a) {
+    return mhc_mix(a[0].p, a[1].i, a[2].l, a[3].l, a[4].p, a[5].l, a[6].p, a[7].p, (pool_for_fn)a[8].p, a[9].i);
+}
+const char *const mhc_head_signature = "pippplilffp";
+int mhc_head_packed(const packed_arg *a) {
+    return mhc_head(a[0].p, a[1].i, a[2].p, a[3].p, a[4].p, a[5].l, a[6].i, a[7].l, a[8].f, a[9].f, a[10].p);
 }

@@ -20,7 +20,7 @@ import torch
 
 from dsv4.kernels.c_library import NATIVE, compile_library, cpu_features
 from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS, WorkerPool, pool_call_args
-from dsv4.kernels.native_calls import native_call
+from dsv4.kernels.native_calls import bind_packed, native_call
 from dsv4.kernels.row_chunks import row_chunks
 
 # Streams the kernel is validated for (every released config has hc = 4); larger hc uses the reference.
@@ -30,6 +30,8 @@ MAX_HC = 16
 MAX_MIX_ROWS = MAX_F32_DECODE_ROWS
 
 SOURCE = Path(__file__).with_name("mhc_cpu.c")
+# The kernels a recorded step may call (native_call), each with a packed twin for the replay (packed_call.h).
+REPLAYED = ("mhc_coefficients_f32", "mhc_pre", "mhc_post", "mhc_mix", "mhc_head")
 
 
 def build_library(march: str = NATIVE) -> ctypes.CDLL:
@@ -51,6 +53,7 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.mhc_mix.argtypes = [P, Int, L, L, P, L, P, P, P, Int]
     lib.mhc_head.restype = Int
     lib.mhc_head.argtypes = [P, Int, P, P, P, L, Int, L, F, F, P]
+    bind_packed(lib, REPLAYED)
     return lib
 
 

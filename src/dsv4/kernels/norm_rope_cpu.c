@@ -1,5 +1,6 @@
 /* RMSNorm and/or interleaved RoPE in place on CPU (kernels/norm_rope_cpu.py). */
 #include "rows.h"
+#include "packed_call.h"
 
 /* In place on x [T, G, hd] (fp32, or bf16: each row widened, then rounded once on store): optional
    RMSNorm over hd (weighted when w is not NULL; eps < 0: none), then RoPE on the trailing 2 * rh channels,
@@ -22,4 +23,10 @@ int norm_rope(void *x, int bf16, long T, long G, long hd, float eps, const float
     }
     free(scratch);
     return 0;
+}
+
+/* Each replayable kernel's twin taking its arguments from a block, and their letters (packed_call.h). */
+const char *const norm_rope_signature = "pilllfpppli";
+int norm_rope_packed(const packed_arg *a) {
+    return norm_rope(a[0].p, a[1].i, a[2].l, a[3].l, a[4].l, a[5].f, a[6].p, a[7].p, a[8].p, a[9].l, a[10].i);
 }

@@ -15,9 +15,11 @@ import torch
 
 from dsv4.kernels.c_library import compile_library
 from dsv4.kernels.mhc_cpu import check_status, eager_cpu
-from dsv4.kernels.native_calls import native_call
+from dsv4.kernels.native_calls import bind_packed, native_call
 
 SOURCE = Path(__file__).with_name("norm_rope_cpu.c")
+# The kernels a recorded step may call (native_call), each with a packed twin for the replay (packed_call.h).
+REPLAYED = ("norm_rope",)
 
 # Activation dtypes the kernel accepts. bf16 rows are widened, computed in fp32 and rounded once (the
 # reference's norm and rotation each upcast, compute and round): the result differs from it only by bf16
@@ -33,6 +35,7 @@ def build_library() -> ctypes.CDLL:
     P, L, Int, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     lib.norm_rope.restype = Int
     lib.norm_rope.argtypes = [P, Int, L, L, L, F, P, P, P, L, Int]
+    bind_packed(lib, REPLAYED)
     return lib
 
 
