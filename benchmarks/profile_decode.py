@@ -115,8 +115,8 @@ def _kernel_split(engine, steps: int) -> dict:
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.defaultdict(int)
 
-    def timed_calls(replay: Replay) -> None:
-        for index, kernel in enumerate(replay.kernels):
+    def timed_calls(replay: Replay, stop: int | None = None) -> None:
+        for index, kernel in enumerate(replay.kernels[:stop]):
             start = time.perf_counter()
             replay.run_call(index)
             seconds[kernel] += time.perf_counter() - start
@@ -141,15 +141,15 @@ def _host_split(engine, steps: int) -> dict:
     real_run = Replay.run
     in_calls = [0.0]
 
-    def timed_run(replay: Replay) -> None:
+    def timed_run(replay: Replay, stop: int | None = None) -> None:
         start = time.perf_counter()
-        real_run(replay)
+        real_run(replay, stop)
         in_calls[0] += time.perf_counter() - start
 
     replayed_before = engine.runner.replay.replayed_steps
     with mock.patch.object(Replay, "run", timed_run):
         real = sum(_run_steps(engine, steps))
-    with mock.patch.object(Replay, "run", lambda replay: None):
+    with mock.patch.object(Replay, "run", lambda replay, stop=None: None):
         skipped = sum(_run_steps(engine, steps))
     if engine.runner.replay.replayed_steps - replayed_before != 2 * steps:
         raise RuntimeError("the host split needs every timed step replayed (see DecodeReplay.refused)")

@@ -127,7 +127,9 @@ class _Record:
     embed_bits: tuple[np.ndarray, np.ndarray] | None
     streams: torch.Tensor  # [B, hc, D]: what the last layer's calls write
     logits: torch.Tensor  # [B, V] in the activation dtype: what the head's call writes
-    argmax: tuple[Replay, torch.Tensor] | None  # the argmax call over `logits` and its [B] output (fp32 logits)
+    fp32_logits: bool  # whether `logits` are fp32 (asked once: a dtype read costs ~20 us after a step)
+    forward_calls: int  # the replay's calls of the forward; an argmax call over `logits` may follow them
+    argmax: torch.Tensor | None  # [B] what that argmax call writes (fp32 logits), or None: no such call
     step_values: tuple[np.ndarray, np.ndarray, np.ndarray]  # token ids, positions, slots: views of the step tensors
     held: tuple  # every tensor the calls address that nobody else keeps
 
@@ -144,14 +146,16 @@ class DecodeReplay:
         self._refused: dict[int, int] = {}  # row count -> the weights generation whose recording was refused
         self.refused: str | None = None  # why the last refused recording was refused
         self.replayed_steps = 0  # steps served by a replay (not recorded)
+        # Fixed for the model's life (weights are written in place): one CPU rank. Asked once, not every step (a
+        # tensor attribute read right after a step has streamed the weights through the caches costs ~10 us).
+        self._host_model = not model.parallel.is_parallel and model.embed.weight.is_cpu
 
     def serves(self, chunks, capture_layers: tuple[int, ...]) -> bool:
         """Whether a step of these chunks replays: every chunk one token, at most MAX_REPLAY_ROWS of them, no layer
         captured, on one CPU rank, and no refused recording of this row count for the current weights."""
-        model = self.model
-        return (0 < len(chunks) <= MAX_REPLAY_ROWS and all(len(chunk.token_ids) == 1 for chunk in chunks)
-                and not capture_layers and not model.parallel.is_parallel and model.embed.weight.is_cpu
-                and self._refused.get(len(chunks)) != model.weights_generation)
+        return (self._host_model and 0 < len(chunks) <= MAX_REPLAY_ROWS and not capture_layers
+                and all(len(chunk.token_ids) == 1 for chunk in chunks)
+                and self._refused.get(len(chunks)) != self.model.weights_generation)
 
     @property
     def recorded_rows(self) -> tuple[int, ...]:
@@ -186,12 +190,9 @@ class DecodeReplay:
             # The recorded buffers are inference tensors when the step was recorded in inference mode (the engine's).
             with torch.inference_mode(record.embeds.is_inference()):
                 record.embeds.copy_(model.embed_tokens(record.token_ids))
-        record.replay.run()
-        picked = None
-        if argmax and record.argmax is not None:
-            call, picked = record.argmax
-            call.run()
-        return DecodeOutput(record.streams, _fp32(record.logits), picked)
+        picked = record.argmax if argmax else None
+        record.replay.run(None if picked is not None else record.forward_calls)
+        return DecodeOutput(record.streams, record.logits if record.fp32_logits else record.logits.float(), picked)
 
     def _threads(self) -> int | None:
         return self.model.kernels.few_row_threads()
@@ -217,29 +218,29 @@ class DecodeReplay:
             self.refused = reason
             self._refused[rows] = generation
             return DecodeOutput(streams, logits.float(), None)
-        recorded_argmax = self._argmax(logits)
+        forward_calls = len(calls)
+        picked = self._argmax(logits, calls)
         step_tensors = (batch.token_ids, batch.positions, decode.slots)
         table = model.embed.weight
         embed_bits = (_bits(table), _bits(embeds)) if table.dtype == embeds.dtype else None
         while len(self._records) >= self.max_records:
             self._records.pop(next(iter(self._records)))  # the least recently used
+        fp32_logits = logits.dtype == torch.float32
         self._records[rows] = _Record(
             replay=Replay(calls), generation=generation, threads=self._threads(), token_ids=batch.token_ids,
-            embeds=embeds, embed_bits=embed_bits, streams=streams, logits=logits, argmax=recorded_argmax,
-            step_values=tuple(t.numpy() for t in step_tensors), held=(*step_tensors, *guard.allocated, calls))
-        return DecodeOutput(streams, _fp32(logits), recorded_argmax[1] if argmax and recorded_argmax else None)
+            embeds=embeds, embed_bits=embed_bits, streams=streams, logits=logits, fp32_logits=fp32_logits,
+            forward_calls=forward_calls, argmax=picked, step_values=tuple(t.numpy() for t in step_tensors),
+            held=(*step_tensors, *guard.allocated, calls))
+        return DecodeOutput(streams, logits if fp32_logits else logits.float(), picked if argmax else None)
 
-    def _argmax(self, logits: torch.Tensor) -> tuple[Replay, torch.Tensor] | None:
-        """The model's argmax kernel over `logits`, called once and recorded: its replay and its output; None when
-        no kernel takes these logits (then the sampler computes the argmax)."""
+    def _argmax(self, logits: torch.Tensor, calls: list) -> torch.Tensor | None:
+        """The model's argmax kernel over `logits`, called once and recorded after the forward's `calls`: its output;
+        None when no kernel takes these logits (then the sampler computes the argmax)."""
         kernel = self.model.kernels.kernel(GREEDY_ARGMAX, logits)
         if kernel is None:
             return None
-        with recording() as calls:
+        with recording() as argmax_calls:
             picked = kernel(logits)
-        return Replay(calls), picked
+        calls.extend(argmax_calls)
+        return picked
 
-
-def _fp32(logits: torch.Tensor) -> torch.Tensor:
-    """The logits in fp32: themselves when they are (no torch op: see the module docstring), else widened."""
-    return logits if logits.dtype == torch.float32 else logits.float()

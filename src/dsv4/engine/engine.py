@@ -284,7 +284,7 @@ class Engine:
                 chunks, captured = [w.chunk for w in work], capture_layers(self.proposer)
                 # Every sampling row greedy: the step may hand the sampler their argmax (StepResult.argmax).
                 greedy = all(w.seq.params.greedy for w in work if w.samples)
-                with self.runner.step_threads(chunks, captured):  # the sampling on the forward's threads
+                with self.runner.step_threads(chunks, captured, greedy):  # the sampling on the forward's threads
                     result = self.runner.execute(chunks, self._logit_rows(work), verify, captured, greedy)
                     forks = dict(plan.forks)
                     self._score_prompts(work, result, forks)

@@ -116,9 +116,8 @@ class ModelRunner:
             self._snapshot = self.cache.snapshot(
                 [(chunks[i].slot, chunks[i].start, len(chunks[i].token_ids)) for i in verify])
         if not verify and logit_rows and self._replay_serves(chunks, capture_layers):
-            with self.step_threads(chunks, capture_layers):
-                out = self.replay(chunks, argmax)
-                return self._result(len(chunks), True, out.streams, out.logits, {}, logit_rows, out.argmax)
+            out = self.replay(chunks, argmax)  # C calls only, made with the threads they were recorded with
+            return self._result(len(chunks), True, out.streams, out.logits, {}, logit_rows, out.argmax)
         batch = ForwardBatch.build(list(chunks), device=self.device, decode_span=self.decode_span)
         if self._compiled_serves(chunks, capture_layers):
             streams, logits = self.static_decode(batch, self.cache)
@@ -127,15 +126,17 @@ class ModelRunner:
             streams, captured = self.model(batch, self.cache, capture_layers)
             return self._result(batch.num_tokens, batch.decode_rows, streams, None, captured, logit_rows)
 
-    def step_threads(self, chunks: Sequence[Chunk], capture_layers: tuple[int, ...] = ()):
+    def step_threads(self, chunks: Sequence[Chunk], capture_layers: tuple[int, ...] = (), argmax: bool = False):
         """The threads a step over `chunks` runs on, as a context for its forward (`execute`) and the caller's
         sampling of its logits. A one-row step, or a decode step whose products the few-row kernels run, keeps
         off torch's OpenMP pool (the registry's threads_for_rows says why), head and sampling included: an OpenMP
         region of the sampler's (an argmax over 16 x 16384 logits is one) leaves torch's worker spinning on the
         core the kernels' worker needs, into the next step (measured on the small config, fp32, b=16: the step
-        16.4 -> 15.6 ms with the sampling inside). The compiled step's generated code is left on the threads it
-        was compiled for."""
-        if self._compiled_serves(chunks, capture_layers):
+        16.4 -> 15.6 ms with the sampling inside). A replayed step whose rows the replay's argmax samples
+        (`argmax`, as `execute` takes it) runs no torch op at all, so torch's thread count is left alone: setting
+        it twice cost ~25 us a step right after the weights had streamed through the caches. The compiled step's
+        generated code is left on the threads it was compiled for."""
+        if self._compiled_serves(chunks, capture_layers) or (argmax and self._replay_serves(chunks, capture_layers)):
             return contextlib.nullcontext()
         rows = sum(len(chunk.token_ids) for chunk in chunks)
         single_tokens = bool(chunks) and rows == len(chunks)  # a decode step (`StepPlan.single_tokens`)

@@ -164,6 +164,7 @@ class Replay:
             raise IndexError(f"call {index} of a replay of {len(self)} calls")
         self._calls(index, 1)
 
-    def run(self) -> None:
-        """Every call in order; a non-zero status raises through its check, the calls after it not made."""
-        self._calls(0, len(self))
+    def run(self, stop: int | None = None) -> None:
+        """The calls before `stop` (None: every call) in order; a non-zero status raises through its check, the
+        calls after it not made."""
+        self._calls(0, len(self) if stop is None else stop)
