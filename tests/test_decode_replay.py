@@ -93,11 +93,14 @@ def test_records_beyond_the_limit_drop_the_least_recently_used(checkpoints):
     assert replaying.replay.replayed_steps == STEPS - 3 - 2 * (cycles - 1) - (1 if rest >= 3 else 0)
 
 
-@pytest.mark.parametrize("fmt, dtype", [(fmt, "float32") for fmt in FORMATS] + [("dense", "bfloat16")])
-def test_replayed_steps_equal_eager_steps_bit_for_bit(checkpoints, fmt, dtype):
+@pytest.mark.parametrize("fmt, dtype, activations", [(fmt, "float32", None) for fmt in FORMATS]
+                         + [("dense", "bfloat16", None), ("dense", "bfloat16", "float32")])
+def test_replayed_steps_equal_eager_steps_bit_for_bit(checkpoints, fmt, dtype, activations):
     """Two runners on one model, one replaying: every step's streams and logits and, after, every cache tensor
-    are identical; the replay was used (a record of the model's kernel calls per row count, none refused)."""
-    llm = LLM(checkpoints[fmt][0], **{**LIMITS, "dtype": dtype})
+    are identical; the replay was used (a record of the model's kernel calls per row count, none refused). bf16
+    weights under fp32 activations take their embedding rows from torch's lookup, the others from the replay's
+    gather call."""
+    llm = LLM(checkpoints[fmt][0], **{**LIMITS, "dtype": dtype, "activation_dtype": activations})
     model = llm.loaded.target
     limits = llm.engine.limits
     replaying, eager = ModelRunner(model, limits), ModelRunner(model, limits, replay_decode=False)
@@ -106,11 +109,13 @@ def test_replayed_steps_equal_eager_steps_bit_for_bit(checkpoints, fmt, dtype):
     got, want = _decode(replaying, prompts), _decode(eager, prompts)
     assert replaying.replay.refused is None
     assert all(replaying.replay.recorded_calls(rows) > 0 for rows in (1, 2, 3))
+    first = {replaying.replay.recorded_kernels(rows)[0] for rows in (1, 2, 3)}
+    assert (first == {"gather_rows"}) == (activations is None), first
     for (streams, logits, argmax), (streams_ref, logits_ref, argmax_ref) in zip(got, want, strict=True):
         assert torch.equal(streams, streams_ref) and torch.equal(logits, logits_ref)
         # The replay's argmax (fp32 logits: the argmax kernel's) is the sampler's greedy pick; eager steps leave it.
         assert argmax_ref is None
-        if dtype == "float32":
+        if "float32" in (dtype, activations):
             assert torch.equal(argmax, logits.max(dim=-1).indices)
         else:
             assert argmax is None

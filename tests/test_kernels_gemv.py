@@ -906,3 +906,30 @@ def test_greedy_argmax_without_avx512_is_torch_max_indices():
     rows[2, 20] = float("nan")
     rows[3] = -float("inf")
     assert torch.equal(kernel(rows), rows.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_rows_are_the_tables_rows(dtype):
+    """The replay's gather call returns what F.embedding returns, bit for bit (repeated and edge ids included), and
+    an id outside the table is refused by name, not read."""
+    from dsv4.kernels.registry import EMBEDDING_ROWS
+
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(37, 24, generator=g).to(dtype)
+    table[3, 0] = float("nan")  # bits, not values: a NaN row comes back as it is
+    ids = torch.tensor([0, 36, 3, 3, 17])
+    kernel = KernelRegistry().kernel(EMBEDDING_ROWS, table, ids)
+    assert kernel is not None
+    got = kernel(table, ids)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+    assert got.dtype == dtype and torch.equal(bits(got), bits(F.embedding(ids, table)))
+    assert kernel(table, ids[:0]).shape == (0, 24)
+    for bad in (37, -1):
+        with pytest.raises(ValueError, match="gather_rows: arguments outside"):
+            kernel(table, torch.tensor([1, bad]))
+    registry = KernelRegistry()
+    assert registry.kernel(EMBEDDING_ROWS, table.t(), ids) is None  # not contiguous
+    assert registry.kernel(EMBEDDING_ROWS, table, ids.int()) is None  # int32 ids

@@ -12,8 +12,9 @@ Why it computes exactly what the eager step computes:
   (`DeepseekV4.forward_embedded`, `head_output`), every kernel call kept with its arguments, and that step's
   result is the eager one;
 - a step's values reach the calls only through tensors whose addresses they hold: the token ids, their positions
-  and cache slots (written into the recorded step's tensors before each replay) and the embedding rows
-  (gathered into the recorded buffer: the table's rows bit for bit, what the eager embedding returns);
+  and cache slots (written into the recorded step's tensors before each replay); the embedding rows are the
+  replay's first call, which copies the table's rows for the token ids it reads there (bit for bit what the eager
+  embedding returns);
 - the record is refused, and the steps stay eager, when the forward ran any torch op other than an allocation
   or a view (`_AllocationsOnly`): a kernel that declined the call, a weight widened per call, anything a replay
   would not redo;
@@ -25,9 +26,10 @@ Why it computes exactly what the eager step computes:
 The host's work around the calls is kept free of torch ops. A step streams ~100 MB of weights through the caches
 (the small config), and right after it each torch op's dispatch runs from cold caches: ~50-90 us an op there
 against a few us warm (measured on the small config, fp32, batch 1: the embedding lookup 90 us, each output copy
-60-70 us). So the embedding rows are gathered by numpy, the step returns the record's own output buffers (valid
-until the next step of that row count; the engine consumes them within its step), and when every row samples
-greedily the record's argmax call runs inside the replay, so the sampler never touches the logits.
+60-70 us). So the embedding rows are gathered by a recorded C call (numpy's gather of them cost ~24 us there), the
+step returns the record's own output buffers (valid until the next step of that row count; the engine consumes
+them within its step), and when every row samples greedily the record's argmax call runs inside the replay, so the
+sampler never touches the logits.
 
 The record holds pointers into the weights and the cache. Weights keep their addresses through every load and
 refit (written in place), and each finalize (`process_weights_after_loading`) starts a new weights generation
@@ -45,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.kernels.gemv_cpu import MAX_F32_DECODE_ROWS
 from dsv4.kernels.native_calls import Replay, recording
-from dsv4.kernels.registry import GREEDY_ARGMAX
+from dsv4.kernels.registry import EMBEDDING_ROWS, GREEDY_ARGMAX
 from dsv4.model.batch import ForwardBatch, Segment
 from dsv4.model.cache import ModelCache
 from dsv4.model.deepseek_v4 import DeepseekV4
@@ -91,14 +93,6 @@ MAX_REPLAY_ROWS = MAX_F32_DECODE_ROWS
 MAX_RECORDS = 8
 
 
-# Integer dtypes that carry a tensor's elements bit for bit, by element size: the embedding rows are copied as bits,
-# so every table dtype (bf16 included, which numpy lacks) gathers the same way.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> np.ndarray:
-    """`t`'s storage as a numpy array of same-size integers (a view: writes reach `t`)."""
-    return t.detach().view(_BITS[t.element_size()]).numpy()
 
 
 @dataclass(frozen=True)
@@ -122,9 +116,9 @@ class _Record:
     threads: int | None  # the few-row pool's threads when recorded
     token_ids: torch.Tensor  # [B] int64
     embeds: torch.Tensor  # [B, D]: the embedding rows the first block reads
-    # The embedding table and `embeds` as integers (`_bits`), or None where the embedding widens the table's rows
-    # (weights narrower than the activations): then torch's lookup fills `embeds`.
-    embed_bits: tuple[np.ndarray, np.ndarray] | None
+    # Whether the replay's first call gathers `embeds` from the table (the model's EMBEDDING_ROWS kernel); else
+    # (weights narrower than the activations, or no kernel) torch's lookup fills them before the calls.
+    gathers_embeds: bool
     streams: torch.Tensor  # [B, hc, D]: what the last layer's calls write
     logits: torch.Tensor  # [B, V] in the activation dtype: what the head's call writes
     fp32_logits: bool  # whether `logits` are fp32 (asked once: a dtype read costs ~20 us after a step)
@@ -164,8 +158,12 @@ class DecodeReplay:
 
     def recorded_calls(self, rows: int = 1) -> int:
         """Kernel calls of the record of `rows`-row steps (0: none)."""
+        return len(self.recorded_kernels(rows))
+
+    def recorded_kernels(self, rows: int = 1) -> tuple[str, ...]:
+        """The kernel of each call of the record of `rows`-row steps, in order (empty: no record)."""
         record = self._records.get(rows)
-        return 0 if record is None else len(record.replay)
+        return () if record is None else record.replay.kernels
 
     def __call__(self, chunks, argmax: bool = False) -> DecodeOutput:
         """One decode step of `chunks` (each an engine `Chunk` of one token: its slot, token and position), each
@@ -183,10 +181,7 @@ class DecodeReplay:
         token_view[:] = [chunk.token_ids[0] for chunk in chunks]
         position_view[:] = [chunk.start for chunk in chunks]
         slot_view[:] = [chunk.slot for chunk in chunks]
-        if record.embed_bits is not None:
-            table, rows = record.embed_bits
-            np.take(table, token_view, axis=0, out=rows)
-        else:
+        if not record.gathers_embeds:
             # The recorded buffers are inference tensors when the step was recorded in inference mode (the engine's).
             with torch.inference_mode(record.embeds.is_inference()):
                 record.embeds.copy_(model.embed_tokens(record.token_ids))
@@ -204,9 +199,15 @@ class DecodeReplay:
         batch = ForwardBatch.build([(chunk.slot, list(chunk.token_ids), chunk.start) for chunk in chunks], device="cpu")
         decode = batch.plan.decode
         self.cache.begin_step(batch.segments)
-        embeds = model.embed_tokens(batch.token_ids)
+        table = model.embed.weight
+        gather = (model.kernels.kernel(EMBEDDING_ROWS, table, batch.token_ids)
+                  if table.dtype == model.activation_dtype else None)
+        if gather is None:
+            embeds = model.embed_tokens(batch.token_ids)
         guard = _AllocationsOnly()
         with recording() as calls, guard:
+            if gather is not None:
+                embeds = gather(table, batch.token_ids)  # the table's rows: what embed_tokens returns
             streams, _ = model.forward_embedded(embeds, batch, self.cache.layers)
             logits = model.head_output(streams, decode_rows=True)
         reason = None
@@ -221,15 +222,14 @@ class DecodeReplay:
         forward_calls = len(calls)
         picked = self._argmax(logits, calls)
         step_tensors = (batch.token_ids, batch.positions, decode.slots)
-        table = model.embed.weight
-        embed_bits = (_bits(table), _bits(embeds)) if table.dtype == embeds.dtype else None
         while len(self._records) >= self.max_records:
             self._records.pop(next(iter(self._records)))  # the least recently used
         fp32_logits = logits.dtype == torch.float32
         self._records[rows] = _Record(
             replay=Replay(calls), generation=generation, threads=self._threads(), token_ids=batch.token_ids,
-            embeds=embeds, embed_bits=embed_bits, streams=streams, logits=logits, fp32_logits=fp32_logits,
-            forward_calls=forward_calls, argmax=picked, step_values=tuple(t.numpy() for t in step_tensors),
+            embeds=embeds, gathers_embeds=gather is not None, streams=streams, logits=logits,
+            fp32_logits=fp32_logits, forward_calls=forward_calls, argmax=picked,
+            step_values=tuple(t.numpy() for t in step_tensors),
             held=(*step_tensors, *guard.allocated, calls))
         return DecodeOutput(streams, logits if fp32_logits else logits.float(), picked if argmax else None)
 

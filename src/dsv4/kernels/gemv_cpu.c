@@ -1617,6 +1617,21 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------------------------- */
+/* Embedding rows: a decode step's token rows of the table, as bytes.                                   */
+/* ---------------------------------------------------------------------------------------------------- */
+
+/* out[i] = table[ids[i]] for i < n, rows of row_bytes bytes (a copy, so bit for bit the table's row); an id
+   outside [0, rows) is an argument error, found before any row is written. */
+int gather_rows(const void *table, long rows, long row_bytes, const int64_t *ids, long n, void *out) {
+    if (rows <= 0 || row_bytes <= 0 || n < 0) return ERR_ARGS;
+    for (long i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= rows) return ERR_ARGS;
+    for (long i = 0; i < n; ++i)
+        memcpy((char *)out + i * row_bytes, (const char *)table + ids[i] * row_bytes, (size_t)row_bytes);
+    return OK;
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
 /* Greedy sampling: each row's argmax.                                                                  */
 /* ---------------------------------------------------------------------------------------------------- */
 
@@ -1710,6 +1725,10 @@ int moe_layer_packed(const packed_arg *a) {
     return moe_layer(a[0].p, a[1].p, a[2].i, a[3].l, a[4].l, a[5].l, a[6].l, a[7].p, a[8].i, a[9].i, a[10].p, a[11].p,
                      a[12].l, a[13].p, a[14].f, a[15].f, a[16].l, a[17].i, a[18].p, a[19].p, a[20].p, a[21].p, a[22].p,
                      a[23].p, a[24].l, a[25].l, a[26].f, a[27].l, a[28].i, a[29].p, a[30].p, a[31].p, a[32].p, a[33].i);
+}
+const char *const gather_rows_signature = "pllplp";
+int gather_rows_packed(const packed_arg *a) {
+    return gather_rows(a[0].p, a[1].l, a[2].l, a[3].p, a[4].l, a[5].p);
 }
 const char *const argmax_rows_signature = "ppllpi";
 int argmax_rows_packed(const packed_arg *a) {

@@ -60,7 +60,7 @@ from dsv4.kernels.native_calls import bind_packed, native_call
 SOURCE = Path(__file__).with_name("gemv_cpu.c")
 # The kernels a recorded step may call (native_call), each with a packed twin for the replay (packed_call.h).
 REPLAYED = ("dense_xw_shared", "dense_xw", "dense_xw_grouped", "quant_xw", "moe_experts", "moe_layer",
-            "argmax_rows")
+            "argmax_rows", "gather_rows")
 _FLAGS = ("-pthread",)  # beyond c_library.BASE_FLAGS
 # The library is compiled for this CPU (`march=NATIVE`). With AVX-512 (16-wide) the FP4 rows are decoded with
 # vector permutes, with AVX2 + FMA + F16C (8-wide) with byte shuffles; FP8 rows with half-float widening on both;
@@ -186,6 +186,8 @@ def build_library(march: str = NATIVE) -> ctypes.CDLL:
     lib.dense_xw_shared.argtypes = [P, P, Int, L, L, L, P, P, P, P, Int]
     lib.argmax_rows.restype = Int
     lib.argmax_rows.argtypes = [P, P, L, L, P, Int]
+    lib.gather_rows.restype = Int
+    lib.gather_rows.argtypes = [P, L, L, P, L, P]
     lib.dense_xw_grouped.restype = Int
     lib.dense_xw_grouped.argtypes = [P, P, Int, L, L, L, P, Int, L, P, Int]
     lib.quant_xw.restype = Int
@@ -423,6 +425,27 @@ class RowArgmax(_PoolKernel):
         out = torch.empty(rows, dtype=torch.int64)
         native_call(self._fn, (self._pool.handle, logits.data_ptr(), rows, cols, out.data_ptr(), self._pool.threads()),
                     _check, "argmax_rows")
+        return out
+
+
+class RowGather(_PoolKernel):
+    """Embedding rows: table [V, D] and int64 token ids [B] -> the B rows [B, D] as the table holds them (a byte
+    copy: what `F.embedding` returns when the activations keep the table's dtype). One C call, so a replayed decode
+    step gathers its rows inside the replay (engine/decode_replay.py). A row copy per id, on the caller's thread
+    (the pool is not asked)."""
+
+    _entry = "gather_rows"
+
+    @staticmethod
+    def supports(table: torch.Tensor, ids: torch.Tensor) -> bool:
+        return (not torch.compiler.is_compiling() and table.dim() == 2 and table.is_cpu and table.is_contiguous()
+                and ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_cpu and ids.is_contiguous())
+
+    def __call__(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        rows, width = table.shape
+        out = torch.empty(ids.numel(), width, dtype=table.dtype)
+        native_call(self._fn, (table.data_ptr(), rows, width * table.element_size(), ids.data_ptr(), ids.numel(),
+                               out.data_ptr()), _check, "gather_rows")
         return out
 
 
@@ -765,8 +788,8 @@ def pool_call_args(pool: WorkerPool | None) -> tuple[int | None, int | None, int
 
 
 def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts,
-                                                      FusedMoeLayer, SharedInputGemv, RowArgmax]:
-    """All seven kernels over one build of the library and one worker pool.
+                                                      FusedMoeLayer, SharedInputGemv, RowArgmax, RowGather]:
+    """All eight kernels over one build of the library and one worker pool.
 
     Args:
         threads: threads every call uses (the pool gets threads - 1 workers); None: the pool gets a worker
@@ -779,12 +802,12 @@ def build_kernels(threads: int | None = None) -> tuple[DenseGemv, QuantGemv, Fus
     lib = build_library()
     pool = WorkerPool(lib, (threads or usable_cpus()) - 1, fixed=threads is not None)
     return (DenseGemv(lib, pool), QuantGemv(lib, pool), FusedExperts(lib, pool), FusedQuantExperts(lib, pool),
-            FusedMoeLayer(lib, pool), SharedInputGemv(lib, pool), RowArgmax(lib, pool))
+            FusedMoeLayer(lib, pool), SharedInputGemv(lib, pool), RowArgmax(lib, pool), RowGather(lib, pool))
 
 
 @functools.cache
 def shared_kernels() -> tuple[DenseGemv, QuantGemv, FusedExperts, FusedQuantExperts, FusedMoeLayer,
-                              SharedInputGemv, RowArgmax]:
+                              SharedInputGemv, RowArgmax, RowGather]:
     """The process's one set of kernels (`build_kernels()`): every kernel registry hands these out, so a
     process runs one worker pool however many models it builds, as torch runs one intra-op pool."""
     return build_kernels()

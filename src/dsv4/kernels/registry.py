@@ -46,6 +46,7 @@ QUANT_EXPERTS = "quant_experts"
 MOE_LAYER = "moe_layer"
 DECODE_ATTENTION = "decode_attention"
 GREEDY_ARGMAX = "greedy_argmax"
+EMBEDDING_ROWS = "embedding_rows"
 
 # Ops whose fast backends run inside a graph torch.compile captures (torch code: fixed-shape expert strategies).
 # Every other op's fast path is a C kernel called through ctypes, which a graph cannot trace: there `kernel`
@@ -188,6 +189,11 @@ _BACKENDS: dict[str, tuple[Backend, ...]] = {
         Backend("cpu_c", functools.partial(_build_few_row, 6),
                 "greedy sampling's argmax of fp32 logits rows, the first largest id (gemv_cpu.c argmax_rows), "
                 "rows over the few-row kernels' pool"),
+    ),
+    EMBEDDING_ROWS: (
+        Backend("cpu_c", functools.partial(_build_few_row, 7),
+                "a replayed decode step's embedding rows, copied from the table by one C call inside the replay "
+                "(gemv_cpu.c gather_rows)"),
     ),
     MOE_EXPERTS: (
         Backend("grouped_mm", _build_grouped_experts,
