@@ -93,8 +93,6 @@ MAX_REPLAY_ROWS = MAX_F32_DECODE_ROWS
 MAX_RECORDS = 8
 
 
-
-
 @dataclass(frozen=True)
 class DecodeOutput:
     """A replayed step's outputs: the record's own buffers, valid until the next step of this row count.
@@ -243,4 +241,3 @@ class DecodeReplay:
             picked = kernel(logits)
         calls.extend(argmax_calls)
         return picked
-
